@@ -1,0 +1,33 @@
+"""tieredemb: embedding tables larger than GPU memory, keyed by raw int64 ids.
+
+See ``README.md`` for the quick start and ``DESIGN.md`` (shared) for the contract.
+"""
+
+from tieredemb import init, optim, storage
+from tieredemb.config import RESERVED_KEY, FrequencyAdmission, StorageConfig, TableConfig
+from tieredemb.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from tieredemb.modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    TableRows,
+    TableStats,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RESERVED_KEY",
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "FrequencyAdmission",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "StorageConfig",
+    "TableConfig",
+    "TableRows",
+    "TableStats",
+    "init",
+    "optim",
+    "storage",
+]

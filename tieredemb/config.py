@@ -1,0 +1,162 @@
+"""Table and storage configuration: the objects a user builds before a collection exists."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tieredemb.init import Initializer
+    from tieredemb.storage.backends import BackendSpec
+
+RESERVED_KEY = -(2**63)
+"""The one int64 value no table accepts as an id: it marks an empty slot in every index."""
+
+_POOLINGS = ("sum", "mean")
+_EVICTIONS = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class FrequencyAdmission:
+    """Store a key only once it has occurred ``threshold`` times (counted over batches).
+
+    Before the batch that brings its count to ``threshold`` a key's forward value is its initial row
+    and it receives no update; from that batch on it is stored and trained like any other key.
+    """
+
+    threshold: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threshold, int) or self.threshold < 1:
+            raise ValueError(f"FrequencyAdmission threshold must be an int >= 1, got {self.threshold!r}")
+
+
+@dataclass
+class TableConfig:
+    """One embedding table.
+
+    Args:
+        name: unique table name; it also seeds the table's initial rows.
+        embedding_dim: row width D.
+        feature_names: the KeyedJaggedTensor features looked up in this table (several may share it).
+        num_embeddings: ``None``: any int64 id except ``te.RESERVED_KEY``; ``n``: ids in ``[0, n)``.
+        pooling: ``"sum"`` or ``"mean"`` (EmbeddingBagCollection only).
+        initializer: initial rows, a pure function of (seed, table name, key).
+        eviction: ``"lru"`` (last step used) or ``"lfu"`` (use count): the score of every cache and
+            bounded table.
+        admission: ``FrequencyAdmission(k)`` or ``None`` (every key is stored on first use).
+        max_capacity: rows the table may hold in all tiers (per shard); ``None``: unbounded. A bounded
+            table holds ``max_capacity`` rounded up to whole index buckets.
+
+    Example::
+
+        te.TableConfig(name="user", embedding_dim=64, feature_names=["user_id"])
+    """
+
+    name: str
+    embedding_dim: int
+    feature_names: list[str]
+    num_embeddings: int | None = None
+    pooling: str = "sum"
+    initializer: Initializer | None = None
+    eviction: str = "lru"
+    admission: FrequencyAdmission | None = None
+    max_capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        from tieredemb.init import Initializer, Uniform
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableConfig name must be a non-empty string, got {self.name!r}")
+        where = f"table {self.name!r}"
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim < 1:
+            raise ValueError(f"{where}: embedding_dim must be an int >= 1, got {self.embedding_dim!r}")
+        if isinstance(self.feature_names, str):
+            raise TypeError(f"{where}: feature_names must be a list of names, not a string")
+        self.feature_names = list(self.feature_names)
+        if not self.feature_names or not all(isinstance(f, str) and f for f in self.feature_names):
+            raise ValueError(f"{where}: feature_names must be non-empty strings")
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(f"{where}: feature_names has duplicates: {self.feature_names}")
+        if self.num_embeddings is not None and (
+            not isinstance(self.num_embeddings, int) or self.num_embeddings < 1
+        ):
+            raise ValueError(f"{where}: num_embeddings must be None or an int >= 1")
+        if self.pooling not in _POOLINGS:
+            raise ValueError(f"{where}: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
+        if self.eviction not in _EVICTIONS:
+            raise ValueError(f"{where}: eviction must be one of {_EVICTIONS}, got {self.eviction!r}")
+        if self.max_capacity is not None and (
+            not isinstance(self.max_capacity, int) or self.max_capacity < 1
+        ):
+            raise ValueError(f"{where}: max_capacity must be None or an int >= 1")
+        if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
+            raise TypeError(f"{where}: admission must be a FrequencyAdmission or None")
+        if self.initializer is None:
+            self.initializer = Uniform(-0.01, 0.01)
+        if not isinstance(self.initializer, Initializer):
+            raise TypeError(f"{where}: initializer must be one of te.init's initializers")
+
+    @property
+    def bounded_rows(self) -> int | None:
+        """Rows this table can hold at most: ``max_capacity``, else ``num_embeddings``, else None."""
+        if self.max_capacity is not None:
+            return self.max_capacity
+        return self.num_embeddings
+
+
+def _default_backing() -> BackendSpec:
+    from tieredemb.storage.backends import HostMemory
+
+    return HostMemory()
+
+
+@dataclass
+class StorageConfig:
+    """Where a collection keeps its rows (weights and optimizer state together).
+
+    Args:
+        hbm_budget: bytes (int or a string like ``"8GiB"``) for rows on the compute device; ``None``:
+            everything on the device.
+        caching: over budget, ``True`` gives ``"cache"`` mode, ``False`` gives ``"hybrid"``.
+        backing: the tier below the device cache: ``te.storage.HostMemory()``,
+            ``te.storage.RocksDB(path)`` or ``te.storage.Redis(url)``.
+        bucket_width: slots per index bucket (eviction of bounded tables is exact within a bucket).
+        segment_rows: rows per row-store segment (the unit of growth, placement and stashing).
+    """
+
+    hbm_budget: int | str | None = None
+    caching: bool = True
+    backing: BackendSpec = field(default_factory=_default_backing)
+    bucket_width: int = 32
+    segment_rows: int = 65536
+
+    def __post_init__(self) -> None:
+        self.hbm_budget = parse_bytes(self.hbm_budget)
+        if not isinstance(self.bucket_width, int) or self.bucket_width < 1:
+            raise ValueError(f"bucket_width must be an int >= 1, got {self.bucket_width!r}")
+        if not isinstance(self.segment_rows, int) or self.segment_rows < 1:
+            raise ValueError(f"segment_rows must be an int >= 1, got {self.segment_rows!r}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``"8GiB"`` -> 8589934592; ints pass through; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"a byte size must be an int or a string like '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"cannot read byte size {value!r}: use an int or e.g. '512MiB', '8GiB'")
+    raise TypeError(f"a byte size must be an int or a string like '8GiB', got {type(value).__name__}")

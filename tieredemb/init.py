@@ -1,0 +1,122 @@
+"""Initial rows as a pure function of (seed, table name, key, column).
+
+Every initializer draws from a counter-based generator (splitmix64 over the counter), so a key gets the
+same initial row on any device, tier, shard, world size and insertion order: there is no RNG stream
+whose position could depend on which keys came first. Arithmetic is int64 with wrap-around (the same
+on CPU and CUDA); the float transforms run in float64 and round once to float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MUL1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MUL2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finalizer on int64 tensors (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def stable_name_hash(name: str) -> int:
+    """A process-independent int64 hash of a string (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def random_bits(seed: int, table: str, keys: torch.Tensor, dim: int, stream: int = 0) -> torch.Tensor:
+    """int64 (n, dim) of well-mixed bits, a pure function of (seed, table, key, column, stream)."""
+    base = splitmix64(torch.tensor(seed, dtype=torch.int64) * 31 + stable_name_hash(table) + stream)
+    per_key = splitmix64(keys.to(torch.int64) ^ base.to(keys.device))  # (n,)
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN  # (dim,)
+    return splitmix64(per_key[:, None] + cols[None, :])
+
+
+def uniform01(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bits -> float64 in [0, 1) with 53 random bits."""
+    return _shr(bits, 11).to(torch.float64) * (2.0**-53)
+
+
+class Initializer:
+    """Base class: ``rows(seed, table, keys, dim) -> float32 (n, dim)`` on ``keys.device``."""
+
+    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Uniform(Initializer):
+    """Uniform on ``[low, high)``."""
+
+    low: float = -0.01
+    high: float = 0.01
+
+    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+        u = uniform01(random_bits(seed, table, keys, dim))
+        return (self.low + (self.high - self.low) * u).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Normal(Initializer):
+    """Normal(mean, std) by the Box-Muller transform of two counter streams."""
+
+    mean: float = 0.0
+    std: float = 0.01
+
+    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+        u1 = 1.0 - uniform01(random_bits(seed, table, keys, dim, stream=0))  # (0, 1]
+        u2 = uniform01(random_bits(seed, table, keys, dim, stream=1))
+        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+        return (self.mean + self.std * z).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class TruncatedNormal(Initializer):
+    """Normal(mean, std) truncated to ``[a, b]`` (absolute bounds, as ``torch.nn.init.trunc_normal_``),
+    drawn by inverting the normal CDF on the truncated range."""
+
+    mean: float = 0.0
+    std: float = 0.01
+    a: float = -0.02
+    b: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.a < self.b:
+            raise ValueError(f"TruncatedNormal needs a < b, got a={self.a}, b={self.b}")
+
+    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+        def cdf(x: float) -> float:
+            return 0.5 * (1.0 + math.erf((x - self.mean) / (self.std * math.sqrt(2.0))))
+
+        lo, hi = cdf(self.a), cdf(self.b)
+        u = uniform01(random_bits(seed, table, keys, dim))
+        p = (lo + (hi - lo) * u).clamp(1e-16, 1 - 1e-16)
+        x = self.mean + self.std * math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
+        return x.clamp(self.a, self.b).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Constant(Initializer):
+    """Every element equal to ``value``."""
+
+    value: float = 0.0
+
+    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.full((keys.numel(), dim), float(self.value), dtype=torch.float32,
+                          device=keys.device)
+
+
+__all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant"]

@@ -1,0 +1,211 @@
+"""One table's storage in ``hbm_direct`` mode: a KeyIndex over a RowStore on the compute device.
+
+Prefetch resolves: it turns the unique keys of a batch into row addresses (inserting, initializing,
+admitting, locking). Forward and backward only use those addresses. A key that gets no stored row
+(not admitted yet, or a conflict miss in a bounded table whose bucket is all locked) gets a scratch
+row for the batch from the same RowStore; it is freed when the batch is released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tieredemb.config import TableConfig
+from tieredemb.index.key_index import KeyIndex
+from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.storage.row_store import RowStore
+
+
+@dataclass
+class TableRows:
+    """A table's stored rows (``export``). Row order is unspecified.
+
+    keys: int64 (n,); weights: float32 (n, D); optimizer_state: float32 (n, S); scores: int64 (n,)
+    """
+
+    keys: torch.Tensor
+    weights: torch.Tensor
+    optimizer_state: torch.Tensor
+    scores: torch.Tensor
+
+
+@dataclass
+class TableStats:
+    """Counters of one table since construction.
+
+    ``rows``: tier -> rows stored there; ``bytes_moved``: "src->dst" -> bytes copied between tiers;
+    ``memory_bytes``: tier -> bytes allocated for rows (weights and optimizer state).
+    """
+
+    rows: dict[str, int]
+    capacity: int | None
+    lookups: int = 0
+    unique_lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    conflict_misses: int = 0
+    evictions: int = 0
+    not_admitted: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TablePrefetch:
+    """What prefetch resolved for one table of one batch.
+
+    unique_keys: int64 (u,); inverse: int64 (n,) id -> unique position; counts: int64 (u,) occurrences;
+    addresses: int64 (u,) row address per unique key (-1: read as zeros, never updated: eval misses);
+    locked: int64 (l,) keys whose slots this batch locked; scratch: int64 (s,) addresses to free.
+    """
+
+    unique_keys: torch.Tensor
+    inverse: torch.Tensor
+    addresses: torch.Tensor
+    locked: torch.Tensor
+    scratch: torch.Tensor
+
+
+@dataclass
+class _Counters:
+    lookups: int = 0
+    unique_lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    conflict_misses: int = 0
+    evictions: int = 0
+    not_admitted: int = 0
+
+
+class HbmTable:
+    """A table whose rows all live on the compute device (CPU or CUDA).
+
+    Args:
+        config: the table.
+        optimizer: its fused optimizer (sets the row width D + state).
+        seed: seed of the initial rows.
+        device: compute device.
+        index_class: KeyIndex or its Triton subclass.
+        bucket_width, segment_rows: layout (StorageConfig).
+    """
+
+    def __init__(self, config: TableConfig, optimizer: EmbeddingOptimizer, seed: int,
+                 device: torch.device, index_class: type[KeyIndex], bucket_width: int,
+                 segment_rows: int) -> None:
+        self.config = config
+        self.name = config.name
+        self.dim = config.embedding_dim
+        self.width = self.dim + optimizer.state_width(self.dim)
+        self.seed = seed
+        self.device = device
+        initial = min(config.num_embeddings or 4096, 1 << 16)
+        self.index = index_class(bucket_width, config.eviction, device,
+                                 max_slots=config.max_capacity, initial_slots=2 * initial)
+        self.store = RowStore(self.width, min(segment_rows, max(initial, 64)), device)
+        self.admission = None
+        if config.admission is not None:
+            self.admission = index_class(bucket_width, "lfu", device, initial_slots=1024)
+        self.counters = _Counters()
+
+    # --------------------------------------------------------------------------------- prefetch
+    def prefetch(self, ids: torch.Tensor, step: int, training: bool) -> TablePrefetch:
+        """Resolve ids (int64 (n,)) of one batch to row addresses."""
+        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        c = self.counters
+        c.lookups += ids.numel()
+        c.unique_lookups += unique.numel()
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        if not training:
+            slots = self.index.find(unique)
+            addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
+            return TablePrefetch(unique, inverse, addresses, empty, empty)
+        store = self._admit(unique, counts)  # bool (u,)
+        res = self.index.find_or_insert(unique[store], step, counts[store], lock=True)
+        placed = res.slots >= 0
+        c.hits += int(res.found.sum())
+        c.misses += int((~res.found).sum())
+        c.conflict_misses += int((~placed).sum())
+        c.evictions += res.evicted_keys.numel()
+        c.not_admitted += int((~store).sum())
+        # rows for new keys: a victim's row when one was evicted, else a fresh one
+        new = res.inserted
+        need = new & (res.values < 0)
+        fresh = self.store.allocate(int(need.sum()))
+        addresses = res.values.clone()
+        addresses[need] = fresh
+        self.index.assign(res.slots[need], fresh)
+        self._initialize(unique[store][new], addresses[new])
+        # scratch rows: not admitted, or no room in a bounded bucket; freed at release
+        all_addr = torch.empty(unique.numel(), dtype=torch.int64, device=self.device)
+        stored_pos = store.nonzero().squeeze(1)
+        all_addr[stored_pos] = addresses
+        scratch_pos = torch.cat([(~store).nonzero().squeeze(1), stored_pos[~placed]])
+        scratch = self.store.allocate(scratch_pos.numel())
+        all_addr[scratch_pos] = scratch
+        self._initialize(unique[scratch_pos], scratch)
+        return TablePrefetch(unique, inverse, all_addr, unique[store][placed], scratch)
+
+    def _admit(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """bool (u,): keys to store (already stored, or admitted by this batch's occurrences)."""
+        if self.admission is None:
+            return torch.ones(unique.numel(), dtype=torch.bool, device=self.device)
+        stored = self.index.find(unique) >= 0
+        cand = ~stored
+        res = self.admission.find_or_insert(unique[cand], 0, counts[cand])
+        admitted = self.admission.scores[res.slots] >= self.config.admission.threshold
+        self.admission.erase(unique[cand][admitted])
+        out = stored.clone()
+        out[cand] = admitted
+        return out
+
+    def _initialize(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
+        """Initial rows (weights from the initializer, optimizer state zero) at ``addresses``."""
+        if keys.numel() == 0:
+            return
+        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        rows[:, : self.dim] = self.config.initializer.rows(self.seed, self.name, keys, self.dim)
+        self.store.scatter(addresses, rows)
+
+    def release(self, pf: TablePrefetch) -> None:
+        """Unlock the batch's slots and free its scratch rows."""
+        self.index.unlock(pf.locked)
+        self.store.free(pf.scratch)
+
+    # ------------------------------------------------------------------------------ row access
+    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.index.find(keys)
+        found = slots >= 0
+        addresses = torch.where(found, self.index.values[slots.clamp(min=0)], -1)
+        return self.store.gather(addresses, self.dim), found
+
+    def write(self, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
+        """Upsert rows; their optimizer state is reset to zero."""
+        res = self.index.find_or_insert(keys, step)
+        if bool((res.slots < 0).any()):
+            raise RuntimeError(f"table {self.name!r}: no room for {int((res.slots < 0).sum())} keys "
+                               "(their buckets are full of rows locked by in-flight batches)")
+        need = res.values < 0
+        fresh = self.store.allocate(int(need.sum()))
+        addresses = res.values.clone()
+        addresses[need] = fresh
+        self.index.assign(res.slots[need], fresh)
+        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        rows[:, : self.dim] = weights
+        self.store.scatter(addresses, rows)
+        self.counters.evictions += res.evicted_keys.numel()
+
+    def export(self) -> TableRows:
+        keys, addresses, scores = self.index.export()
+        rows = self.store.gather(addresses)
+        return TableRows(keys, rows[:, : self.dim], rows[:, self.dim :], scores)
+
+    def stats(self) -> TableStats:
+        c = self.counters
+        return TableStats(
+            rows={"device": self.index.size()}, capacity=self.config.max_capacity,
+            lookups=c.lookups, unique_lookups=c.unique_lookups, hits=c.hits, misses=c.misses,
+            conflict_misses=c.conflict_misses, evictions=c.evictions, not_admitted=c.not_admitted,
+            bytes_moved={}, memory_bytes={"device": self.store.nbytes()},
+        )

@@ -1,0 +1,63 @@
+"""Pure-torch reference of every hot operation; also the CPU path.
+
+The Triton kernels in ``tieredemb.ops.triton`` implement the same four operations with the same
+signatures and are tested equal to these. Addresses are RowStore row addresses; an address < 0 reads
+as a zero row and is never updated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tieredemb.index.key_index import KeyIndex
+from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.storage.row_store import RowStore
+
+
+class TorchKernels:
+    """The reference implementation of the kernel interface."""
+
+    name = "torch"
+    index_class = KeyIndex
+
+    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim)."""
+        return store.gather(addresses, dim)
+
+    def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
+                    scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+        """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
+        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim)."""
+        rows = store.gather(addresses, dim)  # (n, dim)
+        if scale is not None:
+            rows = rows * scale[:, None]
+        num_bags = offsets.numel() - 1
+        bag_of = bag_ids(offsets, addresses.numel())
+        out = torch.zeros(num_bags, dim, dtype=torch.float32, device=rows.device)
+        return out.index_add_(0, bag_of, rows)
+
+    def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
+                     scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
+        """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
+        inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D)."""
+        g = grad_src.index_select(0, src_of_id)
+        if scale is not None:
+            g = g * scale[:, None]
+        out = torch.zeros(num_unique, grad_src.shape[1], dtype=torch.float32, device=g.device)
+        return out.index_add_(0, inverse, g)
+
+    def optimizer_update(self, store: RowStore, addresses: torch.Tensor, grads: torch.Tensor,
+                         optimizer: EmbeddingOptimizer, step: int) -> None:
+        """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)
+        with their summed gradients ``grads`` float32 (u, D)."""
+        keep = addresses >= 0
+        addresses, grads = addresses[keep], grads[keep]
+        rows = store.gather(addresses)
+        store.scatter(addresses, optimizer.update(rows, grads, step))
+
+
+def bag_ids(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 (n,) bag of each id, from offsets (b+1,)."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                   output_size=n)

@@ -1,0 +1,111 @@
+"""RowStore: rows ``[weights | optimizer state]`` addressed by a stable int64 row address.
+
+Rows live in fixed-size segments (``segment_rows x width`` float32); address = segment * segment_rows
++ offset. Growth appends a segment, so there is never a 2x copy peak and an address stays valid for
+the life of its row, whatever the index above does. Each segment records its placement (device today;
+pinned host segments for hybrid mode and stashing come with the tiered-storage and stashing issues).
+Kernels reach segments through ``pointer_table()``, so a segment may live anywhere the device can
+address.
+
+A free list hands out addresses: table rows, and scratch rows that live for one batch (keys not
+admitted yet, conflict misses), come from the same address space.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowStore:
+    """Segmented row storage with a free list.
+
+    Args:
+        width: float32 elements per row (D + optimizer state).
+        segment_rows: rows per segment.
+        device: where new segments are allocated.
+    """
+
+    def __init__(self, width: int, segment_rows: int, device: torch.device) -> None:
+        self.width = width
+        self.segment_rows = segment_rows
+        self.device = torch.device(device)
+        self.segments: list[torch.Tensor] = []
+        self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # a stack of addresses
+        self._free_count = 0
+        self._pointers: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------- allocation
+    def allocate(self, n: int) -> torch.Tensor:
+        """int64 (n,) addresses of rows now owned by the caller (contents undefined)."""
+        while self._free_count < n:
+            self._add_segment()
+        out = self._free[self._free_count - n : self._free_count].flip(0).clone()
+        self._free_count -= n
+        return out
+
+    def free(self, addresses: torch.Tensor) -> None:
+        """Give rows back. addresses: int64 (n,) allocated, distinct."""
+        n = addresses.numel()
+        if n == 0:
+            return
+        if self._free_count + n > self._free.numel():
+            grown = torch.empty(max(2 * self._free.numel(), self._free_count + n),
+                                dtype=torch.int64, device=self.device)
+            grown[: self._free_count] = self._free[: self._free_count]
+            self._free = grown
+        self._free[self._free_count : self._free_count + n] = addresses.flip(0)
+        self._free_count += n
+
+    def _add_segment(self) -> None:
+        seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
+        base = len(self.segments) * self.segment_rows
+        self.segments.append(seg)
+        self._pointers = None
+        # push so that the lowest address of the new segment is handed out first
+        self.free(torch.arange(base, base + self.segment_rows, dtype=torch.int64, device=self.device))
+
+    def rows_allocated(self) -> int:
+        return len(self.segments) * self.segment_rows
+
+    def rows_in_use(self) -> int:
+        return self.rows_allocated() - self._free_count
+
+    def nbytes(self) -> int:
+        return self.rows_allocated() * self.width * 4
+
+    def pointer_table(self) -> torch.Tensor:
+        """int64 (num_segments,) base addresses of the segments, on the store's device."""
+        if self._pointers is None:
+            self._pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0],
+                                          dtype=torch.int64, device=self.device)
+        return self._pointers
+
+    # --------------------------------------------------------------------------- row access
+    def gather(self, addresses: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+        """Rows at ``addresses`` (int64 (n,)), first ``cols`` columns; address < 0 gives zeros."""
+        cols = self.width if cols is None else cols
+        out = torch.zeros(addresses.numel(), cols, dtype=torch.float32, device=self.device)
+        for s, seg, idx, pos in self._by_segment(addresses):
+            out[pos] = seg[idx, :cols]
+        return out
+
+    def scatter(self, addresses: torch.Tensor, rows: torch.Tensor, col_start: int = 0) -> None:
+        """rows[i] -> row addresses[i] from column ``col_start``; addresses distinct, >= 0."""
+        cols = rows.shape[1]
+        for _, seg, idx, pos in self._by_segment(addresses):
+            seg[idx, col_start : col_start + cols] = rows[pos]
+
+    def _by_segment(self, addresses: torch.Tensor):
+        """Yield (segment number, segment, offsets in it, positions in ``addresses``)."""
+        if addresses.numel() == 0:
+            return
+        seg_of = torch.div(addresses, self.segment_rows, rounding_mode="floor")
+        offset = addresses - seg_of * self.segment_rows
+        if len(self.segments) == 1:
+            pos = (addresses >= 0).nonzero().squeeze(1)
+            yield 0, self.segments[0], offset[pos], pos
+            return
+        for s, seg in enumerate(self.segments):
+            pos = (seg_of == s).nonzero().squeeze(1)
+            if pos.numel():
+                yield s, seg, offset[pos], pos
