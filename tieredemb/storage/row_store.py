@@ -61,8 +61,11 @@ class RowStore:
         base = len(self.segments) * self.segment_rows
         self.segments.append(seg)
         self._pointers = None
-        # push so that the lowest address of the new segment is handed out first
-        self.free(torch.arange(base, base + self.segment_rows, dtype=torch.int64, device=self.device))
+        # under the rows already free (they go first), lowest new address on top
+        new = torch.arange(base + self.segment_rows - 1, base - 1, -1, dtype=torch.int64,
+                           device=self.device)
+        self._free = torch.cat([new, self._free[: self._free_count]])
+        self._free_count = self._free.numel()
 
     def rows_allocated(self) -> int:
         return len(self.segments) * self.segment_rows

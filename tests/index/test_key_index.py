@@ -1,0 +1,125 @@
+"""KeyIndex (pure torch) against a plain-Python model of a bucketed LRU/LFU table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tieredemb.config import RESERVED_KEY
+from tieredemb.index import KeyIndex, bucket_of
+
+
+class DictModel:
+    """Per bucket a list of ways, each None or [key, score, locks]: the claim rules written the plain
+    way, one key at a time."""
+
+    def __init__(self, width: int, num_buckets: int, policy: str) -> None:
+        self.width, self.num_buckets, self.policy = width, num_buckets, policy
+        self.ways: list[list[list[int] | None]] = [[None] * width for _ in range(num_buckets)]
+
+    def bucket(self, key: int) -> list[list[int] | None]:
+        return self.ways[int(bucket_of(torch.tensor([key]), self.num_buckets)[0])]
+
+    def find_or_insert(self, keys: list[int], step: int, counts: list[int]):
+        evicted, conflicts = set(), set()
+        batch = set(keys)
+        present = {w[0] for k in keys for w in self.bucket(k) if w is not None and w[0] == k}
+        for k in sorted(batch - present):
+            ways = self.bucket(k)
+            free = [i for i, w in enumerate(ways) if w is None]
+            victims = sorted((w[1], i) for i, w in enumerate(ways)
+                             if w is not None and w[2] == 0 and w[0] not in batch)
+            if free:
+                i = free[0]
+            elif victims:
+                i = victims[0][1]
+                evicted.add(ways[i][0])
+            else:
+                conflicts.add(k)
+                continue
+            ways[i] = [k, 0, 0]
+        for k, c in zip(keys, counts):
+            for w in self.bucket(k):
+                if w is not None and w[0] == k:
+                    w[1] = step if self.policy == "lru" else w[1] + c
+        return evicted, conflicts
+
+    def contents(self) -> dict[int, int]:
+        return {w[0]: w[1] for b in self.ways for w in b if w is not None}
+
+
+def _contents(index: KeyIndex) -> dict[int, int]:
+    keys, _, scores = index.export()
+    return dict(zip(keys.tolist(), scores.tolist()))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_bounded_eviction_matches_dict_model(policy: str) -> None:
+    """Eviction takes the lowest (score, way) in the bucket among slots that are neither locked nor
+    used by the batch itself; the batch's misses claim ways in ascending key order."""
+    rng = random.Random(0)
+    width = 4
+    index = KeyIndex(width, policy, torch.device("cpu"), max_slots=4 * width)
+    model = DictModel(width, index.num_buckets, policy)
+    for step in range(1, 60):
+        keys = rng.sample(range(80), rng.randint(1, 12))
+        counts = [rng.randint(1, 3) for _ in keys]
+        res = index.find_or_insert(torch.tensor(keys), step, torch.tensor(counts))
+        ev, conflicts = model.find_or_insert(keys, step, counts)
+        got_conflicts = set(torch.tensor(keys)[res.slots < 0].tolist())
+        assert got_conflicts == conflicts
+        assert set(res.evicted_keys.tolist()) == ev
+        assert _contents(index) == model.contents()
+        assert index.size() == len(_contents(index))
+
+
+def test_locked_slots_survive_eviction() -> None:
+    width = 2
+    index = KeyIndex(width, "lru", torch.device("cpu"), max_slots=width)  # one bucket
+    index.find_or_insert(torch.tensor([1, 2]), step=1, lock=True)
+    res = index.find_or_insert(torch.tensor([3]), step=2)
+    assert res.slots.tolist() == [-1]  # conflict: both ways locked
+    assert res.evicted_keys.numel() == 0
+    index.unlock(torch.tensor([1]))
+    res = index.find_or_insert(torch.tensor([3]), step=3)
+    assert res.evicted_keys.tolist() == [1]
+    assert sorted(_contents(index)) == [2, 3]
+
+
+def test_lowest_unlocked_score_is_evicted() -> None:
+    index = KeyIndex(4, "lru", torch.device("cpu"), max_slots=4)
+    for step, key in enumerate([10, 11, 12, 13], start=1):
+        index.find_or_insert(torch.tensor([key]), step)
+    index.find_or_insert(torch.tensor([10]), step=5)  # 10 is now the most recent
+    index.find_or_insert(torch.tensor([11]), step=6, lock=True)
+    res = index.find_or_insert(torch.tensor([14]), step=7)
+    assert res.evicted_keys.tolist() == [12]  # 11 has a lower score but is locked
+
+
+def test_growth_keeps_every_key_and_value() -> None:
+    index = KeyIndex(8, "lru", torch.device("cpu"), initial_slots=8)
+    keys = torch.randperm(50_000)[:5000] * 7919 - 123456789
+    for i, chunk in enumerate(keys.split(333)):
+        res = index.find_or_insert(chunk, step=i, lock=(i % 2 == 0))
+        assert bool((res.slots >= 0).all())
+        index.assign(res.slots[res.inserted], chunk[res.inserted] * 3)
+    assert index.capacity() >= 5000 / 0.5
+    assert index.size() == 5000
+    got_keys, got_values, _ = index.export()
+    assert sorted(got_keys.tolist()) == sorted(keys.tolist())
+    assert torch.equal(got_values, got_keys * 3)
+    assert int(index.locks.sum()) == sum(c.numel() for c in keys.split(333)[::2])
+    slots = index.find(keys)
+    assert bool((slots >= 0).all()) and torch.equal(index.keys[slots], keys)
+
+
+def test_erase_find_and_reserved_key() -> None:
+    index = KeyIndex(4, "lfu", torch.device("cpu"))
+    index.find_or_insert(torch.tensor([5, -5, 2**62]), step=1, counts=torch.tensor([3, 1, 1]))
+    assert _contents(index) == {5: 3, -5: 1, 2**62: 1}
+    index.erase(torch.tensor([-5, 99]))
+    assert index.find(torch.tensor([5, -5, 99])).ge(0).tolist() == [True, False, False]
+    assert index.size() == 2
+    assert int((index.keys == RESERVED_KEY).sum()) == index.capacity() - 2

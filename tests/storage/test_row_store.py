@@ -1,0 +1,30 @@
+"""RowStore: addressing across segments, the free list, zero rows for negative addresses."""
+
+import torch
+
+from tieredemb.storage.row_store import RowStore
+
+
+def test_rows_round_trip_across_segments() -> None:
+    store = RowStore(width=5, segment_rows=3, device=torch.device("cpu"))
+    addr = store.allocate(10)
+    assert len(store.segments) == 4 and sorted(addr.tolist()) == list(range(10))
+    rows = torch.randn(10, 5)
+    store.scatter(addr, rows)
+    perm = torch.randperm(10)
+    assert torch.equal(store.gather(addr[perm]), rows[perm])
+    assert torch.equal(store.gather(addr[:4], cols=2), rows[:4, :2])
+    got = store.gather(torch.tensor([-1, int(addr[3])]))
+    assert torch.equal(got[0], torch.zeros(5)) and torch.equal(got[1], rows[3])
+
+
+def test_free_rows_are_reused_before_growth() -> None:
+    store = RowStore(width=2, segment_rows=4, device=torch.device("cpu"))
+    a = store.allocate(4)
+    store.free(a[1:3])
+    b = store.allocate(2)
+    assert sorted(b.tolist()) == sorted(a[1:3].tolist())
+    assert len(store.segments) == 1 and store.rows_in_use() == 4
+    store.allocate(1)
+    assert len(store.segments) == 2
+    assert store.pointer_table().tolist() == [s.data_ptr() for s in store.segments]

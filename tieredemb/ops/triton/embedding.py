@@ -1,0 +1,245 @@
+"""Triton kernels for the embedding data path: gather, gather+pool, gradient reduction, fused update.
+
+Each kernel reaches rows through the RowStore's segment pointer table: a row address ``a`` lives in
+segment ``a // segment_rows`` at offset ``a % segment_rows``, and the kernel loads that segment's int64
+base pointer and casts it to a float32 pointer. Segments may therefore live anywhere the device can
+address (device memory, pinned host memory). An address < 0 reads as a zero row and is never written.
+
+Tables have mixed widths: ``D`` (embedding dim) and ``W`` (row width, D + optimizer state) are runtime
+arguments; column tiles are ``BLOCK_D = next_power_of_2(D)`` wide with masks.
+
+``TritonKernels`` has exactly ``TorchKernels``' methods and meaning (``tieredemb.ops.reference``); the
+two are tested equal in ``tests/ops/test_triton_kernels.py``. No method reads a device value on the
+host: grids and buffers come from tensor shapes only. ``docs/kernels.md`` lists the tuning knobs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tieredemb.ops.triton.index import TritonKeyIndex
+from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.storage.row_store import RowStore
+
+# Elements of one program's [rows x BLOCK_D] tile. 4096 fp32 over 4 warps is 32 registers a thread per
+# live tile; the Adam update holds four such tiles (w, m, v, g).
+_TILE_ELEMS = 4096
+_MAX_ROWS = 128  # rows per program in gather / optimizer_update
+_BAG_CHUNK = 16  # ids of one bag (or one unique key's duplicates) summed per loop iteration
+_OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def _block_d(dim: int) -> int:
+    return triton.next_power_of_2(max(dim, 1))
+
+
+def _block_rows(block_d: int) -> int:
+    return max(1, min(_MAX_ROWS, _TILE_ELEMS // block_d))
+
+
+def _num_warps(tile_elems: int) -> int:
+    return 8 if tile_elems >= 8192 else 4
+
+
+# ----------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
+    """float32 pointers to column 0 of the rows at ``addr`` (int64 (R,)); rows where not ``valid``
+    point at segment 0, offset 0 and must be masked by the caller."""
+    addr = tl.where(valid, addr, 0)
+    seg = addr // segment_rows
+    offset = addr - seg * segment_rows
+    base = tl.load(ptr_table + seg, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+    return base + offset * row_width
+
+
+# ------------------------------------------------------------------------------------------ gather
+@triton.jit
+def _gather_kernel(ptr_table, addresses, out, n, D, row_width, segment_rows,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N),); out: float32 (n, D)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    in_range = rows < n
+    addr = tl.load(addresses + rows, mask=in_range, other=-1)
+    valid = addr >= 0
+    src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+    cmask = cols[None, :] < D
+    w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask, other=0.0)
+    tl.store(out + rows[:, None] * D + cols[None, :], w, mask=in_range[:, None] & cmask)
+
+
+# ------------------------------------------------------------------------------------- gather+pool
+@triton.jit
+def _gather_pool_kernel(ptr_table, addresses, offsets, scale, out, D, row_width, segment_rows,
+                        HAS_SCALE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag
+    bag = tl.program_id(0).to(tl.int64)
+    start = tl.load(offsets + bag)
+    end = tl.load(offsets + bag + 1)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i0 in range(start, end, BLOCK_I):
+        ids = i0 + tl.arange(0, BLOCK_I)
+        in_bag = ids < end
+        addr = tl.load(addresses + ids, mask=in_bag, other=-1)
+        valid = addr >= 0
+        src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        if HAS_SCALE:
+            s = tl.load(scale + ids, mask=in_bag, other=0.0)
+            w = w * s[:, None]
+        acc += tl.sum(w, axis=0)
+    tl.store(out + bag * D + cols, acc, mask=cmask)
+
+
+# ------------------------------------------------------------------------------------ grad reduce
+@triton.jit
+def _segment_sum_kernel(grad_src, src_of_id, scale, perm, seg_offsets, out, D,
+                        HAS_SCALE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid: (num_unique,); out: float32 (num_unique, D). Unique key u owns the ids
+    # perm[seg_offsets[u] : seg_offsets[u + 1]] (ids sorted by their unique key, stable).
+    u = tl.program_id(0).to(tl.int64)
+    start = tl.load(seg_offsets + u)
+    end = tl.load(seg_offsets + u + 1)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i0 in range(start, end, BLOCK_I):
+        j = i0 + tl.arange(0, BLOCK_I)
+        in_seg = j < end
+        ids = tl.load(perm + j, mask=in_seg, other=0)
+        src = tl.load(src_of_id + ids, mask=in_seg, other=0)
+        g = tl.load(grad_src + src[:, None] * D + cols[None, :],
+                    mask=in_seg[:, None] & cmask[None, :], other=0.0)
+        if HAS_SCALE:
+            s = tl.load(scale + ids, mask=in_seg, other=0.0)
+            g = g * s[:, None]
+        acc += tl.sum(g, axis=0)
+    tl.store(out + u * D + cols, acc, mask=cmask)
+
+
+# -------------------------------------------------------------------------------- fused optimizer
+@triton.jit
+def _optimizer_kernel(ptr_table, addresses, grads, n, D, row_width, segment_rows,
+                      lr, eps, beta1, beta2, step_size,
+                      KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N),); one pass over [w | state] of BLOCK_N distinct rows.
+    # KIND: 0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam (see tieredemb.optim for the formulas).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    addr = tl.load(addresses + rows, mask=rows < n, other=-1)
+    valid = addr >= 0
+    row = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+    mask = valid[:, None] & (cols[None, :] < D)
+    w_ptr = row[:, None] + cols[None, :]
+    g = tl.load(grads + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    w = tl.load(w_ptr, mask=mask, other=0.0)
+    if KIND == 0:
+        w = w - lr * g
+    elif KIND == 1:
+        s = tl.load(w_ptr + D, mask=mask, other=0.0) + g * g
+        w = w - lr * g / (tl.sqrt(s) + eps)
+        tl.store(w_ptr + D, s, mask=mask)
+    elif KIND == 2:
+        s = tl.load(row + D, mask=valid, other=0.0) + tl.sum(g * g, axis=1) / D
+        w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
+        tl.store(row + D, s, mask=valid)
+    else:
+        m = tl.load(w_ptr + D, mask=mask, other=0.0)
+        v = tl.load(w_ptr + 2 * D, mask=mask, other=0.0)
+        m = m + (g - m) * (1.0 - beta1)
+        v = v + (g * g - v) * (1.0 - beta2)
+        w = w - step_size * m / (tl.sqrt(v) + eps)
+        tl.store(w_ptr + D, m, mask=mask)
+        tl.store(w_ptr + 2 * D, v, mask=mask)
+    tl.store(w_ptr, w, mask=mask)
+
+
+# --------------------------------------------------------------------------------------- wrapper
+class TritonKernels:
+    """Triton implementation of the kernel interface (``tieredemb.ops.reference.TorchKernels``).
+
+    Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
+    """
+
+    name = "triton"
+    index_class = TritonKeyIndex
+
+    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int) -> torch.Tensor:
+        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim)."""
+        n = addresses.numel()
+        out = torch.empty(n, dim, dtype=torch.float32, device=addresses.device)
+        if n == 0 or dim == 0:
+            return out
+        block_d = _block_d(dim)
+        block_n = _block_rows(block_d)
+        _gather_kernel[(triton.cdiv(n, block_n),)](
+            store.pointer_table(), addresses.contiguous(), out, n, dim, store.width,
+            store.segment_rows, BLOCK_N=block_n, BLOCK_D=block_d,
+            num_warps=_num_warps(block_n * block_d))
+        return out
+
+    def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
+                    scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+        """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
+        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim)."""
+        num_bags = offsets.numel() - 1
+        out = torch.empty(num_bags, dim, dtype=torch.float32, device=offsets.device)
+        if num_bags <= 0 or dim == 0:
+            return out
+        addresses = addresses.contiguous()
+        block_d = _block_d(dim)
+        _gather_pool_kernel[(num_bags,)](
+            store.pointer_table(), addresses, offsets.contiguous(),
+            addresses if scale is None else scale.contiguous(), out, dim, store.width,
+            store.segment_rows, HAS_SCALE=scale is not None, BLOCK_I=_BAG_CHUNK, BLOCK_D=block_d,
+            num_warps=_num_warps(_BAG_CHUNK * block_d))
+        return out
+
+    def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
+                     scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
+        """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
+        inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
+
+        Deterministic: ids are stably sorted by ``inverse`` and each unique key's program sums its
+        ids in id order, so the result is bitwise reproducible (no atomics).
+        """
+        dim = grad_src.shape[1]
+        device = grad_src.device
+        out = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
+        if num_unique == 0 or dim == 0:
+            return out
+        sorted_inverse, perm = torch.sort(inverse, stable=True)  # (n,) each
+        bounds = torch.arange(num_unique + 1, dtype=sorted_inverse.dtype, device=device)
+        seg_offsets = torch.searchsorted(sorted_inverse, bounds)  # (u+1,) int64
+        block_d = _block_d(dim)
+        _segment_sum_kernel[(num_unique,)](
+            grad_src.contiguous(), src_of_id.contiguous(),
+            perm if scale is None else scale.contiguous(), perm, seg_offsets, out, dim,
+            HAS_SCALE=scale is not None, BLOCK_I=_BAG_CHUNK, BLOCK_D=block_d,
+            num_warps=_num_warps(_BAG_CHUNK * block_d))
+        return out
+
+    def optimizer_update(self, store: RowStore, addresses: torch.Tensor, grads: torch.Tensor,
+                         optimizer: EmbeddingOptimizer, step: int) -> None:
+        """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)
+        with their summed gradients ``grads`` float32 (u, D)."""
+        n, dim = addresses.numel(), grads.shape[1]
+        if n == 0 or dim == 0:
+            return
+        if optimizer.kind not in _OPTIMIZER_KINDS:
+            raise ValueError(f"no Triton kernel for optimizer kind {optimizer.kind!r}")
+        beta1, beta2 = getattr(optimizer, "betas", (0.0, 0.0))
+        step_size = optimizer.step_size(step) if optimizer.kind == "adam" else 0.0
+        block_d = _block_d(dim)
+        block_n = _block_rows(block_d)
+        _optimizer_kernel[(triton.cdiv(n, block_n),)](
+            store.pointer_table(), addresses.contiguous(), grads.contiguous(), n, dim, store.width,
+            store.segment_rows, float(optimizer.lr), float(getattr(optimizer, "eps", 0.0)),
+            float(beta1), float(beta2), float(step_size),
+            KIND=_OPTIMIZER_KINDS.index(optimizer.kind), BLOCK_N=block_n, BLOCK_D=block_d,
+            num_warps=_num_warps(block_n * block_d))

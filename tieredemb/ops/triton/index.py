@@ -1,0 +1,156 @@
+"""TritonKeyIndex: the KeyIndex with its probe (``find``) and insertion core (``_insert``) in Triton.
+
+Same layout, same hash and the same deterministic claim rules as the reference
+(``tieredemb.index.key_index.KeyIndex``), so every call gives identical slots, values, scores, locks
+and evictions; ``tests/index/test_triton_index.py`` checks that on random workloads.
+
+- ``find``: one program probes ``BLOCK_K`` keys, each against the ``width`` ways of its bucket
+  (a ``[BLOCK_K, BLOCK_W]`` tile); the bucket hash (splitmix64, multiply-shift) is computed in-kernel.
+- ``_insert``: the misses are sorted by (bucket, key) on the device; one program per position, and
+  the program at the head of a bucket's run does that bucket's whole insertion: it ranks the bucket's
+  available ways (empty ones by way, then, when the index is bounded, unlocked ones by (score, way))
+  and hands the r-th miss of the run the way of rank r. A bucket is written by its head program only,
+  so there are no races and no atomics.
+
+Growth (``_grow``) and the other verbs are the reference's torch code (they call ``find``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tieredemb.config import RESERVED_KEY
+from tieredemb.index.key_index import KeyIndex, bucket_of
+
+_INT64_MAX = 2**63 - 1
+_FIND_TILE = 4096  # key x way elements of one find program
+
+
+@triton.jit
+def _bucket_of(keys, num_buckets):
+    """int64 keys -> int64 bucket: ``(splitmix64(key) >> 32) * num_buckets >> 32`` (logical shifts)."""
+    x = keys.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    x = x ^ (x >> 31)
+    hi = x >> 32
+    # (zeros + num_buckets): a uint64 tensor even when num_buckets arrives specialized as constant 1
+    return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
+
+
+@triton.jit
+def _find_kernel(keys, table_keys, out_slots, n, num_buckets, width,
+                 BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1
+    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_range = i < n
+    k = tl.load(keys + i, mask=in_range, other=0)
+    base = _bucket_of(k, num_buckets) * width  # (BLOCK_K,) first slot of the bucket
+    ways = tl.arange(0, BLOCK_W)
+    wmask = in_range[:, None] & (ways[None, :] < width)
+    stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
+    hit = wmask & (stored == k[:, None])
+    first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)  # (BLOCK_K,)
+    slot = tl.where(first < BLOCK_W, base + first, -1)
+    tl.store(out_slots + i, slot, mask=in_range)
+
+
+@triton.jit
+def _insert_kernel(keys, order, sorted_bucket, slots, table_keys, table_values, table_scores,
+                   table_locks, ev_flag, ev_keys, ev_values, ev_scores, n, num_buckets, width,
+                   RESERVED: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_W: tl.constexpr):
+    # grid: (n,). Position p of the (bucket, key) order; sorted_bucket[p] == num_buckets for keys
+    # that are not to be inserted (they sort last). The head of each bucket's run inserts the run.
+    p = tl.program_id(0).to(tl.int64)
+    b = tl.load(sorted_bucket + p)
+    prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1)
+    if (b < num_buckets) & (prev != b):
+        ways = tl.arange(0, BLOCK_W)
+        wmask = ways < width
+        first_slot = b * width
+        k = tl.load(table_keys + first_slot + ways, mask=wmask, other=RESERVED)
+        v = tl.load(table_values + first_slot + ways, mask=wmask, other=-1)
+        sc = tl.load(table_scores + first_slot + ways, mask=wmask, other=0)
+        lk = tl.load(table_locks + first_slot + ways, mask=wmask, other=1)
+        is_empty = k == RESERVED
+        evictable = (~is_empty) & (lk == 0) & BOUNDED
+        prio = tl.where(is_empty, -1, sc)
+        avail = wmask & (is_empty | evictable) & (prio < 9223372036854775807)
+        # rank of each available way in (prio, way) order: the claim order of the reference
+        before = (prio[None, :] < prio[:, None]) | (
+            (prio[None, :] == prio[:, None]) & (ways[None, :] < ways[:, None]))
+        rank = tl.sum((before & avail[None, :]).to(tl.int32), axis=1)  # (BLOCK_W,) per way
+        # the run: misses r = 0.. of this bucket, in key order; miss r claims the way of rank r
+        r = tl.arange(0, BLOCK_W)
+        pos = p + r
+        in_run = (r < width) & (pos < n)
+        in_run = in_run & (tl.load(sorted_bucket + pos, mask=in_run, other=-1) == b)
+        claim = in_run[:, None] & avail[None, :] & (rank[None, :] == r[:, None])  # (run, way)
+        got = tl.sum(claim.to(tl.int32), axis=1) > 0
+        way = tl.sum(tl.where(claim, ways[None, :], 0), axis=1)
+        old_key = tl.sum(tl.where(claim, k[None, :], 0), axis=1)
+        old_value = tl.sum(tl.where(claim, v[None, :], 0), axis=1)
+        old_score = tl.sum(tl.where(claim, sc[None, :], 0), axis=1)
+        victim = got & (old_key != RESERVED)
+        idx = tl.load(order + pos, mask=in_run, other=0)
+        new_key = tl.load(keys + idx, mask=got, other=0)
+        slot = first_slot + way
+        tl.store(slots + idx, slot, mask=got)
+        tl.store(ev_flag + pos, victim.to(tl.int8), mask=in_run)
+        tl.store(ev_keys + pos, old_key, mask=victim)
+        tl.store(ev_values + pos, old_value, mask=victim)
+        tl.store(ev_scores + pos, old_score, mask=victim)
+        tl.store(table_keys + slot, new_key, mask=got)
+        tl.store(table_values + slot, tl.full([BLOCK_W], -1, tl.int64), mask=got & ~victim)
+        tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
+        tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
+
+
+class TritonKeyIndex(KeyIndex):
+    """``KeyIndex`` with Triton ``find`` and ``_insert``; identical results. Same arguments."""
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys: int64 (n,) -> slots: int64 (n,), -1 where absent. Scores and locks unchanged."""
+        n = keys.numel()
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        if n == 0:
+            return out
+        block_w = triton.next_power_of_2(self.width)
+        block_k = max(1, _FIND_TILE // block_w)
+        _find_kernel[(triton.cdiv(n, block_k),)](
+            keys.contiguous(), self.keys, out, n, self.num_buckets, self.width,
+            BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4)
+        return out
+
+    def _insert(self, keys: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
+        """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
+
+        Returns the evicted (keys, values, scores), in the reference's order.
+        """
+        n = keys.numel()
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        if n == 0:
+            return empty, empty, empty
+        keys = keys.contiguous()
+        slots.masked_fill_(todo, -1)  # a miss that finds no way stays -1
+        out_slots = slots if slots.is_contiguous() else slots.contiguous()
+        # (bucket, key) order of the misses; the rest sort last under bucket = num_buckets
+        bucket = torch.where(todo, bucket_of(keys, self.num_buckets), self.num_buckets)
+        order = torch.argsort(keys, stable=True)
+        order = order[torch.argsort(bucket[order], stable=True)]
+        sorted_bucket = bucket[order]
+        ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
+        ev_keys, ev_values, ev_scores = (torch.empty(n, dtype=torch.int64, device=self.device)
+                                         for _ in range(3))
+        block_w = triton.next_power_of_2(self.width)
+        _insert_kernel[(n,)](
+            keys, order, sorted_bucket, out_slots, self.keys, self.values, self.scores, self.locks,
+            ev_flag, ev_keys, ev_values, ev_scores, n, self.num_buckets, self.width,
+            RESERVED=RESERVED_KEY, BOUNDED=self.bounded, BLOCK_W=block_w,
+            num_warps=4 if block_w <= 32 else 8)
+        if out_slots is not slots:
+            slots.copy_(out_slots)
+        victim = ev_flag.bool()
+        return ev_keys[victim], ev_values[victim], ev_scores[victim]
