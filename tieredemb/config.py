@@ -65,8 +65,6 @@ class TableConfig:
     max_capacity: int | None = None
 
     def __post_init__(self) -> None:
-        from tieredemb.init import Initializer, Uniform
-
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableConfig name must be a non-empty string, got {self.name!r}")
         where = f"table {self.name!r}"
@@ -91,6 +89,11 @@ class TableConfig:
             not isinstance(self.max_capacity, int) or self.max_capacity < 1
         ):
             raise ValueError(f"{where}: max_capacity must be None or an int >= 1")
+        self._check_policies(where)
+
+    def _check_policies(self, where: str) -> None:
+        from tieredemb.init import Initializer, Uniform
+
         if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
             raise TypeError(f"{where}: admission must be a FrequencyAdmission or None")
         if self.initializer is None:

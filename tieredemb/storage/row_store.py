@@ -88,7 +88,7 @@ class RowStore:
         """Rows at ``addresses`` (int64 (n,)), first ``cols`` columns; address < 0 gives zeros."""
         cols = self.width if cols is None else cols
         out = torch.zeros(addresses.numel(), cols, dtype=torch.float32, device=self.device)
-        for s, seg, idx, pos in self._by_segment(addresses):
+        for _, seg, idx, pos in self._by_segment(addresses):
             out[pos] = seg[idx, :cols]
         return out
 
