@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tieredemb.ops.reference import TorchKernels
@@ -12,6 +14,11 @@ def select_kernels(kind: str, device: torch.device):
     if kind not in ("auto", "torch", "triton"):
         raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kind!r}")
     if kind == "torch" or (kind == "auto" and device.type != "cuda"):
+        return TorchKernels()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if kind == "triton":
+            raise ValueError("kernels='triton' on a CPU device needs TRITON_INTERPRET=1 set before "
+                             "triton is imported (Triton's interpreter, for tests)")
         return TorchKernels()
     try:
         from tieredemb.ops.triton import TritonKernels

@@ -23,11 +23,12 @@ from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
-# Elements of one program's [rows x BLOCK_D] tile. 4096 fp32 over 4 warps is 32 registers a thread per
-# live tile; the Adam update holds four such tiles (w, m, v, g).
-_TILE_ELEMS = 4096
-_MAX_ROWS = 128  # rows per program in gather / optimizer_update
-_BAG_CHUNK = 16  # ids of one bag (or one unique key's duplicates) summed per loop iteration
+# Tiles measured on the H200 (D=128, ~100k random rows; docs/kernels.md): a [rows x BLOCK_D] tile of
+# 1024 fp32 over 4 warps (8 registers a thread per live tile) beat 2k-16k tiles, which spill in the
+# Adam update (four live tiles: w, m, v, g) and run up to 10x slower.
+_TILE_ELEMS = 1024
+_MAX_ROWS = 128  # rows per program in gather / reduce_grads / optimizer_update
+_BAG_CHUNK = 8  # ids of one bag summed per loop iteration (bags of ~10 ids: one warp per bag)
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
@@ -40,7 +41,12 @@ def _block_rows(block_d: int) -> int:
 
 
 def _num_warps(tile_elems: int) -> int:
-    return 8 if tile_elems >= 8192 else 4
+    return 4 if tile_elems <= 2048 else 8
+
+
+def _bag_warps(block_d: int) -> int:
+    """One warp per 1024 elements of a bag chunk: D=128 pools fastest with a single warp."""
+    return max(1, min(8, _BAG_CHUNK * block_d // 1024))
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -57,8 +63,9 @@ def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
 
 # ------------------------------------------------------------------------------------------ gather
 @triton.jit
-def _gather_kernel(ptr_table, addresses, out, n, D, row_width, segment_rows,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_kernel(
+    ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+):
     # grid: (cdiv(n, BLOCK_N),); out: float32 (n, D)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
@@ -73,8 +80,19 @@ def _gather_kernel(ptr_table, addresses, out, n, D, row_width, segment_rows,
 
 # ------------------------------------------------------------------------------------- gather+pool
 @triton.jit
-def _gather_pool_kernel(ptr_table, addresses, offsets, scale, out, D, row_width, segment_rows,
-                        HAS_SCALE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_pool_kernel(
+    ptr_table,
+    addresses,
+    offsets,
+    scale,
+    out,
+    D,
+    row_width,
+    segment_rows,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag
     bag = tl.program_id(0).to(tl.int64)
     start = tl.load(offsets + bag)
@@ -98,35 +116,51 @@ def _gather_pool_kernel(ptr_table, addresses, offsets, scale, out, D, row_width,
 
 # ------------------------------------------------------------------------------------ grad reduce
 @triton.jit
-def _segment_sum_kernel(grad_src, src_of_id, scale, perm, seg_offsets, out, D,
-                        HAS_SCALE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-    # grid: (num_unique,); out: float32 (num_unique, D). Unique key u owns the ids
-    # perm[seg_offsets[u] : seg_offsets[u + 1]] (ids sorted by their unique key, stable).
-    u = tl.program_id(0).to(tl.int64)
-    start = tl.load(seg_offsets + u)
-    end = tl.load(seg_offsets + u + 1)
+def _reduce_grads_kernel(
+    grad_src,
+    src_of_id,
+    scale,
+    inverse,
+    out,
+    n,
+    D,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid: (cdiv(n, BLOCK_N),); out: float32 (num_unique, D), zeroed.
+    # Atomic adds: a hot key's ids spread over many programs instead of serializing in one.
+    ids = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i0 in range(start, end, BLOCK_I):
-        j = i0 + tl.arange(0, BLOCK_I)
-        in_seg = j < end
-        ids = tl.load(perm + j, mask=in_seg, other=0)
-        src = tl.load(src_of_id + ids, mask=in_seg, other=0)
-        g = tl.load(grad_src + src[:, None] * D + cols[None, :],
-                    mask=in_seg[:, None] & cmask[None, :], other=0.0)
-        if HAS_SCALE:
-            s = tl.load(scale + ids, mask=in_seg, other=0.0)
-            g = g * s[:, None]
-        acc += tl.sum(g, axis=0)
-    tl.store(out + u * D + cols, acc, mask=cmask)
+    in_range = ids < n
+    mask = in_range[:, None] & (cols[None, :] < D)
+    src = tl.load(src_of_id + ids, mask=in_range, other=0)
+    u = tl.load(inverse + ids, mask=in_range, other=0)
+    g = tl.load(grad_src + src[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    if HAS_SCALE:
+        g = g * tl.load(scale + ids, mask=in_range, other=0.0)[:, None]
+    tl.atomic_add(out + u[:, None] * D + cols[None, :], g, mask=mask, sem="relaxed")
 
 
 # -------------------------------------------------------------------------------- fused optimizer
 @triton.jit
-def _optimizer_kernel(ptr_table, addresses, grads, n, D, row_width, segment_rows,
-                      lr, eps, beta1, beta2, step_size,
-                      KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _optimizer_kernel(
+    ptr_table,
+    addresses,
+    grads,
+    n,
+    D,
+    row_width,
+    segment_rows,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    step_size,
+    KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # grid: (cdiv(n, BLOCK_N),); one pass over [w | state] of BLOCK_N distinct rows.
     # KIND: 0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam (see tieredemb.optim for the formulas).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,13 +212,27 @@ class TritonKernels:
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
         _gather_kernel[(triton.cdiv(n, block_n),)](
-            store.pointer_table(), addresses.contiguous(), out, n, dim, store.width,
-            store.segment_rows, BLOCK_N=block_n, BLOCK_D=block_d,
-            num_warps=_num_warps(block_n * block_d))
+            store.pointer_table(),
+            addresses.contiguous(),
+            out,
+            n,
+            dim,
+            store.width,
+            store.segment_rows,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=_num_warps(block_n * block_d),
+        )
         return out
 
-    def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
-                    scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+    def gather_pool(
+        self,
+        store: RowStore,
+        addresses: torch.Tensor,
+        offsets: torch.Tensor,
+        scale: torch.Tensor | None,
+        dim: int,
+    ) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
         scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim)."""
         num_bags = offsets.numel() - 1
@@ -194,38 +242,64 @@ class TritonKernels:
         addresses = addresses.contiguous()
         block_d = _block_d(dim)
         _gather_pool_kernel[(num_bags,)](
-            store.pointer_table(), addresses, offsets.contiguous(),
-            addresses if scale is None else scale.contiguous(), out, dim, store.width,
-            store.segment_rows, HAS_SCALE=scale is not None, BLOCK_I=_BAG_CHUNK, BLOCK_D=block_d,
-            num_warps=_num_warps(_BAG_CHUNK * block_d))
+            store.pointer_table(),
+            addresses,
+            offsets.contiguous(),
+            addresses if scale is None else scale.contiguous(),
+            out,
+            dim,
+            store.width,
+            store.segment_rows,
+            HAS_SCALE=scale is not None,
+            BLOCK_I=_BAG_CHUNK,
+            BLOCK_D=block_d,
+            num_warps=_bag_warps(block_d),
+        )
         return out
 
-    def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
-                     scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
+    def reduce_grads(
+        self,
+        grad_src: torch.Tensor,
+        src_of_id: torch.Tensor,
+        scale: torch.Tensor | None,
+        inverse: torch.Tensor,
+        num_unique: int,
+    ) -> torch.Tensor:
         """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
         inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
 
-        Deterministic: ids are stably sorted by ``inverse`` and each unique key's program sums its
-        ids in id order, so the result is bitwise reproducible (no atomics).
+        Float atomics: the summation order of a key's duplicates varies from run to run (as in
+        ``index_add_`` on CUDA); equal to the reference within fp32 rounding.
         """
-        dim = grad_src.shape[1]
-        device = grad_src.device
-        out = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
-        if num_unique == 0 or dim == 0:
+        n, dim = inverse.numel(), grad_src.shape[1]
+        out = torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
+        if n == 0 or num_unique == 0 or dim == 0:
             return out
-        sorted_inverse, perm = torch.sort(inverse, stable=True)  # (n,) each
-        bounds = torch.arange(num_unique + 1, dtype=sorted_inverse.dtype, device=device)
-        seg_offsets = torch.searchsorted(sorted_inverse, bounds)  # (u+1,) int64
         block_d = _block_d(dim)
-        _segment_sum_kernel[(num_unique,)](
-            grad_src.contiguous(), src_of_id.contiguous(),
-            perm if scale is None else scale.contiguous(), perm, seg_offsets, out, dim,
-            HAS_SCALE=scale is not None, BLOCK_I=_BAG_CHUNK, BLOCK_D=block_d,
-            num_warps=_num_warps(_BAG_CHUNK * block_d))
+        block_n = _block_rows(block_d)
+        _reduce_grads_kernel[(triton.cdiv(n, block_n),)](
+            grad_src.contiguous(),
+            src_of_id.contiguous(),
+            inverse if scale is None else scale.contiguous(),
+            inverse.contiguous(),
+            out,
+            n,
+            dim,
+            HAS_SCALE=scale is not None,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=_num_warps(block_n * block_d),
+        )
         return out
 
-    def optimizer_update(self, store: RowStore, addresses: torch.Tensor, grads: torch.Tensor,
-                         optimizer: EmbeddingOptimizer, step: int) -> None:
+    def optimizer_update(
+        self,
+        store: RowStore,
+        addresses: torch.Tensor,
+        grads: torch.Tensor,
+        optimizer: EmbeddingOptimizer,
+        step: int,
+    ) -> None:
         """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)
         with their summed gradients ``grads`` float32 (u, D)."""
         n, dim = addresses.numel(), grads.shape[1]
@@ -238,8 +312,20 @@ class TritonKernels:
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
         _optimizer_kernel[(triton.cdiv(n, block_n),)](
-            store.pointer_table(), addresses.contiguous(), grads.contiguous(), n, dim, store.width,
-            store.segment_rows, float(optimizer.lr), float(getattr(optimizer, "eps", 0.0)),
-            float(beta1), float(beta2), float(step_size),
-            KIND=_OPTIMIZER_KINDS.index(optimizer.kind), BLOCK_N=block_n, BLOCK_D=block_d,
-            num_warps=_num_warps(block_n * block_d))
+            store.pointer_table(),
+            addresses.contiguous(),
+            grads.contiguous(),
+            n,
+            dim,
+            store.width,
+            store.segment_rows,
+            float(optimizer.lr),
+            float(getattr(optimizer, "eps", 0.0)),
+            float(beta1),
+            float(beta2),
+            float(step_size),
+            KIND=_OPTIMIZER_KINDS.index(optimizer.kind),
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=_num_warps(block_n * block_d),
+        )

@@ -1,0 +1,163 @@
+"""TritonKernels against TorchKernels (the reference): gather, gather_pool, reduce_grads, fused update.
+
+On CPU the kernels run in the Triton interpreter (sizes stay small: it runs program by program); on a
+CUDA machine the same tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from tieredemb import optim  # noqa: E402
+from tieredemb.ops.reference import TorchKernels  # noqa: E402
+from tieredemb.ops.triton import TritonKernels  # noqa: E402
+from tieredemb.storage.row_store import RowStore  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DIMS = [1, 3, 16, 33]
+SEGMENT_ROWS = 8
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def make_store(gen: torch.Generator, width: int, rows: int) -> tuple[RowStore, torch.Tensor]:
+    """A store of ``rows`` allocated rows over several segments, random contents (state >= 0 is
+    the caller's business); returns (store, int64 (rows,) addresses)."""
+    store = RowStore(width, SEGMENT_ROWS, torch.device(DEVICE))
+    addresses = store.allocate(rows)
+    for seg in store.segments:
+        seg.copy_(torch.randn(seg.shape, generator=gen))
+    return store, addresses
+
+
+def clone_store(store: RowStore) -> RowStore:
+    twin = RowStore(store.width, store.segment_rows, store.device)
+    twin.allocate(store.rows_allocated())
+    for dst, src in zip(twin.segments, store.segments):
+        dst.copy_(src)
+    return twin
+
+
+def pick(gen: torch.Generator, addresses: torch.Tensor, n: int, misses: bool = True) -> torch.Tensor:
+    """int64 (n,) addresses drawn with repeats from ``addresses``, some -1 when ``misses``."""
+    out = addresses.cpu()[torch.randint(0, addresses.numel(), (n,), generator=gen)]
+    if misses:
+        out[torch.rand(n, generator=gen) < 0.2] = -1
+    return out.to(DEVICE)
+
+
+def random_offsets(gen: torch.Generator, num_bags: int, max_bag: int) -> torch.Tensor:
+    lengths = torch.randint(0, max_bag + 1, (num_bags,), generator=gen)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(DEVICE)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_gather(gen, dim):
+    store, addresses = make_store(gen, dim + 2, 30)  # 2 state columns that must not be read
+    addr = pick(gen, addresses, 40)
+    got = TritonKernels().gather(store, addr, dim)
+    assert torch.equal(got, TorchKernels().gather(store, addr, dim))
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gather_pool(gen, dim, scaled):
+    store, addresses = make_store(gen, dim + 1, 30)
+    offsets = random_offsets(gen, 12, 5)
+    n = int(offsets[-1])
+    addr = pick(gen, addresses, n)
+    scale = torch.rand(n, generator=gen).to(DEVICE) if scaled else None
+    got = TritonKernels().gather_pool(store, addr, offsets, scale, dim)
+    want = TorchKernels().gather_pool(store, addr, offsets, scale, dim)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_reduce_grads(gen, dim, scaled):
+    m, n, u = 10, 50, 9  # unique key 8 gets no id: its gradient is zero
+    grad_src = torch.randn(m, dim, generator=gen).to(DEVICE)
+    src_of_id = torch.randint(0, m, (n,), generator=gen).to(DEVICE)
+    inverse = torch.randint(0, u - 1, (n,), generator=gen).to(DEVICE)
+    scale = torch.rand(n, generator=gen).to(DEVICE) if scaled else None
+    got = TritonKernels().reduce_grads(grad_src, src_of_id, scale, inverse, u)
+    want = TorchKernels().reduce_grads(grad_src, src_of_id, scale, inverse, u)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def make_optimizer(kind: str) -> optim.EmbeddingOptimizer:
+    return {
+        "sgd": lambda: optim.SGD(lr=0.1),
+        "adagrad": lambda: optim.Adagrad(lr=0.1),
+        "rowwise_adagrad": lambda: optim.RowWiseAdagrad(lr=0.1),
+        "adam": lambda: optim.Adam(lr=0.01),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dim", DIMS)
+def test_optimizer_update(gen, kind, dim):
+    opt = make_optimizer(kind)
+    store, addresses = make_store(gen, dim + opt.state_width(dim), 30)
+    for seg in store.segments:  # accumulators (Adagrad s, Adam v) start >= 0
+        seg[:, dim:].abs_()
+    twin = clone_store(store)
+    for step in range(1, 4):
+        if step == 3:
+            opt.lr *= 0.5  # a schedule may change lr between steps
+        perm = torch.randperm(addresses.numel(), generator=gen)[:20]
+        addr = addresses.cpu()[perm]  # distinct
+        addr[torch.rand(20, generator=gen) < 0.2] = -1
+        addr = addr.to(DEVICE)
+        grads = torch.randn(20, dim, generator=gen).to(DEVICE)
+        TritonKernels().optimizer_update(store, addr, grads, opt, step)
+        TorchKernels().optimizer_update(twin, addr, grads, opt, step)
+        for got, want in zip(store.segments, twin.segments):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_empty_inputs(gen):
+    store, addresses = make_store(gen, 4, 10)
+    kern, ref = TritonKernels(), TorchKernels()
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert kern.gather(store, none, 3).shape == (0, 3)
+    # bags that are all empty, and no bags at all
+    for offsets in (torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)):
+        offsets = offsets.to(DEVICE)
+        got = kern.gather_pool(store, none, offsets, None, 3)
+        assert torch.equal(got, ref.gather_pool(store, none, offsets, None, 3))
+    # no ids: unique keys (if any) get zero gradients
+    grad_src = torch.randn(2, 3, generator=gen).to(DEVICE)
+    for u in (0, 3):
+        got = kern.reduce_grads(grad_src, none, None, none, u)
+        assert torch.equal(got, ref.reduce_grads(grad_src, none, None, none, u))
+    before = [s.clone() for s in store.segments]
+    kern.optimizer_update(store, none, torch.empty(0, 2, device=DEVICE), optim.Adam(), 1)
+    # every address a miss: nothing is written
+    misses = torch.full((5,), -1, dtype=torch.int64, device=DEVICE)
+    kern.optimizer_update(store, misses, torch.ones(5, 2, device=DEVICE), optim.Adagrad(), 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, store.segments))
+    assert torch.equal(kern.gather(store, misses, 3), torch.zeros(5, 3, device=DEVICE))
+
+
+def test_new_segment_seen(gen):
+    """The pointer table follows growth: rows in a segment added after a first call are read."""
+    store, addresses = make_store(gen, 3, 8)
+    kern = TritonKernels()
+    kern.gather(store, addresses, 3)
+    more = store.allocate(8)
+    store.segments[-1].copy_(torch.randn(8, 3, generator=gen))
+    addr = torch.cat([addresses, more])
+    assert torch.equal(kern.gather(store, addr, 3), TorchKernels().gather(store, addr, 3))
