@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -110,15 +110,18 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``tieredemb bench``: hands its arguments to ``tieredemb.bench.main`` when that exists."""
-    if importlib.util.find_spec("tieredemb.bench") is None:
-        print("error: bench not available (tieredemb.bench is not installed)", file=sys.stderr)
+    try:
+        bench = importlib.import_module("tieredemb.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "tieredemb.bench":
+            raise
+        bench = None
+    bench_main = getattr(bench, "main", None)
+    if bench_main is None:
+        print("error: bench not available (no tieredemb.bench.main in this install)",
+              file=sys.stderr)
         return 2
-    import tieredemb.bench as bench
-
-    if not hasattr(bench, "main"):
-        print("error: bench not available (tieredemb.bench has no main)", file=sys.stderr)
-        return 2
-    rc = bench.main(args.bench_args)
+    rc = bench_main(args.bench_args)
     return 0 if rc is None else int(rc)
 
 

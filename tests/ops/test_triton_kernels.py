@@ -71,6 +71,19 @@ def test_gather(gen, dim):
     assert torch.equal(got, TorchKernels().gather(store, addr, dim))
 
 
+@pytest.mark.parametrize("width", [1, 5, 33])
+def test_scatter(gen, width):
+    store, addresses = make_store(gen, width, 30)
+    twin = clone_store(store)
+    addr = addresses[torch.randperm(30, generator=gen)[:17].to(DEVICE)]
+    rows = torch.randn(17, width, generator=gen).to(DEVICE)
+    TritonKernels().scatter(store, addr, rows)
+    TorchKernels().scatter(twin, addr, rows)
+    for got, want in zip(store.segments, twin.segments):
+        assert torch.equal(got, want)
+    assert torch.equal(store.gather(addr), rows)
+
+
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("scaled", [False, True])
 def test_gather_pool(gen, dim, scaled):

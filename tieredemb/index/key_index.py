@@ -133,12 +133,12 @@ class KeyIndex:
         n = keys.numel()
         if counts is None:
             counts = torch.ones(n, dtype=torch.int64, device=self.device)
+        if not self.bounded:
+            self.reserve(self._size + n)  # before the lookup: a rehash moves slots
         slots = self.find(keys)
         found = slots >= 0
         self.locks[slots[found]] += 1  # shield this batch's hits from its own evictions
         miss = ~found
-        if not self.bounded:
-            self.reserve(self._size + int(miss.sum()))
         ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
         while not self.bounded and bool((slots[miss] < 0).any()):
             self._grow(2 * self.num_buckets)  # rehash moves this batch's slots: find them again

@@ -80,7 +80,7 @@ class _Collection(nn.Module):
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
         self._tables = {
-            t.name: HbmTable(t, optimizer, self.seed, self.device, self.kernels.index_class,
+            t.name: HbmTable(t, optimizer, self.seed, self.device, self.kernels,
                              storage.bucket_width, storage.segment_rows)
             for t in tables
         }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import KeyIndex
+from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
@@ -87,12 +87,12 @@ class HbmTable:
         optimizer: its fused optimizer (sets the row width D + state).
         seed: seed of the initial rows.
         device: compute device.
-        index_class: KeyIndex or its Triton subclass.
+        kernels: the kernel set (its ``index_class`` builds the index).
         bucket_width, segment_rows: layout (StorageConfig).
     """
 
     def __init__(self, config: TableConfig, optimizer: EmbeddingOptimizer, seed: int,
-                 device: torch.device, index_class: type[KeyIndex], bucket_width: int,
+                 device: torch.device, kernels: TorchKernels, bucket_width: int,
                  segment_rows: int) -> None:
         self.config = config
         self.name = config.name
@@ -100,13 +100,15 @@ class HbmTable:
         self.width = self.dim + optimizer.state_width(self.dim)
         self.seed = seed
         self.device = device
-        initial = min(config.num_embeddings or 4096, 1 << 16)
-        self.index = index_class(bucket_width, config.eviction, device,
-                                 max_slots=config.max_capacity, initial_slots=2 * initial)
-        self.store = RowStore(self.width, min(segment_rows, max(initial, 64)), device)
+        self.kernels = kernels
+        initial = min(config.bounded_rows or 4096, 1 << 16)
+        self.index = kernels.index_class(bucket_width, config.eviction, device,
+                                         max_slots=config.max_capacity, initial_slots=2 * initial)
+        # a table that can never fill a whole segment gets one of its own size
+        self.store = RowStore(self.width, min(segment_rows, config.bounded_rows or segment_rows), device)
         self.admission = None
         if config.admission is not None:
-            self.admission = index_class(bucket_width, "lfu", device, initial_slots=1024)
+            self.admission = kernels.index_class(bucket_width, "lfu", device, initial_slots=1024)
         self.counters = _Counters()
 
     # --------------------------------------------------------------------------------- prefetch
@@ -166,7 +168,7 @@ class HbmTable:
             return
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = self.config.initializer.rows(self.seed, self.name, keys, self.dim)
-        self.store.scatter(addresses, rows)
+        self.kernels.scatter(self.store, addresses, rows)
 
     def release(self, pf: TablePrefetch) -> None:
         """Unlock the batch's slots and free its scratch rows."""
@@ -193,7 +195,7 @@ class HbmTable:
         self.index.assign(res.slots[need], fresh)
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
-        self.store.scatter(addresses, rows)
+        self.kernels.scatter(self.store, addresses, rows)
         self.counters.evictions += res.evicted_keys.numel()
 
     def export(self) -> TableRows:

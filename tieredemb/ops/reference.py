@@ -24,6 +24,10 @@ class TorchKernels:
         """Weights of rows. addresses: int64 (n,) -> float32 (n, dim)."""
         return store.gather(addresses, dim)
 
+    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W)."""
+        store.scatter(addresses, rows)
+
     def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
                     scale: torch.Tensor | None, dim: int) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;

@@ -61,6 +61,23 @@ def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
     return base + offset * row_width
 
 
+# ----------------------------------------------------------------------------------------- scatter
+@triton.jit
+def _scatter_kernel(
+    ptr_table, addresses, rows_in, n, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    # grid: (cdiv(n, BLOCK_N),); rows_in: float32 (n, row_width) -> the rows at addresses
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_W)
+    in_range = rows < n
+    addr = tl.load(addresses + rows, mask=in_range, other=-1)
+    valid = addr >= 0
+    dst = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+    mask = valid[:, None] & (cols[None, :] < row_width)
+    w = tl.load(rows_in + rows[:, None] * row_width + cols[None, :], mask=mask, other=0.0)
+    tl.store(dst[:, None] + cols[None, :], w, mask=mask)
+
+
 # ------------------------------------------------------------------------------------------ gather
 @triton.jit
 def _gather_kernel(
@@ -224,6 +241,25 @@ class TritonKernels:
             num_warps=_num_warps(block_n * block_d),
         )
         return out
+
+    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W)."""
+        n = addresses.numel()
+        if n == 0:
+            return
+        block_w = _block_d(store.width)
+        block_n = _block_rows(block_w)
+        _scatter_kernel[(triton.cdiv(n, block_n),)](
+            store.pointer_table(),
+            addresses.contiguous(),
+            rows.contiguous(),
+            n,
+            store.width,
+            store.segment_rows,
+            BLOCK_N=block_n,
+            BLOCK_W=block_w,
+            num_warps=_num_warps(block_n * block_w),
+        )
 
     def gather_pool(
         self,

@@ -1,0 +1,163 @@
+"""``tieredemb bench hbm`` end to end on CPU at a tiny scale, and the row check it relies on.
+
+The smoke run measures every configuration (ours, the nn.EmbeddingBag peer, the bandwidth floor) for
+SGD and Adam, and compares the rows ours trained with the peer's after the steps. The unit tests of
+``compare_rows`` make sure that comparison can fail: a check that always passes would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tieredemb.bench import main
+from tieredemb.bench.hbm import CHECK_ATOL, RowSnapshot, compare_rows
+from tieredemb.bench.workloads import HbmBatches, HbmShape, ZipfSampler, scramble
+
+SCALE = 0.0005  # 840 rows a table, batch 5: 500 lookups a step
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+               "--optimizers", "sgd,adam", "--threads", "1", "--out", str(out)])
+    files = list(out.glob("*-hbm.json"))
+    assert len(files) == 1, f"expected one hbm report in {out}, found {files}"
+    assert files[0].with_suffix(".txt").exists()
+    data = json.loads(files[0].read_text())
+    data["_rc"] = rc
+    return data
+
+
+def test_every_configuration_measured(report: dict) -> None:
+    assert report["_rc"] == 0, report
+    assert report["ok"] is True
+    got = {(r["configuration"], r["optimizer"]) for r in report["results"]}
+    assert got == {(c, o) for c in ("ours", "peer", "floor") for o in ("sgd", "adam")}
+    for r in report["results"]:
+        assert r["error"] is None, r
+        for key in ("step_ms", "lookups_per_s", "speedup_vs_peer", "x_floor", "unique_keys_per_step"):
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] > 0, (key, r)
+        if r["configuration"] != "floor":
+            assert len(r["step_ms_all"]) == 2
+            assert all(math.isfinite(t) and t > 0 for t in r["step_ms_all"])
+            assert r["host_rss_bytes"] > 0
+    shape = HbmShape().scaled(SCALE)
+    assert report["lookups_per_step"] == shape.lookups == 500
+    assert report["bandwidth"]["bytes_per_s"] > 0
+    assert report["machine"]["torch"] == torch.__version__
+    assert report["command_line"].startswith("tieredemb bench hbm --scale")
+
+
+def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
+    checks = {c["optimizer"]: c for c in report["checks"]}
+    assert set(checks) == {"sgd", "adam"}
+    shape = HbmShape().scaled(SCALE)
+    for c in checks.values():
+        assert c["passed"], c["problems"]
+        assert c["rows_compared"] == shape.num_tables * shape.rows  # every row at this size
+        assert c["rows_trained"] > shape.num_tables  # rows were stored and compared...
+        assert c["max_moved"] > 100 * CHECK_ATOL  # ...and training moved them well past tolerance
+
+
+def test_floor_bytes_follow_the_formula(report: dict) -> None:
+    shape = HbmShape().scaled(SCALE)
+    floors = {r["optimizer"]: r for r in report["results"] if r["configuration"] == "floor"}
+    for optimizer, row_floats in (("sgd", shape.dim), ("adam", 3 * shape.dim)):
+        parts = floors[optimizer]["extra"]["bytes_per_step"]
+        unique = floors[optimizer]["unique_keys_per_step"]
+        assert parts["rows_read_and_written"] == pytest.approx(unique * row_floats * 4 * 2)
+        assert parts["ids_read"] == shape.lookups * 8
+        assert parts["output_written"] == parts["output_grad_read"] == (
+            shape.batch_size * shape.num_tables * shape.dim * 4)
+
+
+@pytest.mark.slow
+def test_tables_that_outgrow_their_first_allocation_train_the_same_rows(tmp_path) -> None:
+    """Enough steps that every table stores thousands of keys: the index rehashes and the row store
+    adds segments mid-run, and the rows must still match the peer's (~30 s on CPU)."""
+    rc = main(["hbm", "--scale", "0.03", "--steps", "2", "--warmup", "6", "--device", "cpu",
+               "--optimizers", "sgd", "--threads", "1", "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
+    ours = next(r for r in data["results"] if r["configuration"] == "ours")
+    assert ours["extra"]["rows_stored"] > 10 * 5000  # over 5000 keys a table
+    (check,) = data["checks"]
+    assert check["passed"], check["problems"]
+    assert rc == 0
+
+
+# -------------------------------------------------------------------------- the row comparison
+def _snapshot_and_peer(gen: torch.Generator):
+    """Two tables of 6 rows, D=3: a consistent (snapshot, peer rows, initial rows, seen) set."""
+    ranks = [torch.arange(6), torch.arange(6)]
+    seen = [torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.bool)] * 2
+    initial = [torch.rand(6, 3, generator=gen) for _ in ranks]
+    peer = [init + seen_t[:, None] * torch.rand(6, 3, generator=gen)
+            for init, seen_t in zip(initial, seen)]
+    ours = [torch.where(seen_t[:, None], p, torch.zeros(())) for p, seen_t in zip(peer, seen)]
+    snap = RowSnapshot("torch", ranks, ours, [s.clone() for s in seen], [3, 3])
+    return snap, peer, initial, seen, [3, 3]
+
+
+def test_compare_rows_passes_when_rows_agree() -> None:
+    snap, peer, initial, seen, total = _snapshot_and_peer(torch.Generator().manual_seed(0))
+    check = compare_rows("sgd", snap, peer, initial, seen, total)
+    assert check.passed, check.problems
+    assert check.rows_trained == 6 and check.rows_compared == 12
+
+
+@pytest.mark.parametrize("fault", ["weight", "missing_key", "extra_row_count", "untouched_moved",
+                                   "nothing_moved"])
+def test_compare_rows_catches_differences(fault: str) -> None:
+    snap, peer, initial, seen, total = _snapshot_and_peer(torch.Generator().manual_seed(1))
+    if fault == "weight":
+        snap.weights[1][3, 2] += 1e-3
+    elif fault == "missing_key":
+        snap.found[0] = snap.found[0].clone()
+        snap.found[0][1] = False
+    elif fault == "extra_row_count":
+        snap.stored[0] = 4
+    elif fault == "untouched_moved":
+        peer[1][4, 0] += 1.0
+    else:
+        peer = [init.clone() for init in initial]
+        snap.weights = [torch.where(s[:, None], p, torch.zeros(())) for p, s in zip(peer, seen)]
+    check = compare_rows("adam", snap, peer, initial, seen, total)
+    assert not check.passed and check.problems
+
+
+# ---------------------------------------------------------------------------------- workload
+def test_zipf_sampler_and_scramble() -> None:
+    sampler = ZipfSampler(1000, 1.05, torch.device("cpu"))
+    ranks = sampler.sample((20000,), torch.Generator().manual_seed(0))
+    assert int(ranks.min()) >= 0 and int(ranks.max()) < 1000
+    counts = torch.bincount(ranks, minlength=1000).double()
+    # P(0) / P(9) = 10**1.05 ~ 11.2
+    assert 8 < float(counts[0] / counts[9]) < 15
+    ids = scramble(torch.arange(1000), 3)
+    assert torch.unique(ids).numel() == 1000  # a bijection: no two ranks share an id
+    assert not torch.equal(ids, scramble(torch.arange(1000), 4))
+
+
+def test_batches_are_a_function_of_seed_and_step() -> None:
+    shape = HbmShape().scaled(SCALE)
+    a = HbmBatches(shape, torch.device("cpu"), seed=5)
+    b = HbmBatches(shape, torch.device("cpu"), seed=5)
+    later = a.batch(3)
+    a.batch(0)
+    assert torch.equal(b.batch(3).ranks, later.ranks)
+    assert torch.equal(a.batch(3).kjt.values(), later.kjt.values())
+    assert later.ranks.shape == (shape.num_tables, shape.batch_size, shape.bag_size)
+    assert later.kjt.keys() == [f"f{t}" for t in range(shape.num_tables)]
+    assert torch.equal(later.kjt.values().view(shape.num_tables, -1)[2],
+                       scramble(later.ranks[2].reshape(-1), 2))
+    first = a.batch(0)
+    for t in range(shape.num_tables):  # seen: exactly the ranks of the batches generated (0 and 3)
+        want = torch.zeros(shape.rows, dtype=torch.bool)
+        want[first.ranks[t].reshape(-1)] = True
+        want[later.ranks[t].reshape(-1)] = True
+        assert torch.equal(a.seen[t], want)

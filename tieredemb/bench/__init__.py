@@ -1,0 +1,120 @@
+"""``tieredemb bench``: named workloads, ours and the peers side by side in one process.
+
+    tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
+                        [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
+                        [--out DIR]
+
+prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
+and writes ``<out>/<YYYYmmdd-HHMMSS>-hbm.json`` (machine, command line, options, every measurement,
+the row checks) with the table beside it as ``.txt``. Both are rewritten after each configuration, so
+a run cut short still leaves what it measured. The exit status is 0 when every configuration ran and
+ours trained the same rows as the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+
+import torch
+
+from tieredemb.bench.hbm import OPTIMIZERS, HbmBench, HbmOptions
+from tieredemb.bench.report import format_table, machine_info, report_path, write_report
+from tieredemb.bench.workloads import HbmShape
+
+DEFAULT_OUT = "benchmarks/results/"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tieredemb bench",
+                                     description="Benchmark workloads against their peers.")
+    sub = parser.add_subparsers(dest="workload", required=True)
+    hbm = sub.add_parser("hbm", help="10 tables x 1.68M rows x D=128 in device memory, Zipf ids "
+                                     "(DESIGN section 7)")
+    hbm.add_argument("--scale", type=float, default=1.0,
+                     help="multiplies rows and batch size (e.g. 0.001 for a CPU smoke run)")
+    hbm.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                     help="default: cuda when available, else cpu")
+    hbm.add_argument("--optimizers", default="sgd,adam",
+                     help=f"comma-separated, from {','.join(OPTIMIZERS)}")
+    hbm.add_argument("--steps", type=int, default=50, help="timed steps (median reported)")
+    hbm.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    hbm.add_argument("--kernels", default="auto",
+                     help="auto|torch|triton, or several comma-separated: one 'ours' row each")
+    hbm.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads for the run (default: torch's own choice)")
+    hbm.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
+    hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    return parser
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tieredemb bench``; ``argv`` excludes the program and the word ``bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("tieredemb bench: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    for k in _split(args.kernels):
+        if k not in ("auto", "torch", "triton"):
+            print(f"tieredemb bench: unknown kernels {k!r} (auto, torch or triton)", file=sys.stderr)
+            return 2
+    try:
+        options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
+                             optimizers=_split(args.optimizers), kernels=_split(args.kernels),
+                             steps=args.steps, warmup=args.warmup, seed=args.seed)
+    except ValueError as e:
+        print(f"tieredemb bench: {e}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run_hbm(options, argv, args.out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_hbm(options: HbmOptions, argv: list[str], out_dir: str) -> int:
+    started = datetime.now()
+    path = report_path(out_dir, "hbm", started)
+    machine = machine_info(options.device)
+    s = options.shape
+    title = (f"hbm: {s.num_tables} tables x {s.rows} rows x D={s.dim}, batch {s.batch_size} x "
+             f"{s.bag_size} ids, {s.lookups} lookups/step, Zipf {s.alpha}; "
+             f"{machine.get('gpu', options.device)}; median of {options.steps} steps")
+    bench = HbmBench(options, log=_log)
+
+    def table() -> str:
+        bw = bench.bandwidth.get("bytes_per_s")
+        bw_text = f"; copy bandwidth {bw / 1e9:.1f} GB/s" if bw else ""
+        return format_table(title + bw_text, bench.results)
+
+    def save() -> None:
+        report = {"workload": "hbm", "date": started.isoformat(timespec="seconds"),
+                  "command_line": "tieredemb bench " + " ".join(argv), "machine": machine,
+                  **bench.summary(), "ok": bench.ok}
+        write_report(path, report, table())
+
+    bench.run(on_update=save)
+    save()
+    print(table())
+    for c in bench.checks:
+        verdict = "same rows" if c.passed else "DIFFERENT ROWS: " + "; ".join(c.problems)
+        print(f"check {c.optimizer} ours[{c.kernels}] vs peer: {verdict} "
+              f"(max |diff| {c.max_abs_diff:.3g}, {c.rows_trained} trained rows compared)")
+    print(f"report: {path}")
+    return 0 if bench.ok else 1
+
+
+__all__ = ["main"]

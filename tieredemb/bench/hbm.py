@@ -1,0 +1,470 @@
+"""The ``hbm`` workload (DESIGN section 7): every table in device memory, ours against its peers.
+
+10 tables x 1.68M rows x D=128 fp32, batch 10,486 with one 10-id bag per table (1,048,600 lookups a
+step), Zipf alpha 1.05 over scrambled raw ids (``workloads.HbmBatches``). Per optimizer, in one process
+and on the same batches:
+
+    ours    te.EmbeddingBagCollection over raw ids (num_embeddings=None); a step is
+            prefetch + forward + backward of a fixed upstream gradient (the fused update runs inside)
+    peer    one torch.nn.EmbeddingBag(rows, D, mode="sum", sparse=True) per table, indexed by the Zipf
+            rank, with torch.optim.SGD | Adagrad | SparseAdam; a step is forward + backward +
+            optimizer.step + zero_grad. Its initial weights are ours' initial rows of the same keys.
+    floor   the bytes a step must move / the measured device copy bandwidth (``floor_bytes``)
+
+Steps are timed one at a time after ``warmup`` untimed ones (CUDA events, the queue drained before
+each step; perf_counter on CPU) and summarized by the median. Ours runs first and is freed before the
+peer is built; then the rows ours trained are compared with the peer's (``compare_rows``): same batches,
+same initial rows and the same optimizer must give the same rows (DESIGN section 2).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+
+import tieredemb as te
+from tieredemb.bench.report import (
+    Measurement,
+    RowCheck,
+    fill_ratios,
+    host_rss_bytes,
+    peak_host_rss_bytes,
+)
+from tieredemb.bench.workloads import HbmBatch, HbmBatches, HbmShape, scramble
+
+# optimizer name -> (ours, peer class, peer kwargs), at learning rates that move rows visibly
+OPTIMIZERS: dict[str, tuple[Callable[[], te.optim.EmbeddingOptimizer], type, dict]] = {
+    "sgd": (lambda: te.optim.SGD(lr=0.01), torch.optim.SGD, {"lr": 0.01}),
+    "adagrad": (lambda: te.optim.Adagrad(lr=0.01), torch.optim.Adagrad, {"lr": 0.01, "eps": 1e-10}),
+    "adam": (lambda: te.optim.Adam(lr=0.001), torch.optim.SparseAdam, {"lr": 0.001}),
+}
+
+FLOOR_FORMULA = (
+    "bytes/step = U * (D + S) * 4 * 2   (each unique key's row, weights + optimizer state, read and "
+    "written once; U = unique keys summed over tables, S = state floats per row: SGD 0, Adagrad D, "
+    "Adam 2D) + N * 8 (the N int64 ids read) + B*T*D*4 (pooled output written) + B*T*D*4 (its "
+    "gradient read); floor ms = bytes / copy bandwidth, the bandwidth being (bytes read + bytes "
+    "written) / time of a large device-to-device copy"
+)
+
+# rows compared after training: every row of tables up to this size, else the hottest ranks and a
+# random sample of the rest
+CHECK_ALL_ROWS = 1 << 18
+CHECK_HOT_ROWS = 4096
+CHECK_SAMPLE_ROWS = 1 << 18
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5  # hot rows sum ~1e4 gradients a step, in a different order
+
+
+@dataclass
+class HbmOptions:
+    """What ``tieredemb bench hbm`` runs. kernels: one entry per "ours" configuration."""
+
+    shape: HbmShape = field(default_factory=HbmShape)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    optimizers: list[str] = field(default_factory=lambda: ["sgd", "adam"])
+    kernels: list[str] = field(default_factory=lambda: ["auto"])
+    steps: int = 50
+    warmup: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
+        if unknown:
+            raise ValueError(f"unknown optimizers {unknown}; choose from {sorted(OPTIMIZERS)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+
+
+@dataclass
+class RowSnapshot:
+    """Ours' rows at the checked ranks after training, kept on the host once ours is freed.
+
+    Per table: ranks int64 (k,), weights float32 (k, D) (zeros where not stored), found bool (k,),
+    and the number of rows the table stores in all.
+    """
+
+    kernels: str
+    ranks: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    found: list[torch.Tensor]
+    stored: list[int]
+
+
+# ------------------------------------------------------------------------------------ measuring
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call with the device queue empty before and after it."""
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None,
+                           repeats: int = 10) -> dict:
+    """(bytes read + bytes written) / time of a large copy on ``device``, median of ``repeats``."""
+    if nbytes is None:  # far over any cache
+        nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)
+    ms = _copy_ms(nbytes, device, repeats)
+    free_memory(device)
+    return {"bytes_per_s": 2 * nbytes / (ms * 1e-3), "buffer_bytes": nbytes, "copy_ms": ms}
+
+
+def _copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return statistics.median(time_ms(lambda: dst.copy_(src), device) for _ in range(repeats))
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_device_bytes(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def run_steps(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOptions,
+              on_timed_start: Callable[[], None] | None = None) -> tuple[list[float], list[int]]:
+    """Warmup, then timed steps. Returns step ms and unique keys (all tables) of the timed steps.
+    Batches are generated outside the timed region."""
+    times, unique = [], []
+    for i in range(opts.warmup + opts.steps):
+        if i == opts.warmup and on_timed_start is not None:
+            on_timed_start()
+        batch = batches.batch(i)
+        ms = time_ms(lambda b=batch: step(b), opts.device)
+        if i >= opts.warmup:
+            times.append(ms)
+            unique.append(sum(batch.unique_keys))
+    return times, unique
+
+
+def upstream_grad(shape: HbmShape, device: torch.device, seed: int) -> torch.Tensor:
+    """The fixed dL/d(pooled output) of every step: float32 (B, T*D), features in table order."""
+    gen = torch.Generator(device=device).manual_seed(seed + 17)
+    return torch.randn(shape.batch_size, shape.num_tables * shape.dim, generator=gen,
+                       device=device)
+
+
+# ------------------------------------------------------------------------------ configurations
+def run_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
+             grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+    """Ours: prefetch + forward + backward (fused update) per step; then a snapshot of its rows.
+    The collection is gone (and its memory freed) when this returns."""
+    reset_peak(opts.device)
+    result = _train_ours(opts, optimizer, kernels, batches, grad)
+    free_memory(opts.device)
+    return result
+
+
+def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
+                grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+    shape, dev = opts.shape, opts.device
+    ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
+                                    device=dev, seed=opts.seed, kernels=kernels)
+    name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
+    m = Measurement("ours", optimizer, f"ours ({name} kernels)", kernels=name)
+
+    def step(batch: HbmBatch) -> None:
+        ebc.prefetch(batch.kjt)
+        ebc(batch.kjt).values().backward(grad)
+
+    def misses() -> int:
+        return sum(s.misses for s in ebc.stats().values())
+
+    before = {}
+    times, unique = run_steps(step, batches, opts, lambda: before.setdefault("misses", misses()))
+    synchronize(dev)
+    m.set_times(times, shape.lookups)
+    m.unique_keys_per_step = statistics.mean(unique)
+    m.new_keys_per_step = (misses() - before["misses"]) / opts.steps
+    m.peak_device_bytes = peak_device_bytes(dev)
+    m.host_rss_bytes = host_rss_bytes()
+    stats = ebc.stats()
+    m.extra = {"storage_mode": ebc.storage_mode,
+               "rows_stored": sum(s.rows["device"] for s in stats.values()),
+               "row_memory_bytes": sum(s.memory_bytes.get("device", 0) for s in stats.values()),
+               "peak_host_rss_bytes": peak_host_rss_bytes()}
+    return m, snapshot_rows(ebc, shape, dev, opts.seed, name)
+
+
+def build_peer(shape: HbmShape, device: torch.device, seed: int) -> list[torch.nn.EmbeddingBag]:
+    """One nn.EmbeddingBag per table, its row r = ours' initial row of key scramble(r)."""
+    peers = []
+    for t, config in enumerate(shape.table_configs()):
+        weight = torch.empty(shape.rows, shape.dim, dtype=torch.float32, device=device)
+        for lo in range(0, shape.rows, 1 << 18):
+            ranks = torch.arange(lo, min(lo + (1 << 18), shape.rows), device=device)
+            weight[lo : lo + ranks.numel()] = initial_rows(config, t, ranks, seed)
+        peers.append(torch.nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode="sum",
+                                                           sparse=True))
+    return peers
+
+
+def peer_label(optimizer: str) -> str:
+    return f"nn.EmbeddingBag + {OPTIMIZERS[optimizer][1].__name__}"
+
+
+def initial_rows(config: te.TableConfig, t: int, ranks: torch.Tensor, seed: int) -> torch.Tensor:
+    """float32 (k, D): ours' initial rows of ranks (int64 (k,)) in table ``t`` (a pure function of
+    seed, table name and key: DESIGN section 2)."""
+    return config.initializer.rows(seed, config.name, scramble(ranks, t), config.embedding_dim)
+
+
+def run_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
+             snapshots: list[RowSnapshot]) -> tuple[Measurement, list[RowCheck]]:
+    """The peer: forward + backward + optimizer.step + zero_grad; then its rows against ours'.
+    The peer is gone (and its memory freed) when this returns."""
+    reset_peak(opts.device)
+    result = _train_peer(opts, optimizer, batches, grad, snapshots)
+    free_memory(opts.device)
+    return result
+
+
+def _train_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
+                snapshots: list[RowSnapshot]) -> tuple[Measurement, list[RowCheck]]:
+    shape, dev = opts.shape, opts.device
+    peers = build_peer(shape, dev, opts.seed)
+    _, peer_class, peer_kwargs = OPTIMIZERS[optimizer]
+    opt = peer_class([p.weight for p in peers], **peer_kwargs)
+    m = Measurement("peer", optimizer, peer_label(optimizer))
+
+    def step(batch: HbmBatch) -> None:
+        out = torch.cat([emb(batch.ranks[t]) for t, emb in enumerate(peers)], dim=1)  # (B, T*D)
+        out.backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times, unique = run_steps(step, batches, opts)
+    synchronize(dev)
+    m.set_times(times, shape.lookups)
+    m.unique_keys_per_step = statistics.mean(unique)
+    m.peak_device_bytes = peak_device_bytes(dev)
+    m.host_rss_bytes = host_rss_bytes()
+    weights = [p.weight.detach() for p in peers]
+    return m, [check_against_peer(opts, optimizer, snap, weights, batches) for snap in snapshots]
+
+
+def check_against_peer(opts: HbmOptions, optimizer: str, snap: RowSnapshot,
+                       weights: list[torch.Tensor], batches: HbmBatches) -> RowCheck:
+    """``compare_rows`` of ours' snapshot and the peer's weights (float32 (rows, D) per table)."""
+    dev, configs = opts.device, opts.shape.table_configs()
+    ranks = [r.to(dev) for r in snap.ranks]
+    peer_rows = [w[r].cpu() for w, r in zip(weights, ranks)]
+    initial = [initial_rows(configs[t], t, r, opts.seed).cpu() for t, r in enumerate(ranks)]
+    seen = [batches.seen[t][r].cpu() for t, r in enumerate(ranks)]
+    return compare_rows(optimizer, snap, peer_rows, initial, seen, batches.seen.sum(dim=1).tolist())
+
+
+def floor_measurement(opts: HbmOptions, optimizer: str, batches: HbmBatches,
+                      bandwidth: float) -> Measurement:
+    """The bandwidth floor of the timed steps (``FLOOR_FORMULA``)."""
+    shape = opts.shape
+    unique = [sum(batches.batch(i).unique_keys)
+              for i in range(opts.warmup, opts.warmup + opts.steps)]
+    parts = floor_bytes(shape, OPTIMIZERS[optimizer][0](), statistics.mean(unique))
+    m = Measurement("floor", optimizer, "bandwidth floor")
+    m.set_times([sum(parts.values()) / bandwidth * 1e3], shape.lookups)
+    m.unique_keys_per_step = statistics.mean(unique)
+    m.extra = {"bytes_per_step": parts, "bandwidth_bytes_per_s": bandwidth,
+               # DESIGN section 7's published floors also count each lookup's weight read
+               # (N * D * 4) and leave out the gradient read: here for comparison
+               "lookup_read_bytes": shape.lookups * shape.dim * 4}
+    return m
+
+
+def floor_bytes(shape: HbmShape, optimizer: te.optim.EmbeddingOptimizer,
+                unique_keys: float) -> dict[str, float]:
+    """Bytes one step must move, by part (``FLOOR_FORMULA``)."""
+    row_bytes = (shape.dim + optimizer.state_width(shape.dim)) * 4
+    pooled = shape.batch_size * shape.num_tables * shape.dim * 4
+    return {"rows_read_and_written": unique_keys * row_bytes * 2, "ids_read": shape.lookups * 8,
+            "output_written": pooled, "output_grad_read": pooled}
+
+
+# --------------------------------------------------------------------------------- row checks
+def check_ranks(shape: HbmShape, seed: int) -> list[torch.Tensor]:
+    """Per table, the ranks compared (int64 (k,) host, sorted): all of them in small tables, else
+    the hottest and a random sample."""
+    if shape.rows <= CHECK_ALL_ROWS:
+        return [torch.arange(shape.rows) for _ in range(shape.num_tables)]
+    gen = torch.Generator().manual_seed(seed + 23)
+    out = []
+    for _ in range(shape.num_tables):
+        sample = torch.randint(0, shape.rows, (CHECK_SAMPLE_ROWS,), generator=gen)
+        out.append(torch.unique(torch.cat([torch.arange(CHECK_HOT_ROWS), sample])))
+    return out
+
+
+def snapshot_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, device: torch.device, seed: int,
+                  kernels: str) -> RowSnapshot:
+    """Ours' rows at ``check_ranks``, copied to the host."""
+    ranks = check_ranks(shape, seed)
+    weights, found, stored = [], [], []
+    for t, r in enumerate(ranks):
+        w, f = ebc.read(shape.table_name(t), scramble(r.to(device), t))
+        weights.append(w.detach().cpu())
+        found.append(f.cpu())
+        stored.append(ebc.stats()[shape.table_name(t)].rows["device"])
+    return RowSnapshot(kernels, ranks, weights, found, stored)
+
+
+def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor],
+                 initial: list[torch.Tensor], seen: list[torch.Tensor],
+                 seen_total: list[int]) -> RowCheck:
+    """Ours' snapshot against the peer, per table (all tensors host, aligned with ``snap.ranks``):
+
+    - ours stores exactly the keys the batches touched (``seen``), as many as the peer's touched rows;
+    - a stored row equals the peer's row (rtol CHECK_RTOL, atol CHECK_ATOL);
+    - an untouched row is still its initial row in the peer (and reads as zeros in ours).
+    """
+    problems: list[str] = []
+    max_diff = max_moved = 0.0
+    compared = trained = 0
+    for t in range(len(snap.ranks)):
+        found, ours, peer = snap.found[t], snap.weights[t], peer_rows[t]
+        compared += found.numel()
+        trained += int(found.sum())
+        if not torch.equal(found, seen[t]):
+            problems.append(f"table {t}: ours stores {int(found.sum())} of the checked keys, the "
+                            f"batches touched {int(seen[t].sum())}")
+            continue
+        if snap.stored[t] != seen_total[t]:
+            problems.append(f"table {t}: ours stores {snap.stored[t]} rows, the batches touched "
+                            f"{seen_total[t]}")
+        if found.any():
+            max_diff = max(max_diff, float((ours[found] - peer[found]).abs().max()))
+            max_moved = max(max_moved, float((peer[found] - initial[t][found]).abs().max()))
+            if not torch.allclose(ours[found], peer[found], rtol=CHECK_RTOL, atol=CHECK_ATOL):
+                problems.append(f"table {t}: trained rows differ from the peer's by up to "
+                                f"{float((ours[found] - peer[found]).abs().max()):.3g}")
+        if not torch.equal(peer[~found], initial[t][~found]) or bool(ours[~found].any()):
+            problems.append(f"table {t}: untouched rows are not their initial rows / zeros")
+    if trained and max_moved == 0.0:
+        problems.append("no trained row moved from its initial value: the comparison proves nothing")
+    if not trained:
+        problems.append("no trained row was compared")
+    return RowCheck(optimizer, snap.kernels, not problems, compared, trained, max_diff, max_moved,
+                    problems)
+
+
+# ------------------------------------------------------------------------------------- driver
+class HbmBench:
+    """Runs every configuration of the ``hbm`` workload; ``results``/``checks`` fill as it goes.
+
+    Args:
+        options: the workload's size, device, optimizers, kernels and step counts.
+        log: progress lines (the command line prints them to stderr).
+    """
+
+    def __init__(self, options: HbmOptions, log: Callable[[str], None] = lambda s: None) -> None:
+        self.options = options
+        self.log = log
+        self.results: list[Measurement] = []
+        self.checks: list[RowCheck] = []
+        self.bandwidth: dict = {}
+
+    def run(self, on_update: Callable[[], None] = lambda: None) -> None:
+        """Every configuration, optimizer by optimizer; ``on_update`` after each one."""
+        opts = self.options
+        self.log(f"hbm: {opts.shape} on {opts.device}, {opts.warmup} warmup + {opts.steps} steps")
+        self.bandwidth = measure_copy_bandwidth(opts.device)
+        self.log(f"copy bandwidth {self.bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
+        batches = HbmBatches(opts.shape, opts.device, opts.seed)
+        grad = upstream_grad(opts.shape, opts.device, opts.seed)
+        for optimizer in opts.optimizers:
+            snapshots = []
+            for kernels in opts.kernels:
+                failed = Measurement("ours", optimizer, f"ours ({kernels} kernels)")
+                result = self._attempt(failed, partial(run_ours, opts, optimizer, kernels, batches,
+                                                       grad))
+                if result is not None:
+                    failed, snap = result
+                    snapshots.append(snap)
+                self._add(failed, on_update)
+            failed = Measurement("peer", optimizer, peer_label(optimizer))
+            result = self._attempt(failed, partial(run_peer, opts, optimizer, batches, grad,
+                                                   snapshots))
+            if result is not None:
+                failed, checks = result
+                self._add_checks(checks)
+            self._add(failed, on_update)
+            self._add(floor_measurement(opts, optimizer, batches, self.bandwidth["bytes_per_s"]),
+                      on_update)
+
+    def _add_checks(self, checks: list[RowCheck]) -> None:
+        self.checks.extend(checks)
+        for c in checks:
+            verdict = "passed" if c.passed else "FAILED: " + "; ".join(c.problems)
+            self.log(f"{c.optimizer} rows of ours[{c.kernels}] vs the peer: {verdict} "
+                     f"(max |diff| {c.max_abs_diff:.3g} over {c.rows_trained} trained rows)")
+
+    def _attempt(self, failed: Measurement, fn: Callable[[], tuple]) -> tuple | None:
+        """Run one configuration. A failure (out of memory, a missing kernel) is recorded in
+        ``failed`` and the run goes on with the next configuration."""
+        self.log(f"{failed.optimizer} {failed.label} ...")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            self.log(traceback.format_exc())
+            failed.error = f"{type(e).__name__}: {e}"
+        free_memory(self.options.device)  # out here: the traceback no longer holds the tables
+        return None
+
+    def _add(self, m: Measurement, on_update: Callable[[], None]) -> None:
+        self.results.append(m)
+        fill_ratios(self.results)
+        if m.error is None:
+            self.log(f"{m.optimizer} {m.label}: {m.step_ms:.3f} ms/step")
+        on_update()
+
+    @property
+    def ok(self) -> bool:
+        """Every configuration ran and every row check passed."""
+        return all(r.error is None for r in self.results) and all(c.passed for c in self.checks)
+
+    def summary(self) -> dict:
+        opts = self.options
+        return {
+            "shape": asdict(opts.shape),
+            "lookups_per_step": opts.shape.lookups,
+            "options": {"device": str(opts.device), "optimizers": opts.optimizers,
+                        "kernels": opts.kernels, "steps": opts.steps, "warmup": opts.warmup,
+                        "seed": opts.seed,
+                        "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers}},
+            "bandwidth": self.bandwidth,
+            "floor_formula": FLOOR_FORMULA,
+            "results": self.results,
+            "checks": self.checks,
+        }
+
+
+__all__ = ["FLOOR_FORMULA", "HbmBench", "HbmOptions", "compare_rows", "floor_bytes"]

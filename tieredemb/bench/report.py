@@ -1,0 +1,210 @@
+"""Benchmark results: one row per (configuration, optimizer), the printed table, the JSON file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Measurement:
+    """One configuration of one workload.
+
+    configuration: "ours" | "peer" | "floor"; label: how the table names it; step_ms: median step
+    time over the timed steps (step_ms_all); ratios are filled in by ``fill_ratios``.
+    """
+
+    configuration: str
+    optimizer: str
+    label: str
+    kernels: str | None = None
+    step_ms: float | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+    lookups_per_s: float | None = None
+    unique_keys_per_step: float | None = None
+    new_keys_per_step: float | None = None
+    peak_device_bytes: int | None = None
+    host_rss_bytes: int | None = None
+    speedup_vs_peer: float | None = None
+    x_floor: float | None = None
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def set_times(self, times_ms: list[float], lookups: int) -> None:
+        self.step_ms_all = [float(t) for t in times_ms]
+        self.step_ms = statistics.median(self.step_ms_all)
+        self.lookups_per_s = lookups / (self.step_ms * 1e-3) if self.step_ms > 0 else None
+
+
+@dataclass
+class RowCheck:
+    """Ours and the peer trained the same rows: the comparison after the timed steps.
+
+    rows_compared: rows looked at (all, or a sample at full scale); rows_trained: of those, rows the
+    batches touched; max_abs_diff: largest |ours - peer| over compared weights; max_moved: largest
+    |peer - initial| (a check over rows that never moved would prove nothing).
+    """
+
+    optimizer: str
+    kernels: str
+    passed: bool
+    rows_compared: int
+    rows_trained: int
+    max_abs_diff: float
+    max_moved: float
+    problems: list[str] = field(default_factory=list)
+
+
+def fill_ratios(results: list[Measurement]) -> None:
+    """speedup vs peer (peer ms / ms) and x floor (ms / floor ms), per optimizer."""
+    def ms_of(configuration: str, optimizer: str) -> float | None:
+        for r in results:
+            if r.configuration == configuration and r.optimizer == optimizer and r.step_ms:
+                return r.step_ms
+        return None
+
+    for r in results:
+        if not r.step_ms:
+            continue
+        peer, floor = ms_of("peer", r.optimizer), ms_of("floor", r.optimizer)
+        r.speedup_vs_peer = peer / r.step_ms if peer else None
+        r.x_floor = r.step_ms / floor if floor else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _gib(x: int | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def format_table(title: str, results: list[Measurement]) -> str:
+    """The benchmark's one table, as text."""
+    head = ["configuration", "optimizer", "step ms", "lookups/s", "speedup vs peer", "x floor",
+            "unique/step", "new/step", "peak dev GiB", "host RSS GiB"]
+    rows = []
+    for r in results:
+        if r.error is not None:
+            rows.append([r.label, r.optimizer, "FAILED: " + r.error.splitlines()[0][:60]]
+                        + [""] * (len(head) - 3))
+            continue
+        rows.append([r.label, r.optimizer, _fmt(r.step_ms, ".3f"), _fmt(r.lookups_per_s, ".3e"),
+                     _fmt(r.speedup_vs_peer, ".2f"), _fmt(r.x_floor, ".2f"),
+                     _fmt(r.unique_keys_per_step, ".0f"), _fmt(r.new_keys_per_step, ".1f"),
+                     _gib(r.peak_device_bytes), _gib(r.host_rss_bytes)])
+    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
+              for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return " | ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([title, line(head), sep, *(line(r) for r in rows)])
+
+
+def host_rss_bytes() -> int | None:
+    """Resident set size of this process now (psutil, else /proc/self/status)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_host_rss_bytes() -> int | None:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return None
+
+
+def machine_info(device: torch.device) -> dict:
+    """What ran the benchmark: device, library versions, host."""
+    info = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_bytes"] = int(props.total_memory)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def report_path(out_dir: str | Path, workload: str, when: datetime) -> Path:
+    """``<out_dir>/<YYYYmmdd-HHMMSS>-<workload>.json``."""
+    return Path(out_dir) / f"{when:%Y%m%d-%H%M%S}-{workload}.json"
+
+
+def write_report(path: Path, report: dict, table: str) -> None:
+    """The JSON report and, beside it (same stem, ``.txt``), the printed table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_plain(report), indent=2, allow_nan=False) + "\n")
+    tmp.replace(path)  # a reader (or a timeout) never sees half a file
+    path.with_suffix(".txt").write_text(table + "\n")
+
+
+def _plain(x: object) -> object:
+    """Dataclasses to dicts and non-finite floats to None (JSON has no NaN)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _plain(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+__all__ = ["Measurement", "RowCheck", "fill_ratios", "format_table", "host_rss_bytes",
+           "machine_info", "peak_host_rss_bytes", "report_path", "write_report"]
