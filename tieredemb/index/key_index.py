@@ -90,7 +90,10 @@ class KeyIndex:
             while num_buckets * width < initial_slots:
                 num_buckets *= 2
         self._allocate(num_buckets)
-        self._size = 0
+        # the size lives on the device (no sync per insert); ``_size_bound`` is a host upper bound
+        # that decides when to look at it
+        self._size_dev = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._size_bound = 0
 
     # ----------------------------------------------------------------------------------- layout
     def _allocate(self, num_buckets: int) -> None:
@@ -105,7 +108,13 @@ class KeyIndex:
         return self.num_buckets * self.width
 
     def size(self) -> int:
-        return self._size
+        return int(self._size_dev)
+
+    def _reserve_for(self, n: int) -> None:
+        """Grow if ``n`` more keys could pass the load limit (reads the size only when it might)."""
+        if self._size_bound + n > MAX_LOAD * self.capacity():
+            self._size_bound = self.size()
+            self.reserve(self._size_bound + n)
 
     def _bucket(self, keys: torch.Tensor) -> torch.Tensor:
         return bucket_of(keys, self.num_buckets)
@@ -128,30 +137,35 @@ class KeyIndex:
         Every key that ends in a slot gets its score updated (LRU: ``step``; LFU: ``+= counts``, the
         occurrences in the batch, 1 each by default). With ``lock`` those slots' lock counts go up by
         one (release with ``unlock``). Keys present or inserted earlier in the same call are never
-        evicted by it.
+        evicted by it. Host syncs: the insertion's compaction, and one check for a full bucket in an
+        unbounded index.
         """
         n = keys.numel()
         if counts is None:
             counts = torch.ones(n, dtype=torch.int64, device=self.device)
         if not self.bounded:
-            self.reserve(self._size + n)  # before the lookup: a rehash moves slots
+            self._reserve_for(n)  # before the lookup: a rehash moves slots
         slots = self.find(keys)
         found = slots >= 0
-        self.locks[slots[found]] += 1  # shield this batch's hits from its own evictions
+        # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
+        self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
         miss = ~found
         ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
-        while not self.bounded and bool((slots[miss] < 0).any()):
-            self._grow(2 * self.num_buckets)  # rehash moves this batch's slots: find them again
-            slots = torch.where(found | (slots >= 0), self.find(keys), slots)
-            still = miss & (slots < 0)
-            self._insert(keys, slots, still)
+        if not self.bounded:
+            failed = miss & (slots < 0)
+            while bool(failed.any()):  # a full bucket: double, find this batch's slots again
+                self._grow(2 * self.num_buckets)
+                slots = torch.where(slots >= 0, self.find(keys), slots)
+                self._insert(keys, slots, failed)
+                failed = miss & (slots < 0)
         placed = slots >= 0
-        values = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        values[placed] = self.values[slots[placed]]
-        self._touch(slots[placed], step, counts[placed], found[placed])
+        safe = slots.clamp(min=0)
+        values = torch.where(placed, self.values[safe], -1)
+        self._touch(safe, placed, step, counts)
         if not lock:
-            self.locks[slots[placed]] -= 1
-        self._size += int((miss & placed).sum()) - int(ev_keys.numel())
+            self.locks.index_add_(0, safe, -placed.to(torch.int32))
+        self._size_dev += (miss & placed).sum() - ev_keys.numel()
+        self._size_bound += n
         return InsertResult(slots, found, values, ev_keys, ev_vals, ev_scores)
 
     def _insert(self, keys: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
@@ -199,11 +213,13 @@ class KeyIndex:
         prio, order = torch.sort(prio, dim=1, stable=True)
         return torch.where(prio < _INT64_MAX, order, torch.full_like(order, -1))
 
-    def _touch(self, slots: torch.Tensor, step: int, counts: torch.Tensor, found: torch.Tensor) -> None:
+    def _touch(self, safe: torch.Tensor, placed: torch.Tensor, step: int, counts: torch.Tensor) -> None:
+        """Scores of the placed slots: LRU ``step``, LFU ``+= counts`` (new slots start at 0)."""
         if self.policy == "lru":
-            self.scores[slots] = step
+            delta = torch.where(placed, step - self.scores[safe], 0)
         else:
-            self.scores[slots] = torch.where(found, self.scores[slots], 0) + counts
+            delta = torch.where(placed, counts, 0)
+        self.scores.index_add_(0, safe, delta)  # unplaced entries add 0 to slot 0
 
     def assign(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Set the row addresses of occupied ``slots``."""
@@ -212,8 +228,8 @@ class KeyIndex:
     def unlock(self, keys: torch.Tensor) -> None:
         """Release one lock on each present key (absent keys are ignored)."""
         slots = self.find(keys)
-        slots = slots[slots >= 0]
-        self.locks[slots] = (self.locks[slots] - 1).clamp(min=0)
+        self.locks.index_add_(0, slots.clamp(min=0), -(slots >= 0).to(torch.int32))
+        self.locks.clamp_(min=0)
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove keys. Returns the row addresses of the removed ones (int64 (r,))."""
@@ -224,7 +240,8 @@ class KeyIndex:
         self.values[slots] = -1
         self.scores[slots] = 0
         self.locks[slots] = 0
-        self._size -= int(slots.numel())
+        self._size_dev -= slots.numel()
+        self._size_bound = self.size()
         return values
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
+from tieredemb.index.key_index import InsertResult
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
@@ -70,11 +71,10 @@ class TablePrefetch:
 
 @dataclass
 class _Counters:
+    """Counters known on the host; hits, misses and conflict misses are counted on the device."""
+
     lookups: int = 0
     unique_lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    conflict_misses: int = 0
     evictions: int = 0
     not_admitted: int = 0
 
@@ -110,6 +110,7 @@ class HbmTable:
         if config.admission is not None:
             self.admission = kernels.index_class(bucket_width, "lfu", device, initial_slots=1024)
         self.counters = _Counters()
+        self._device_counts = torch.zeros(3, dtype=torch.int64, device=device)  # hits, misses, conflicts
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, step: int, training: bool) -> TablePrefetch:
@@ -123,36 +124,48 @@ class HbmTable:
             slots = self.index.find(unique)
             addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
             return TablePrefetch(unique, inverse, addresses, empty, empty)
-        store = self._admit(unique, counts)  # bool (u,)
-        res = self.index.find_or_insert(unique[store], step, counts[store], lock=True)
+        store = self._admit(unique, counts)  # bool (u,), or None: every key is stored
+        keys = unique if store is None else unique[store]
+        res = self.index.find_or_insert(keys, step, counts if store is None else counts[store],
+                                        lock=True)
+        addresses = self._place_new(keys, res)  # (k,), -1 for conflict misses
         placed = res.slots >= 0
-        c.hits += int(res.found.sum())
-        c.misses += int((~res.found).sum())
-        c.conflict_misses += int((~placed).sum())
+        self._device_counts += torch.stack([res.found.sum(), (~res.found).sum(), (~placed).sum()])
         c.evictions += res.evicted_keys.numel()
-        c.not_admitted += int((~store).sum())
-        # rows for new keys: a victim's row when one was evicted, else a fresh one
-        new = res.inserted
-        need = new & (res.values < 0)
-        fresh = self.store.allocate(int(need.sum()))
-        addresses = res.values.clone()
-        addresses[need] = fresh
-        self.index.assign(res.slots[need], fresh)
-        self._initialize(unique[store][new], addresses[new])
-        # scratch rows: not admitted, or no room in a bounded bucket; freed at release
+        if store is None and not self.index.bounded:  # every key got a row: no scratch
+            return TablePrefetch(unique, inverse, addresses, keys, empty)
+        # scratch rows for the batch: keys not admitted, conflict misses of a bounded table
         all_addr = torch.empty(unique.numel(), dtype=torch.int64, device=self.device)
-        stored_pos = store.nonzero().squeeze(1)
+        stored_pos = torch.arange(unique.numel(), device=self.device)
+        if store is not None:
+            stored_pos = store.nonzero().squeeze(1)
+            c.not_admitted += unique.numel() - stored_pos.numel()
         all_addr[stored_pos] = addresses
-        scratch_pos = torch.cat([(~store).nonzero().squeeze(1), stored_pos[~placed]])
+        scratch_pos = stored_pos[~placed]
+        if store is not None:
+            scratch_pos = torch.cat([(~store).nonzero().squeeze(1), scratch_pos])
         scratch = self.store.allocate(scratch_pos.numel())
         all_addr[scratch_pos] = scratch
         self._initialize(unique[scratch_pos], scratch)
-        return TablePrefetch(unique, inverse, all_addr, unique[store][placed], scratch)
+        return TablePrefetch(unique, inverse, all_addr, keys[placed], scratch)
 
-    def _admit(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """bool (u,): keys to store (already stored, or admitted by this batch's occurrences)."""
+    def _place_new(self, keys: torch.Tensor, res: InsertResult) -> torch.Tensor:
+        """Rows for the keys ``res`` inserted (a victim's row when one was evicted, else a fresh
+        one), initialized. Returns int64 (k,) the row address of each key, -1 where not placed."""
+        inserted = res.inserted.nonzero().squeeze(1)
+        need = inserted[res.values[inserted] < 0] if self.index.bounded else inserted
+        fresh = self.store.allocate(need.numel())
+        addresses = res.values.clone()
+        addresses[need] = fresh
+        self.index.assign(res.slots[need], fresh)
+        self._initialize(keys[inserted], addresses[inserted])
+        return addresses
+
+    def _admit(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """bool (u,): keys to store (already stored, or admitted by this batch's occurrences);
+        None when the table has no admission policy (every key is stored)."""
         if self.admission is None:
-            return torch.ones(unique.numel(), dtype=torch.bool, device=self.device)
+            return None
         stored = self.index.find(unique) >= 0
         cand = ~stored
         res = self.admission.find_or_insert(unique[cand], 0, counts[cand])
@@ -185,14 +198,10 @@ class HbmTable:
     def write(self, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert rows; their optimizer state is reset to zero."""
         res = self.index.find_or_insert(keys, step)
+        addresses = self._place_new(keys, res)
         if bool((res.slots < 0).any()):
             raise RuntimeError(f"table {self.name!r}: no room for {int((res.slots < 0).sum())} keys "
                                "(their buckets are full of rows locked by in-flight batches)")
-        need = res.values < 0
-        fresh = self.store.allocate(int(need.sum()))
-        addresses = res.values.clone()
-        addresses[need] = fresh
-        self.index.assign(res.slots[need], fresh)
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
         self.kernels.scatter(self.store, addresses, rows)
@@ -205,9 +214,10 @@ class HbmTable:
 
     def stats(self) -> TableStats:
         c = self.counters
+        hits, misses, conflicts = self._device_counts.tolist()
         return TableStats(
             rows={"device": self.index.size()}, capacity=self.config.max_capacity,
-            lookups=c.lookups, unique_lookups=c.unique_lookups, hits=c.hits, misses=c.misses,
-            conflict_misses=c.conflict_misses, evictions=c.evictions, not_admitted=c.not_admitted,
+            lookups=c.lookups, unique_lookups=c.unique_lookups, hits=hits, misses=misses,
+            conflict_misses=conflicts, evictions=c.evictions, not_admitted=c.not_admitted,
             bytes_moved={}, memory_bytes={"device": self.store.nbytes()},
         )
