@@ -15,31 +15,58 @@ from tqdm import tqdm
 from tieredemb.models import DLRMConfig
 from tieredemb.train import EMB_OPTIMIZERS, TrainConfig, TrainEvent, TrainResult, train
 
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="samples per step (default %(default)s)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="log loss and eval AUC every N steps; 0: only at the end "
-                        "(default %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr,
-                   help="learning rate of the dense MLPs, Adam (default %(default)s)")
-    p.add_argument("--emb-optimizer", choices=sorted(EMB_OPTIMIZERS), default=d.emb_optimizer,
-                   help="fused embedding optimizer (default %(default)s)")
-    p.add_argument("--emb-lr", type=float, default=d.emb_lr,
-                   help="embedding learning rate (default %(default)s)")
-    p.add_argument("--embedding-dim", type=int, default=d.model.embedding_dim,
-                   help="embedding width D (default %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="samples per step (default %(default)s)"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="log loss and eval AUC every N steps; 0: only at the end (default %(default)s)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=d.lr, help="learning rate of the dense MLPs, Adam (default %(default)s)"
+    )
+    p.add_argument(
+        "--emb-optimizer",
+        choices=sorted(EMB_OPTIMIZERS),
+        default=d.emb_optimizer,
+        help="fused embedding optimizer (default %(default)s)",
+    )
+    p.add_argument(
+        "--emb-lr", type=float, default=d.emb_lr, help="embedding learning rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=d.model.embedding_dim,
+        help="embedding width D (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of data and model (default 0)")
     p.add_argument("--device", default=d.device, help="cpu or cuda (default %(default)s)")
-    p.add_argument("--data", default=None, metavar="TSV",
-                   help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic data")
-    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
-                   help="with --data: tail fraction held out for eval (default %(default)s)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="TSV",
+        help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic data",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=d.eval_fraction,
+        help="with --data: tail fraction held out for eval (default %(default)s)",
+    )
     p.add_argument("--max-rows", type=int, default=None, help="with --data: read at most N rows")
-    p.add_argument("--eval-size", type=int, default=d.synthetic.eval_size,
-                   help="synthetic eval samples (default %(default)s)")
+    p.add_argument(
+        "--eval-size",
+        type=int,
+        default=d.synthetic.eval_size,
+        help="synthetic eval samples (default %(default)s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
@@ -49,29 +76,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tieredemb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser(
-        "train", help="train a small DLRM on synthetic clicks (or a Criteo TSV) and report AUC",
+        "train",
+        help="train a small DLRM on synthetic clicks (or a Criteo TSV) and report AUC",
         description="Train a small DLRM on synthetic click data with a known best AUC, or on a "
-                    "Criteo-format TSV with --data, and report eval AUC.")
+        "Criteo-format TSV with --data, and report eval AUC.",
+    )
     _add_train_args(train_p)
-    bench_p = sub.add_parser("bench", help="benchmarks (see tieredemb.bench)", add_help=False)
-    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    # Listed for --help only: main() hands everything after "bench" to tieredemb.bench.main.
+    bench_p = sub.add_parser("bench", help="benchmarks: tieredemb bench --help for their options")
+    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     d = TrainConfig()
     return TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every, lr=args.lr,
-        emb_optimizer=args.emb_optimizer, emb_lr=args.emb_lr,
-        model=DLRMConfig(embedding_dim=args.embedding_dim), seed=args.seed, device=args.device,
-        data=args.data, eval_fraction=args.eval_fraction, max_rows=args.max_rows,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        eval_every=args.eval_every,
+        lr=args.lr,
+        emb_optimizer=args.emb_optimizer,
+        emb_lr=args.emb_lr,
+        model=DLRMConfig(embedding_dim=args.embedding_dim),
+        seed=args.seed,
+        device=args.device,
+        data=args.data,
+        eval_fraction=args.eval_fraction,
+        max_rows=args.max_rows,
         synthetic=replace(d.synthetic, eval_size=args.eval_size),
     )
 
 
 def _print_summary(result: TrainResult) -> None:
-    print(f"summary: {result.steps} steps, {result.samples:,} samples, "
-          f"{result.samples_per_second:,.0f} samples/s (training), wall {result.wall_seconds:.1f} s")
+    print(
+        f"summary: {result.steps} steps, {result.samples:,} samples, "
+        f"{result.samples_per_second:,.0f} samples/s (training), wall {result.wall_seconds:.1f} s"
+    )
     print(f"  final loss {result.loss:.4f}")
     print(f"  eval AUC   {result.auc:.4f}")
     if result.auc_best is None:
@@ -79,8 +119,10 @@ def _print_summary(result: TrainResult) -> None:
         return
     print(f"  AUC_best   {result.auc_best:.4f} (ground-truth logit, same eval set)")
     print(f"  target     {result.target:.4f} (0.5 + 0.9 * (AUC_best - 0.5))")
-    print(f"  {'PASS' if result.passed else 'FAIL'}: eval AUC {result.auc:.4f} "
-          f"{'>=' if result.passed else '<'} target {result.target:.4f}")
+    print(
+        f"  {'PASS' if result.passed else 'FAIL'}: eval AUC {result.auc:.4f} "
+        f"{'>=' if result.passed else '<'} target {result.target:.4f}"
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -89,8 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
         print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
     config = _config_from_args(args)
-    bar = tqdm(total=config.steps, desc="train", unit="step", disable=args.no_progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=config.steps, desc="train", unit="step", disable=args.no_progress, dynamic_ncols=True)
 
     def on_event(event: TrainEvent) -> None:
         if event.kind == "step":
@@ -108,8 +149,8 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """``tieredemb bench``: hands its arguments to ``tieredemb.bench.main`` when that exists."""
+def run_bench(argv: Sequence[str]) -> int:
+    """``tieredemb bench ARGS``: hands ARGS to ``tieredemb.bench.main`` when that exists."""
     try:
         bench = importlib.import_module("tieredemb.bench")
     except ModuleNotFoundError as e:
@@ -118,21 +159,22 @@ def run_bench(args: argparse.Namespace) -> int:
         bench = None
     bench_main = getattr(bench, "main", None)
     if bench_main is None:
-        print("error: bench not available (no tieredemb.bench.main in this install)",
-              file=sys.stderr)
+        print("error: bench not available (no tieredemb.bench.main in this install)", file=sys.stderr)
         return 2
-    rc = bench_main(args.bench_args)
+    rc = bench_main(list(argv))
     return 0 if rc is None else int(rc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tieredemb`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # bench parses its own arguments (argparse would reject the ones it doesn't know here).
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+    level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "train":
-        return run_train(args)
-    return run_bench(args)
+    return run_train(args)
 
 
 if __name__ == "__main__":

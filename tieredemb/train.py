@@ -53,10 +53,10 @@ class TrainConfig:
         target_fraction: the share of the achievable AUC lift over 0.5 the job must recover.
     """
 
-    steps: int = 1_000
-    batch_size: int = 2_048
-    eval_every: int = 200
-    lr: float = 2e-3
+    steps: int = 250
+    batch_size: int = 4_096
+    eval_every: int = 50
+    lr: float = 3e-3
     emb_optimizer: str = "rowwise_adagrad"
     emb_lr: float = 0.05
     model: DLRMConfig = field(default_factory=DLRMConfig)
@@ -70,8 +70,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.emb_optimizer not in EMB_OPTIMIZERS:
-            raise ValueError(f"emb_optimizer must be one of {sorted(EMB_OPTIMIZERS)}, "
-                             f"got {self.emb_optimizer!r}")
+            raise ValueError(
+                f"emb_optimizer must be one of {sorted(EMB_OPTIMIZERS)}, got {self.emb_optimizer!r}"
+            )
         if self.steps < 1 or self.batch_size < 1 or self.eval_every < 0:
             raise ValueError("steps and batch_size must be >= 1 and eval_every >= 0")
 
@@ -122,8 +123,7 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     if n_pos == 0 or n_neg == 0:
         raise ValueError("AUC needs both positive and negative labels")
     sorted_scores, order = torch.sort(scores)
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True,
-                                                  return_counts=True)
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
     ends = torch.cumsum(counts, 0).double()  # 1-based rank of each tie group's last member
     mean_rank = ends - (counts.double() - 1) / 2  # average rank within each tie group
     rank_sum = mean_rank[inverse][positive[order]].sum().item()
@@ -150,8 +150,9 @@ def make_model(config: TrainConfig, device: torch.device) -> DLRM:
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, data: ClickBatch, device: torch.device,
-             batch_size: int = 16_384) -> tuple[float, float]:
+def evaluate(
+    model: DLRM, data: ClickBatch, device: torch.device, batch_size: int = 16_384
+) -> tuple[float, float]:
     """(AUC, mean log loss) of ``model`` on ``data``, in eval mode (read-only embeddings)."""
     model.eval()
     try:
@@ -185,8 +186,7 @@ def _ground_truth(eval_set: ClickBatch, fraction: float) -> tuple[float | None, 
     return best, 0.5 + fraction * (best - 0.5)
 
 
-def train(config: TrainConfig,
-          callback: Callable[[TrainEvent], None] | None = None) -> TrainResult:
+def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = None) -> TrainResult:
     """Train the DLRM per ``config``; ``callback`` sees a ``TrainEvent`` after each step and eval."""
     wall_start = time.perf_counter()
     device = torch.device(config.device)
@@ -220,11 +220,27 @@ def train(config: TrainConfig,
             step_start = time.perf_counter()
     passed = None if target is None else auc >= target
     return TrainResult(
-        steps=config.steps, samples=config.steps * config.batch_size, train_seconds=train_seconds,
-        wall_seconds=time.perf_counter() - wall_start, loss=loss, auc=auc, auc_best=auc_best,
-        target=target, passed=passed, history=history,
+        steps=config.steps,
+        samples=config.steps * config.batch_size,
+        train_seconds=train_seconds,
+        wall_seconds=time.perf_counter() - wall_start,
+        loss=loss,
+        auc=auc,
+        auc_best=auc_best,
+        target=target,
+        passed=passed,
+        history=history,
     )
 
 
-__all__ = ["EMB_OPTIMIZERS", "TrainConfig", "TrainEvent", "TrainResult", "evaluate", "make_model",
-           "make_source", "roc_auc", "train"]
+__all__ = [
+    "EMB_OPTIMIZERS",
+    "TrainConfig",
+    "TrainEvent",
+    "TrainResult",
+    "evaluate",
+    "make_model",
+    "make_source",
+    "roc_auc",
+    "train",
+]

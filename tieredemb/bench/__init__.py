@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     hbm.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads for the run (default: torch's own choice)")
     hbm.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
+    hbm.add_argument("--no-preinsert", dest="preinsert", action="store_false",
+                     help="start from empty tables (new keys are inserted while timing)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     return parser
 
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
                              optimizers=_split(args.optimizers), kernels=_split(args.kernels),
-                             steps=args.steps, warmup=args.warmup, seed=args.seed)
+                             steps=args.steps, warmup=args.warmup, seed=args.seed,
+                             preinsert=args.preinsert)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2

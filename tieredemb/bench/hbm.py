@@ -73,6 +73,7 @@ class HbmOptions:
     steps: int = 50
     warmup: int = 10
     seed: int = 0
+    preinsert: bool = True  # every row stored before timing, as the peer's dense tables are
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -95,6 +96,8 @@ class RowSnapshot:
     weights: list[torch.Tensor]
     found: list[torch.Tensor]
     stored: list[int]
+    preinserted: bool = False
+    table_rows: int = 0
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -192,6 +195,8 @@ def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatc
                                     device=dev, seed=opts.seed, kernels=kernels)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
     m = Measurement("ours", optimizer, f"ours ({name} kernels)", kernels=name)
+    if opts.preinsert:
+        preinsert_rows(ebc, shape, dev, opts.seed)
 
     def step(batch: HbmBatch) -> None:
         ebc.prefetch(batch.kjt)
@@ -213,7 +218,19 @@ def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatc
                "rows_stored": sum(s.rows["device"] for s in stats.values()),
                "row_memory_bytes": sum(s.memory_bytes.get("device", 0) for s in stats.values()),
                "peak_host_rss_bytes": peak_host_rss_bytes()}
-    return m, snapshot_rows(ebc, shape, dev, opts.seed, name)
+    snap = snapshot_rows(ebc, shape, dev, opts.seed, name)
+    snap.preinserted, snap.table_rows = opts.preinsert, shape.rows
+    return m, snap
+
+
+def preinsert_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, device: torch.device,
+                   seed: int) -> None:
+    """Store every key of every table with its initial row (the values a first lookup would give),
+    so that the timed steps are the steady state of a full table, like the peer's."""
+    for t, config in enumerate(shape.table_configs()):
+        for lo in range(0, shape.rows, 1 << 18):
+            ranks = torch.arange(lo, min(lo + (1 << 18), shape.rows), device=device)
+            ebc.write(config.name, scramble(ranks, t), initial_rows(config, t, ranks, seed))
 
 
 def build_peer(shape: HbmShape, device: torch.device, seed: int) -> list[torch.nn.EmbeddingBag]:
@@ -342,31 +359,36 @@ def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor
                  seen_total: list[int]) -> RowCheck:
     """Ours' snapshot against the peer, per table (all tensors host, aligned with ``snap.ranks``):
 
-    - ours stores exactly the keys the batches touched (``seen``), as many as the peer's touched rows;
-    - a stored row equals the peer's row (rtol CHECK_RTOL, atol CHECK_ATOL);
-    - an untouched row is still its initial row in the peer (and reads as zeros in ours).
+    - ours stores exactly the keys the batches touched (``seen``), as many as the peer's touched
+      rows; or, when the rows were pre-inserted, every key;
+    - a touched row equals the peer's row (rtol CHECK_RTOL, atol CHECK_ATOL);
+    - an untouched row is still its initial row in the peer, and in ours its initial row when
+      pre-inserted, else not stored (zeros).
     """
     problems: list[str] = []
     max_diff = max_moved = 0.0
     compared = trained = 0
     for t in range(len(snap.ranks)):
-        found, ours, peer = snap.found[t], snap.weights[t], peer_rows[t]
+        found, ours, peer, touched = snap.found[t], snap.weights[t], peer_rows[t], seen[t]
         compared += found.numel()
-        trained += int(found.sum())
-        if not torch.equal(found, seen[t]):
-            problems.append(f"table {t}: ours stores {int(found.sum())} of the checked keys, the "
-                            f"batches touched {int(seen[t].sum())}")
+        trained += int(touched.sum())
+        want_found = torch.ones_like(touched) if snap.preinserted else touched
+        if not torch.equal(found, want_found):
+            problems.append(f"table {t}: ours stores {int(found.sum())} of the checked keys, "
+                            f"expected {int(want_found.sum())}")
             continue
-        if snap.stored[t] != seen_total[t]:
-            problems.append(f"table {t}: ours stores {snap.stored[t]} rows, the batches touched "
-                            f"{seen_total[t]}")
-        if found.any():
-            max_diff = max(max_diff, float((ours[found] - peer[found]).abs().max()))
-            max_moved = max(max_moved, float((peer[found] - initial[t][found]).abs().max()))
-            if not torch.allclose(ours[found], peer[found], rtol=CHECK_RTOL, atol=CHECK_ATOL):
+        want_stored = snap.table_rows if snap.preinserted else seen_total[t]
+        if snap.stored[t] != want_stored:
+            problems.append(f"table {t}: ours stores {snap.stored[t]} rows, expected {want_stored}")
+        if touched.any():
+            max_diff = max(max_diff, float((ours[touched] - peer[touched]).abs().max()))
+            max_moved = max(max_moved, float((peer[touched] - initial[t][touched]).abs().max()))
+            if not torch.allclose(ours[touched], peer[touched], rtol=CHECK_RTOL, atol=CHECK_ATOL):
                 problems.append(f"table {t}: trained rows differ from the peer's by up to "
-                                f"{float((ours[found] - peer[found]).abs().max()):.3g}")
-        if not torch.equal(peer[~found], initial[t][~found]) or bool(ours[~found].any()):
+                                f"{float((ours[touched] - peer[touched]).abs().max()):.3g}")
+        idle = ~touched
+        ours_idle = initial[t][idle] if snap.preinserted else torch.zeros_like(ours[idle])
+        if not torch.equal(peer[idle], initial[t][idle]) or not torch.equal(ours[idle], ours_idle):
             problems.append(f"table {t}: untouched rows are not their initial rows / zeros")
     if trained and max_moved == 0.0:
         problems.append("no trained row moved from its initial value: the comparison proves nothing")

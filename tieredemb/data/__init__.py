@@ -50,8 +50,7 @@ class ClickBatch:
     def slice(self, start: int, stop: int) -> ClickBatch:
         """Samples ``[start, stop)``."""
         logits = None if self.true_logits is None else self.true_logits[start:stop]
-        return ClickBatch(self.dense[start:stop], self.ids[:, start:stop], self.labels[start:stop],
-                          logits)
+        return ClickBatch(self.dense[start:stop], self.ids[:, start:stop], self.labels[start:stop], logits)
 
     def to(self, device: torch.device | str) -> ClickBatch:
         """The same batch on ``device``."""

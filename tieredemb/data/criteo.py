@@ -109,8 +109,7 @@ class CriteoClicks:
         max_rows: read at most this many rows.
     """
 
-    def __init__(self, path: str | Path, eval_fraction: float = 0.1,
-                 max_rows: int | None = None) -> None:
+    def __init__(self, path: str | Path, eval_fraction: float = 0.1, max_rows: int | None = None) -> None:
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         rows = read_criteo_tsv(path, max_rows)
@@ -133,5 +132,4 @@ class CriteoClicks:
         return self._eval
 
 
-__all__ = ["CriteoClicks", "missing_id", "parse_hex_id", "parse_line", "parse_lines",
-           "read_criteo_tsv"]
+__all__ = ["CriteoClicks", "missing_id", "parse_hex_id", "parse_line", "parse_lines", "read_criteo_tsv"]

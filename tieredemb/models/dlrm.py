@@ -85,8 +85,7 @@ class DLRM(nn.Module):
         self.bottom = mlp([config.num_dense, *config.bottom_mlp, d], last_relu=True)
         self.ebc = ebc
         self.interaction = DotInteraction(num_vectors)
-        self.top = mlp([DotInteraction.output_dim(num_vectors, d), *config.top_mlp, 1],
-                       last_relu=False)
+        self.top = mlp([DotInteraction.output_dim(num_vectors, d), *config.top_mlp, 1], last_relu=False)
         self.embedding_dim = d
 
     def forward(self, dense: torch.Tensor, sparse: te.KeyedJaggedTensor) -> torch.Tensor:
@@ -97,13 +96,15 @@ class DLRM(nn.Module):
         return self.top(self.interaction(x, pooled)).squeeze(1)
 
 
-def make_tables(feature_names: Sequence[str], embedding_dim: int,
-                init_scale: float = 0.05) -> list[te.TableConfig]:
+def make_tables(
+    feature_names: Sequence[str], embedding_dim: int, init_scale: float = 0.05
+) -> list[te.TableConfig]:
     """One table per feature, raw int64 ids (``num_embeddings=None``), sum pooling."""
     init = te.init.Uniform(-init_scale, init_scale)
     return [
-        te.TableConfig(name=f"t_{f}", embedding_dim=embedding_dim, feature_names=[f],
-                       pooling="sum", initializer=init)
+        te.TableConfig(
+            name=f"t_{f}", embedding_dim=embedding_dim, feature_names=[f], pooling="sum", initializer=init
+        )
         for f in feature_names
     ]
 
