@@ -3,7 +3,8 @@
 # CUDA present, then `tieredemb bench hbm` on the GPU. Logs and the bench report go under $OUT
 # (./gpu_out when unset); the bench table is printed again as the last lines.
 #
-#   scripts/gpu_check.sh [--bench-only] [--tests-only] [--scale S] [--steps N] [-- MORE BENCH ARGS]
+#   scripts/gpu_check.sh [--bench-only] [--tests-only] [--profile] [--scale S] [--steps N]
+#                        [-- MORE BENCH ARGS]
 #
 # Runs from a plain checkout: the project is not installed there, so PYTHONPATH points at it.
 set -o pipefail
@@ -15,6 +16,7 @@ mkdir -p "$OUT"
 
 run_tests=1
 run_bench=1
+run_profile=0
 scale=1
 steps=50
 bench_args=()
@@ -22,6 +24,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --bench-only) run_tests=0 ;;
         --tests-only) run_bench=0 ;;
+        --profile) run_profile=1 ;;
         --scale) scale="$2"; shift ;;
         --steps) steps="$2"; shift ;;
         --) shift; bench_args=("$@"); break ;;
@@ -34,6 +37,7 @@ done
 GPU_TESTS_TIMEOUT=150
 OTHER_TESTS_TIMEOUT=200
 BENCH_TIMEOUT=220
+PROFILE_TIMEOUT=120
 
 echo "== machine"
 nvidia-smi -L
@@ -69,6 +73,11 @@ if [ "$run_bench" = 1 ]; then
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
     [ "$bench_rc" = 0 ] || status=1
+fi
+
+if [ "$run_profile" = 1 ]; then
+    echo "== profile of steady-state steps (adam, scale $scale)"
+    timeout "$PROFILE_TIMEOUT" python3 scripts/profile_step.py --scale "$scale" 2>&1 | tee "$OUT/profile.log"
 fi
 
 echo

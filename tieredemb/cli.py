@@ -139,7 +139,10 @@ def run_train(args: argparse.Namespace) -> int:
             if event.step % 10 == 0:
                 bar.set_postfix(loss=f"{event.loss:.4f}", refresh=False)
         else:
-            tqdm.write(f"step {event.step:>6}: loss {event.loss:.4f}  eval AUC {event.auc:.4f}")
+            tqdm.write(
+                f"step {event.step:>6}: loss {event.loss:.4f}  eval loss {event.eval_loss:.4f}  "
+                f"eval AUC {event.auc:.4f}"
+            )
 
     try:
         result = train(config, callback=on_event)

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -81,13 +81,14 @@ class TrainConfig:
 class TrainEvent:
     """What the loop reports to its callback: after every step, and after every evaluation.
 
-    ``kind`` is ``"step"`` or ``"eval"``; ``auc`` is set on ``"eval"`` events.
+    ``loss`` is the step's training loss; ``auc`` and ``eval_loss`` are set on ``"eval"`` events.
     """
 
     kind: str
     step: int
     loss: float
     auc: float | None = None
+    eval_loss: float | None = None
 
 
 @dataclass
@@ -133,8 +134,7 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def make_source(config: TrainConfig) -> ClickSource:
     """Synthetic data from ``config.seed``, or the Criteo TSV at ``config.data``."""
     if config.data is None:
-        synthetic = SyntheticConfig(**{**config.synthetic.__dict__, "seed": config.seed})
-        return SyntheticClicks(synthetic)
+        return SyntheticClicks(replace(config.synthetic, seed=config.seed))
     from tieredemb.data.criteo import CriteoClicks
 
     return CriteoClicks(config.data, eval_fraction=config.eval_fraction, max_rows=config.max_rows)
@@ -142,11 +142,12 @@ def make_source(config: TrainConfig) -> ClickSource:
 
 def make_model(config: TrainConfig, device: torch.device) -> DLRM:
     """The DLRM with its EmbeddingBagCollection and fused embedding optimizer on ``device``."""
-    torch.manual_seed(config.seed)
     tables = make_tables(SPARSE_FEATURES, config.model.embedding_dim)
     optimizer = EMB_OPTIMIZERS[config.emb_optimizer](lr=config.emb_lr)
     ebc = te.EmbeddingBagCollection(tables, optimizer=optimizer, device=device, seed=config.seed)
-    return DLRM(config.model, ebc, SPARSE_FEATURES).to(device)
+    with torch.random.fork_rng(devices=[]):  # seed the MLPs without touching the caller's RNG
+        torch.manual_seed(config.seed)
+        return DLRM(config.model, ebc, SPARSE_FEATURES, device=device)
 
 
 @torch.no_grad()
@@ -211,10 +212,10 @@ def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = N
         last = step == config.steps
         if last or (config.eval_every and step % config.eval_every == 0):
             train_seconds += time.perf_counter() - step_start
-            auc, _ = evaluate(model, eval_set, device)
-            event = TrainEvent("eval", step, loss, auc)
+            auc, eval_loss = evaluate(model, eval_set, device)
+            event = TrainEvent("eval", step, loss, auc, eval_loss)
             history.append(event)
-            logger.info("step %d: loss %.4f, eval AUC %.4f", step, loss, auc)
+            logger.info("step %d: loss %.4f, eval loss %.4f, eval AUC %.4f", step, loss, eval_loss, auc)
             if callback is not None:
                 callback(event)
             step_start = time.perf_counter()

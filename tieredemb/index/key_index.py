@@ -150,8 +150,11 @@ class KeyIndex:
         # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
         self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
         miss = ~found
-        ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
-        if not self.bounded:
+        any_miss = bool(miss.any())  # False in the steady state of a warm table: nothing to place
+        ev_keys = ev_vals = ev_scores = torch.empty(0, dtype=torch.int64, device=self.device)
+        if any_miss:
+            ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
+        if any_miss and not self.bounded:
             failed = miss & (slots < 0)
             while bool(failed.any()):  # a full bucket: double, find this batch's slots again
                 self._grow(2 * self.num_buckets)

@@ -28,9 +28,9 @@ class DotInteraction(nn.Module):
     dense: (B, D); sparse: (B, F-1, D) -> (B, D + F * (F - 1) / 2).
     """
 
-    def __init__(self, num_vectors: int) -> None:
+    def __init__(self, num_vectors: int, device: torch.device | None = None) -> None:
         super().__init__()
-        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1, device=device)
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("cols", cols, persistent=False)
 
@@ -69,23 +69,33 @@ class DLRM(nn.Module):
         config: layer sizes.
         ebc: the embedding bag collection (its fused optimizer trains the embeddings in backward).
         feature_names: the categorical features, in the order their vectors enter the interaction.
+        device: where the dense layers live (the collection was placed by its own ``device``). They
+            are initialized on the CPU from torch's global generator and then moved, so the same seed
+            gives the same layers on every device.
 
     Example::
 
         ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=1e-3))
-        model = DLRM(DLRMConfig(), ebc, feature_names)
+        model = DLRM(DLRMConfig(), ebc, feature_names, device=torch.device("cpu"))
         logits = model(dense, kjt)   # (B,) click logits
     """
 
-    def __init__(self, config: DLRMConfig, ebc: nn.Module, feature_names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        config: DLRMConfig,
+        ebc: nn.Module,
+        feature_names: Sequence[str],
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         d = config.embedding_dim
         num_vectors = len(feature_names) + 1
         self.feature_names = list(feature_names)
-        self.bottom = mlp([config.num_dense, *config.bottom_mlp, d], last_relu=True)
+        self.bottom = mlp([config.num_dense, *config.bottom_mlp, d], last_relu=True).to(device)
         self.ebc = ebc
-        self.interaction = DotInteraction(num_vectors)
-        self.top = mlp([DotInteraction.output_dim(num_vectors, d), *config.top_mlp, 1], last_relu=False)
+        self.interaction = DotInteraction(num_vectors, device)
+        top_in = DotInteraction.output_dim(num_vectors, d)
+        self.top = mlp([top_in, *config.top_mlp, 1], last_relu=False).to(device)
         self.embedding_dim = d
 
     def forward(self, dense: torch.Tensor, sparse: te.KeyedJaggedTensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def check_tables(tables: list[TableConfig]) -> None:
             owner[f] = t.name
 
 
-def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, torch.Tensor]:
+def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, torch.Tensor, list[int]]:
     keys = kjt.keys()
     if len(set(keys)) != len(keys):
         raise ValueError(f"batch has duplicate feature names: {keys}")
@@ -76,13 +76,14 @@ def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, 
                          f"{len(keys)} features")
     batch_size = lengths.numel() // len(keys)
     per_feature = lengths.view(len(keys), batch_size).to(torch.int64)
-    negative = (per_feature < 0).any(dim=1).tolist()
+    # one host transfer: ids per feature, and how many negative lengths each has
+    summary = torch.stack([per_feature.sum(dim=1), (per_feature < 0).sum(dim=1)]).tolist()
+    counts, negative = summary
     if any(negative):
-        raise ValueError(f"feature {keys[negative.index(True)]!r}: negative lengths")
-    total = int(per_feature.sum())
-    if total != values.numel():
-        raise ValueError(f"batch lengths sum to {total} but values has {values.numel()} ids")
-    return batch_size, per_feature
+        raise ValueError(f"feature {keys[[n > 0 for n in negative].index(True)]!r}: negative lengths")
+    if sum(counts) != values.numel():
+        raise ValueError(f"batch lengths sum to {sum(counts)} but values has {values.numel()} ids")
+    return batch_size, per_feature, counts
 
 
 def _check_weights(kjt: KeyedJaggedTensor, bounds: list[int]) -> None:
@@ -116,13 +117,28 @@ def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
                          "accepts")
 
 
+def _check_all_ids(values: torch.Tensor, tables: list[TableConfig], features: list[str],
+                   counts: list[int], bounds: list[int]) -> None:
+    """Every feature's ids at once (one host sync); the failing feature is checked again alone for
+    its message. values: int64 (n,) feature-major; tables/features/counts: per feature."""
+    if values.numel() == 0:
+        return
+    limits = [t.num_embeddings if t.num_embeddings is not None else -1 for t in tables]
+    limit = torch.repeat_interleave(torch.tensor(limits, device=values.device),
+                                    torch.tensor(counts, device=values.device), output_size=values.numel())
+    bad = torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        i = sum(1 for b in bounds[1:] if b <= pos)
+        _check_ids(features[i], tables[i], values[bounds[i] : bounds[i + 1]])
+
+
 def layout_batch(batch: object, tables: list[TableConfig], device: torch.device,
                  use_weights: bool) -> Batch:
     """Check a batch against the collection's tables and cut it into per-table id lists."""
     kjt = as_kjt(batch)
     table_of = {f: t for t in tables for f in t.feature_names}
-    batch_size, per_feature = _check_structure(kjt, list(table_of))
-    counts = per_feature.sum(dim=1).tolist()
+    batch_size, per_feature, counts = _check_structure(kjt, list(table_of))
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
@@ -131,9 +147,9 @@ def layout_batch(batch: object, tables: list[TableConfig], device: torch.device,
     weights = kjt.weights_or_none() if use_weights else None
     if weights is not None:
         weights = weights.to(device=device, dtype=torch.float32)
-    position = {f: i for i, f in enumerate(kjt.keys())}
-    for f, i in position.items():
-        _check_ids(f, table_of[f], values[bounds[i] : bounds[i + 1]])
+    order = kjt.keys()
+    position = {f: i for i, f in enumerate(order)}
+    _check_all_ids(values, [table_of[f] for f in order], order, counts, bounds)
     per_feature = per_feature.to(device)
     out: dict[str, TableBatch] = {}
     for t in tables:
