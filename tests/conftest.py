@@ -21,7 +21,6 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
 
 import tieredemb as te  # noqa: E402
 
@@ -306,9 +305,7 @@ class DenseReference:
         self.optimizer = optimizer
         self.pooled = pooled
         self.init = init
-        self.tables = {
-            t.name: _RefTable(t, _state_width(optimizer, t.embedding_dim)) for t in tables
-        }
+        self.tables = {t.name: _RefTable(t, _state_width(optimizer, t.embedding_dim)) for t in tables}
         self.table_of = {f: t.name for t in tables for f in t.feature_names}
         self.step = 0
 
@@ -469,10 +466,12 @@ def assert_tables_match_reference(collection, reference: DenseReference, msg: st
         keys, w, s, _ = sorted_export(collection, name)
         want_keys, want_w, want_s = reference.export(name)
         assert keys.tolist() == want_keys.tolist(), f"{msg} table {name!r}: stored keys differ"
-        torch.testing.assert_close(w, want_w, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, n=name: f"{msg} table {n!r} weights: {m}")
-        torch.testing.assert_close(s, want_s, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, n=name: f"{msg} table {n!r} optimizer state: {m}")
+        torch.testing.assert_close(
+            w, want_w, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{msg} table {n!r} weights: {m}"
+        )
+        torch.testing.assert_close(
+            s, want_s, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{msg} table {n!r} optimizer state: {m}"
+        )
         got_w, found = collection.read(name, want_keys)
         assert bool(found.all()), f"{msg} table {name!r}: read() misses stored keys"
         torch.testing.assert_close(got_w.detach(), want_w, rtol=RTOL, atol=ATOL)
@@ -486,17 +485,5 @@ def snapshot(collection, tables: Sequence[te.TableConfig]) -> dict[str, tuple[to
 def assert_snapshot_equal(before, after) -> None:
     assert before.keys() == after.keys()
     for name in before:
-        for what, x, y in zip(("keys", "weights", "optimizer_state", "scores"), before[name],
-                              after[name]):
+        for what, x, y in zip(("keys", "weights", "optimizer_state", "scores"), before[name], after[name]):
             assert torch.equal(x, y), f"table {name!r}: {what} changed"
-
-
-# --------------------------------------------------------------------------------------------------
-# Fixtures
-# --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A seeded generator: tests draw their random rows, batches and upstream gradients from it."""
-    return torch.Generator().manual_seed(1234)

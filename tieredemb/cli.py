@@ -73,7 +73,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tieredemb`` argument parser."""
-    parser = argparse.ArgumentParser(prog="tieredemb", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tieredemb", description="Tiered embedding tables: the training job and the benchmarks."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser(
         "train",

@@ -179,6 +179,17 @@ def _batches(source: ClickSource, steps: int, batch_size: int) -> Iterator[Click
             yield batch
 
 
+def train_step(model: DLRM, dense_opt: torch.optim.Optimizer, batch: ClickBatch) -> float:
+    """One step: forward, BCE loss, backward (the embeddings' fused optimizer updates their rows in
+    there), then the dense optimizer's step. Returns the loss."""
+    logits = model(batch.dense, batch.kjt())
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    dense_opt.zero_grad(set_to_none=True)
+    loss.backward()
+    dense_opt.step()
+    return loss.item()
+
+
 def _ground_truth(eval_set: ClickBatch, fraction: float) -> tuple[float | None, float | None]:
     """(AUC_best, target AUC) from the eval set's true logits, or (None, None) without them."""
     if eval_set.true_logits is None:
@@ -200,13 +211,7 @@ def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = N
     train_seconds, auc, loss = 0.0, 0.5, float("nan")
     step_start = time.perf_counter()
     for step, batch in enumerate(_batches(source, config.steps, config.batch_size), start=1):
-        batch = batch.to(device)
-        logits = model(batch.dense, batch.kjt())
-        loss_t = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        dense_opt.zero_grad(set_to_none=True)
-        loss_t.backward()  # the embeddings' fused optimizer steps in here
-        dense_opt.step()
-        loss = loss_t.item()
+        loss = train_step(model, dense_opt, batch.to(device))
         if callback is not None:
             callback(TrainEvent("step", step, loss))
         last = step == config.steps
@@ -244,4 +249,5 @@ __all__ = [
     "make_source",
     "roc_auc",
     "train",
+    "train_step",
 ]

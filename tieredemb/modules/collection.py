@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tieredemb.config import StorageConfig, TableConfig
-from tieredemb.jagged import JaggedTensor, KeyedTensor
+from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, TableBatch, check_keys, check_tables, layout_batch
 from tieredemb.modules.table import HbmTable, TablePrefetch, TableRows, TableStats
 from tieredemb.ops import select_kernels
@@ -106,13 +106,18 @@ class _Collection(nn.Module):
         return CollectionPrefetch(batch, tables, training)
 
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
-        for i, (queued, state) in enumerate(self._queued):
-            if queued is kjt:
-                del self._queued[i]
-                if state.training == self.training:
-                    return state
-                self._release(state)  # prefetched in the other mode: resolve again
-                break
+        """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
+        and forward see batches in the same order. Without a pending prefetch, resolve now."""
+        if not self._queued:
+            return self._resolve(kjt)
+        queued, state = self._queued[0]
+        if queued is not kjt and not _same_batch(queued, kjt):
+            raise RuntimeError("forward got a batch other than the oldest prefetched one: prefetch "
+                               "and forward must see the same batches in the same order")
+        del self._queued[0]
+        if state.training == self.training:
+            return state
+        self._release(state)  # prefetched in the other mode: resolve again
         return self._resolve(kjt)
 
     def _run(self, kjt: object) -> tuple[CollectionPrefetch, tuple[torch.Tensor, ...]]:
@@ -196,6 +201,20 @@ class _Collection(nn.Module):
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
         return f"tables=[{dims}], optimizer={self.optimizer}, storage_mode={self.storage_mode!r}"
+
+
+def _same_batch(a: object, b: object) -> bool:
+    """Two batches with the same features, ids, lengths and weights."""
+    a, b = as_kjt(a), as_kjt(b)
+    if a.keys() != b.keys():
+        return False
+    pairs = [(a.values(), b.values()), (a.lengths(), b.lengths())]
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    if (wa is None) != (wb is None):
+        return False
+    if wa is not None:
+        pairs.append((wa, wb))
+    return all(x.shape == y.shape and torch.equal(x, y.to(x.device)) for x, y in pairs)
 
 
 def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer,

@@ -1,0 +1,255 @@
+"""Bad input is refused with a clear error and changes nothing (DESIGN section 2).
+
+Each bad batch must raise ``ValueError`` or ``TypeError`` whose message names the offending feature
+(where there is one) and the problem. Afterwards every table's export is unchanged, and one more good
+step leaves the collection equal to a twin that never saw the bad batch (so a refused batch took no
+optimizer step and left nothing behind).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import tieredemb as te
+from tests.conftest import Batch, assert_snapshot_equal, loss_of, make_kjt, snapshot
+
+SMALL, BIG, CTX = "small_ids", "big_ids", "big_ctx"  # distinctive, so a message naming them is clear
+
+
+def tables() -> list[te.TableConfig]:
+    return [
+        te.TableConfig("small", 3, [SMALL], num_embeddings=10),
+        # Admission counters are state too: a refused batch must not count toward a threshold.
+        te.TableConfig("big", 4, [BIG, CTX], pooling="mean", admission=te.FrequencyAdmission(3)),
+    ]
+
+
+GOOD = {SMALL: [[1, 2], [3]], BIG: [[5], []], CTX: [[7, 8], [9]]}  # B = 2, 6 ids
+KEYS = [SMALL, BIG, CTX]
+VALUES = [1, 2, 3, 5, 7, 8, 9]
+LENGTHS = [2, 1, 1, 0, 2, 1]
+
+
+def trained(module: type):
+    """A collection with rows, optimizer state, scores and admission counts from three steps.
+
+    Counts in "big" after it: 9 -> 3 (stored), 7, 8, 10 -> 2, 5, 6, 11 -> 1 (not stored).
+    """
+    collection = module(tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1)
+    for i in range(3):
+        bags = {f: [[k + i for k in bag] for bag in b] for f, b in GOOD.items()}
+        loss_of(collection(Batch(bags).kjt())).backward()
+    return collection
+
+
+@dataclass
+class BadBatch:
+    kjt: te.KeyedJaggedTensor
+    feature: str | None  # the feature the message must name, if the problem has one
+    problem: str  # a regex the message must match (case-insensitive)
+
+
+def bad_batches(pooled: bool) -> dict[str, BadBatch]:
+    cases = {
+        "float ids": BadBatch(
+            make_kjt(KEYS, torch.tensor(VALUES, dtype=torch.float32), LENGTHS),
+            None,
+            r"dtype|int64|integer|float",
+        ),
+        "float lengths": BadBatch(
+            make_kjt(KEYS, VALUES, torch.tensor(LENGTHS, dtype=torch.float32)),
+            None,
+            r"dtype|length|integer|float",
+        ),
+        "lengths sum != number of ids": BadBatch(
+            make_kjt(KEYS, VALUES + [4], LENGTHS), None, r"length|sum|values"
+        ),
+        "lengths count not a multiple of the keys": BadBatch(
+            make_kjt(KEYS, VALUES, LENGTHS[:-1] + [0, 0]), None, r"length|multiple|keys|batch"
+        ),
+        "negative length": BadBatch(make_kjt(KEYS, VALUES, [2, 1, 1, 0, 3, -1]), None, r"negative|length"),
+        "unknown feature": BadBatch(
+            make_kjt(KEYS + ["nope_feature"], VALUES + [1], LENGTHS + [1, 0]),
+            "nope_feature",
+            r"unknown|not|expected|feature",
+        ),
+        "missing feature": BadBatch(
+            make_kjt([SMALL, BIG], VALUES[:4], LENGTHS[:4]), CTX, r"missing|not|expected|feature"
+        ),
+        "repeated feature": BadBatch(
+            make_kjt(KEYS + [SMALL], VALUES + [1], LENGTHS + [1, 0]),
+            SMALL,
+            r"duplicate|repeat|twice|more than once|feature",
+        ),
+        "id = num_embeddings": BadBatch(
+            make_kjt(KEYS, [1, 10, 3, 5, 7, 8, 9], LENGTHS), SMALL, r"range|num_embeddings|10"
+        ),
+        "negative id in a bounded table": BadBatch(
+            make_kjt(KEYS, [1, 2, -1, 5, 7, 8, 9], LENGTHS), SMALL, r"range|negative|num_embeddings"
+        ),
+        "reserved key in a raw-id table": BadBatch(
+            make_kjt(KEYS, [1, 2, 3, 5, te.RESERVED_KEY, 8, 9], LENGTHS), CTX, rf"reserved|{te.RESERVED_KEY}"
+        ),
+    }
+    if pooled:
+
+        def weights(bad: float, at: int) -> list[float]:
+            w = [1.0] * len(VALUES)
+            w[at] = bad
+            return w
+
+        cases |= {
+            "nan weight": BadBatch(make_kjt(KEYS, VALUES, LENGTHS, weights(math.nan, 5)), CTX, r"finite|nan"),
+            "inf weight": BadBatch(make_kjt(KEYS, VALUES, LENGTHS, weights(math.inf, 3)), BIG, r"finite|inf"),
+            "-inf weight": BadBatch(
+                make_kjt(KEYS, VALUES, LENGTHS, weights(-math.inf, 0)), SMALL, r"finite|inf"
+            ),
+            "weights of the wrong length": BadBatch(
+                make_kjt(KEYS, VALUES, LENGTHS, [1.0] * (len(VALUES) - 1)), None, r"weight"
+            ),
+        }
+    return cases
+
+
+MODULES = {"ebc": te.EmbeddingBagCollection, "ec": te.EmbeddingCollection}
+CASES = [(m, name) for m in MODULES for name in bad_batches(pooled=m == "ebc")]
+
+
+@pytest.mark.parametrize("module_name, case", CASES, ids=[f"{m}: {c}" for m, c in CASES])
+def test_bad_batch_is_refused_and_changes_nothing(module_name, case):
+    module = MODULES[module_name]
+    bad = bad_batches(pooled=module is te.EmbeddingBagCollection)[case]
+    victim, twin = trained(module), trained(module)
+    before = snapshot(victim, tables())
+
+    def forward_and_backward():
+        loss_of(victim(bad.kjt)).backward()  # backward only if forward wrongly took the batch
+
+    for call in (lambda: victim.prefetch(bad.kjt), forward_and_backward):
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        message = str(info.value)
+        if bad.feature is not None:
+            assert bad.feature in message, f"message does not name {bad.feature!r}: {message!r}"
+        assert re.search(bad.problem, message, re.IGNORECASE), f"unclear message: {message!r}"
+        assert_snapshot_equal(before, snapshot(victim, tables()))
+
+    good = Batch(GOOD).kjt()
+    for c in (victim, twin):
+        loss_of(c(good)).backward()
+    assert_snapshot_equal(snapshot(twin, tables()), snapshot(victim, tables()))
+
+
+@pytest.mark.parametrize("module", MODULES.values(), ids=MODULES.keys())
+def test_not_a_kjt_is_a_type_error(module):
+    collection = trained(module)
+    before = snapshot(collection, tables())
+    with pytest.raises(TypeError):
+        collection({SMALL: torch.tensor([1])})
+    with pytest.raises(TypeError):
+        collection(torch.tensor([1, 2, 3]))
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+
+
+def test_bad_write_is_refused_and_changes_nothing():
+    collection = trained(te.EmbeddingBagCollection)
+    before = snapshot(collection, tables())
+    with pytest.raises(ValueError):
+        collection.write("small", torch.tensor([1, 2]), torch.zeros(2, 4))  # D is 3
+    with pytest.raises(ValueError):
+        collection.write("small", torch.tensor([1, 2]), torch.zeros(3, 3))  # 2 keys, 3 rows
+    with pytest.raises(ValueError, match="small"):
+        collection.write("small", torch.tensor([1, 10]), torch.zeros(2, 3))  # 10 out of [0, 10)
+    with pytest.raises(ValueError):
+        collection.write("big", torch.tensor([te.RESERVED_KEY]), torch.zeros(1, 4))
+    with pytest.raises((ValueError, KeyError), match="no_such_table"):
+        collection.write("no_such_table", torch.tensor([1]), torch.zeros(1, 3))
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad configurations
+# --------------------------------------------------------------------------------------------------
+
+
+def build(tables_, **kwargs):
+    kwargs.setdefault("optimizer", te.optim.SGD(lr=0.1))
+    return te.EmbeddingBagCollection(tables_, **kwargs)
+
+
+def test_duplicate_table_names():
+    with pytest.raises(ValueError, match="twin"):
+        build([te.TableConfig("twin", 4, ["x"]), te.TableConfig("twin", 4, ["y"])])
+
+
+def test_feature_in_two_tables():
+    with pytest.raises(ValueError, match="shared_feature"):
+        build([te.TableConfig("a", 4, ["shared_feature"]), te.TableConfig("b", 4, ["shared_feature"])])
+
+
+def test_no_tables():
+    with pytest.raises(ValueError):
+        build([])
+
+
+@pytest.mark.parametrize("dim", [0, -3])
+def test_dim_below_one(dim):
+    with pytest.raises(ValueError, match="embedding_dim"):
+        te.TableConfig("t", dim, ["x"])
+
+
+def test_unknown_pooling_and_eviction():
+    with pytest.raises(ValueError, match="pooling"):
+        te.TableConfig("t", 4, ["x"], pooling="max")
+    with pytest.raises(ValueError, match="eviction"):
+        te.TableConfig("t", 4, ["x"], eviction="random")
+
+
+def test_bad_admission_threshold():
+    with pytest.raises(ValueError):
+        te.FrequencyAdmission(0)
+
+
+def test_optimizer_must_be_a_fused_optimizer():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    for bad in (torch.optim.SGD(params, lr=0.1), "adam"):
+        with pytest.raises(TypeError):
+            build([te.TableConfig("t", 4, ["x"])], optimizer=bad)
+
+
+def test_tables_must_be_table_configs():
+    with pytest.raises(TypeError):
+        build([{"name": "t", "embedding_dim": 4, "feature_names": ["x"]}])
+
+
+def test_unknown_kernels():
+    with pytest.raises(ValueError, match="kernels"):
+        build([te.TableConfig("t", 4, ["x"])], kernels="cuda_magic")
+
+
+def test_default_storage_is_hbm_direct():
+    assert build([te.TableConfig("t", 4, ["x"])]).storage_mode == "hbm_direct"
+    fits = build(
+        [te.TableConfig("t", 4, ["x"], num_embeddings=100)], storage=te.StorageConfig(hbm_budget="1GiB")
+    )
+    assert fits.storage_mode == "hbm_direct"
+
+
+@pytest.mark.parametrize(
+    "table, budget",
+    [
+        (te.TableConfig("bounded", 16, ["x"], num_embeddings=1000), 1),
+        (te.TableConfig("capped", 16, ["x"], max_capacity=1000), 1),
+        (te.TableConfig("unbounded", 16, ["x"]), "1GiB"),  # counts as over any finite budget
+    ],
+    ids=["num_embeddings", "max_capacity", "unbounded"],
+)
+def test_over_budget_needs_tiered_storage(table, budget):
+    for caching in (True, False):  # cache and hybrid mode
+        with pytest.raises(NotImplementedError, match="tiered-storage"):
+            build([table], storage=te.StorageConfig(hbm_budget=budget, caching=caching))

@@ -1,0 +1,553 @@
+"""Training equals DESIGN section 2's reference (tests/conftest.py ``DenseReference``).
+
+Every test trains a collection and the reference side by side on the same batches, with the same rows
+written into both, and compares each step's output and, at the end, every stored row and its optimizer
+state. Hypothesis draws the tables (mixed dims, shared tables, bounded and raw-id tables, sum and mean
+pooling, weights) and 20 batches (empty bags, all-empty batches, single ids, duplicates within a bag
+and across the features of a shared table, features in any order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tieredemb as te
+from tests.conftest import (
+    INT64_MAX,
+    OPTIMIZERS,
+    RAW_KEYS,
+    Batch,
+    DenseReference,
+    assert_outputs_close,
+    assert_snapshot_equal,
+    assert_tables_match_reference,
+    feature_dims,
+    feature_order,
+    make_optimizer,
+    probed_init,
+    random_batch,
+    random_upstream,
+    snapshot,
+    sorted_export,
+    weighted_loss,
+)
+
+STEPS = 20
+SCHEDULES = ["prefetch", "pipelined"]  # besides "plain": see train_side_by_side
+HYPOTHESIS = settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@dataclass
+class Scenario:
+    """Tables, the keys each may see, the keys written up front, and the batches to train on."""
+
+    tables: list[te.TableConfig]
+    pools: dict[str, list[int]]  # table -> keys its features draw from
+    written: dict[str, list[int]]  # table -> keys written (ebc.write) before training
+    batches: list[Batch]
+    seed: int = 0  # rows written and upstream gradients
+
+
+# --------------------------------------------------------------------------------------------------
+# Driving a collection and the reference side by side
+# --------------------------------------------------------------------------------------------------
+
+
+def build_pair(module: type, scenario: Scenario, optimizer: str, seed: int = 0, **kwargs):
+    """A collection and its reference, with the scenario's written rows in both."""
+    opt = make_optimizer(optimizer)
+    collection = module(scenario.tables, optimizer=opt, seed=seed, **kwargs)
+    pooled = module is te.EmbeddingBagCollection
+    init = probed_init(scenario.tables, scenario.pools, seed, module=module)
+    reference = DenseReference(scenario.tables, opt, pooled=pooled, init=init)
+    gen = torch.Generator().manual_seed(scenario.seed)
+    for t in scenario.tables:
+        keys = scenario.written.get(t.name, [])
+        if keys:
+            rows = torch.rand(len(keys), t.embedding_dim, generator=gen) - 0.5
+            collection.write(t.name, torch.tensor(keys, dtype=torch.int64), rows)
+            reference.write(t.name, keys, rows)
+    return collection, reference
+
+
+def train_side_by_side(
+    collection, reference: DenseReference, batches, gen: torch.Generator, schedule: str = "plain"
+) -> None:
+    """One step per batch on both; outputs compared at every step.
+
+    schedule: "plain" (forward, backward), "prefetch" (prefetch(i), forward(i), backward(i)) or
+    "pipelined" (forward(i), prefetch(i + 1), backward(i): the next batch is resolved before this
+    batch's update lands, as a training pipeline does).
+    """
+    tables = reference.configs
+    kjts = [batch.kjt() for batch in batches]
+    if schedule == "pipelined" and kjts:
+        collection.prefetch(kjts[0])
+    for step, batch in enumerate(batches):
+        upstream = random_upstream(gen, batch, tables, pooled=reference.pooled)
+        if schedule == "prefetch":
+            collection.prefetch(kjts[step])
+        out = collection(kjts[step])
+        if schedule == "pipelined" and step + 1 < len(kjts):
+            collection.prefetch(kjts[step + 1])
+        weighted_loss(out, upstream).backward()
+        want = reference.train_step(batch, upstream)
+        assert_outputs_close(out, want, f"step {step + 1}")
+
+
+def check_scenario(module: type, scenario: Scenario, optimizer: str, schedule: str = "plain") -> None:
+    collection, reference = build_pair(module, scenario, optimizer)
+    gen = torch.Generator().manual_seed(scenario.seed + 1)
+    train_side_by_side(collection, reference, scenario.batches, gen, schedule)
+    assert_tables_match_reference(collection, reference, f"after {len(scenario.batches)} steps")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hypothesis strategies
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def table_configs(draw, pooled: bool):
+    """1-3 tables: mixed dims, 1-2 features each (shared tables), bounded or raw-id keys."""
+    tables, pools = [], {}
+    for i in range(draw(st.integers(1, 3))):
+        n_features = draw(st.integers(1, 2))
+        # Feature names deliberately not in sorted order inside a table.
+        features = [f"t{i}_f{n_features - j}" for j in range(n_features)]
+        if draw(st.booleans()):
+            n = draw(st.integers(1, 6))
+            num_embeddings, pool = n, list(range(n))
+        else:
+            num_embeddings = None
+            pool = draw(st.lists(st.sampled_from(RAW_KEYS), min_size=1, max_size=5, unique=True))
+        tables.append(
+            te.TableConfig(
+                name=f"table{i}",
+                embedding_dim=draw(st.sampled_from([1, 2, 3, 4, 8])),
+                feature_names=features,
+                num_embeddings=num_embeddings,
+                pooling=draw(st.sampled_from(["sum", "mean"])) if pooled else "sum",
+            )
+        )
+        pools[tables[-1].name] = pool
+    return tables, pools
+
+
+@st.composite
+def batches(draw, tables: list[te.TableConfig], pools: dict[str, list[int]], weighted: bool):
+    """One batch: B in 1..3, bags of 0..3 ids from the table's pool, sometimes no id at all."""
+    b = draw(st.integers(1, 3))
+    features = feature_order(tables)
+    all_empty = draw(st.integers(0, 7)) == 0
+    bags, weights = {}, {} if weighted else None
+    # Positive weights (no cancellation that only summation order decides) and exact zeros: a row
+    # touched with a zero gradient still takes its optimizer step (Adam's moments decay).
+    weight = st.one_of(st.just(0.0), st.floats(0.25, 2.0, width=32))
+    for t in tables:
+        bag = st.lists(st.sampled_from(pools[t.name]), max_size=0 if all_empty else 3)
+        for f in t.feature_names:
+            bags[f] = [draw(bag) for _ in range(b)]
+            if weights is not None:
+                weights[f] = [draw(st.lists(weight, min_size=len(x), max_size=len(x))) for x in bags[f]]
+    return Batch(bags, weights, key_order=draw(st.permutations(features)))
+
+
+@st.composite
+def scenarios(draw, pooled: bool):
+    tables, pools = draw(table_configs(pooled))
+    weighted = pooled and draw(st.booleans())
+    written = {t: draw(st.lists(st.sampled_from(p), unique=True)) for t, p in pools.items()}
+    steps = [draw(batches(tables, pools, weighted)) for _ in range(STEPS)]
+    return Scenario(tables, pools, written, steps, seed=draw(st.integers(0, 2**16)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@HYPOTHESIS
+@given(data=st.data())
+def test_embedding_bag_collection_matches_reference(optimizer, data):
+    scenario = data.draw(scenarios(pooled=True))
+    schedule = data.draw(st.sampled_from(["plain", *SCHEDULES]))
+    check_scenario(te.EmbeddingBagCollection, scenario, optimizer, schedule)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@HYPOTHESIS
+@given(data=st.data())
+def test_embedding_collection_matches_reference(optimizer, data):
+    scenario = data.draw(scenarios(pooled=False))
+    schedule = data.draw(st.sampled_from(["plain", *SCHEDULES]))
+    check_scenario(te.EmbeddingCollection, scenario, optimizer, schedule)
+
+
+def edge_scenario(weighted: bool) -> Scenario:
+    """Hand-written corner cases, cycled to 20 steps: the same as Hypothesis draws, but always run."""
+    tables = [
+        te.TableConfig("shared", 3, ["u", "v"]),
+        te.TableConfig("small", 2, ["w"], num_embeddings=4, pooling="mean"),
+    ]
+    pools = {"shared": [5, 7, -1, INT64_MAX], "small": [0, 1, 2, 3]}
+    cycle = [
+        {"u": [[], []], "v": [[], []], "w": [[], []]},  # a batch with no id at all
+        {"u": [[5], []], "v": [[], []], "w": [[], []]},  # one id
+        {"u": [[5, 5, 5], [7]], "v": [[7, 5], []], "w": [[1, 1], [3]]},  # duplicates in a bag
+        {"u": [[INT64_MAX]], "v": [[INT64_MAX, -1]], "w": [[0]]},  # duplicates across features
+        {"u": [[], [-1], []], "v": [[-1], [], [7, 7]], "w": [[], [2], [2, 2, 2]]},
+    ]
+    steps = []
+    for i in range(STEPS):
+        bags = cycle[i % len(cycle)]
+        weights = None
+        if weighted:
+            weights = {f: [[0.5 + 0.25 * j for j in range(len(bag))] for bag in fb] for f, fb in bags.items()}
+        order = ["w", "v", "u"] if i % 2 else ["u", "v", "w"]
+        steps.append(Batch(bags, weights, key_order=order))
+    return Scenario(tables, pools, {"shared": [5, -1], "small": [0, 3]}, steps, seed=7)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_edge_batches_match_reference(optimizer, weighted):
+    check_scenario(te.EmbeddingBagCollection, edge_scenario(weighted), optimizer)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_edge_batches_match_reference_sequence(optimizer):
+    check_scenario(te.EmbeddingCollection, edge_scenario(weighted=False), optimizer)
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        None,
+        te.StorageConfig(bucket_width=4, segment_rows=64),
+        te.StorageConfig(bucket_width=1, segment_rows=5),
+    ],
+    ids=["default", "narrow_buckets", "one_slot_buckets"],
+)
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_thousands_of_keys_grow_the_table_and_match_reference(optimizer, storage):
+    """Enough distinct raw ids that the index and the row store grow many times during training."""
+    gen = torch.Generator().manual_seed(42)
+    raw = torch.randint(-(2**63) + 1, 2**63 - 1, (2000,), generator=gen, dtype=torch.int64)
+    pool = sorted(set(raw.tolist()) - {te.RESERVED_KEY})
+    tables = [te.TableConfig("big", 4, ["a", "b"], pooling="mean"), te.TableConfig("wide", 16, ["c"])]
+    steps = [
+        random_batch(gen, {"a": pool, "b": pool[:300], "c": pool}, batch_size=48, max_bag=6)
+        for _ in range(STEPS)
+    ]
+    scenario = Scenario(tables, {"big": pool, "wide": pool}, {"big": pool[:50]}, steps, seed=4)
+    kwargs = {} if storage is None else {"storage": storage}
+    collection, reference = build_pair(te.EmbeddingBagCollection, scenario, optimizer, **kwargs)
+    assert collection.storage_mode == "hbm_direct"
+    train_side_by_side(collection, reference, steps, gen)
+    assert_tables_match_reference(collection, reference, "after growth")
+
+
+def test_write_mid_training_resets_state_and_training_continues():
+    """write() upserts rows (stored and new keys) and zeroes their optimizer state."""
+    tables = [te.TableConfig("t", 3, ["x", "y"]), te.TableConfig("u", 2, ["z"], num_embeddings=9)]
+    pools = {"t": [1, 2, 3, 4, 5, -6], "u": list(range(9))}
+    gen = torch.Generator().manual_seed(8)
+    features = {"x": pools["t"], "y": pools["t"], "z": pools["u"]}
+    scenario = Scenario(tables, pools, {"t": [1, 2]}, [], seed=8)
+    collection, reference = build_pair(te.EmbeddingBagCollection, scenario, "adagrad")
+    train_side_by_side(collection, reference, [random_batch(gen, features, 3) for _ in range(6)], gen)
+
+    keys = [2, 3, 77]  # stored with state, stored with state, new
+    rows = torch.rand(3, 3, generator=gen)
+    collection.write("t", torch.tensor(keys), rows)
+    reference.write("t", keys, rows)
+    written = {k: i for i, k in enumerate(keys)}
+    got_keys, got_w, got_s, _ = sorted_export(collection, "t")
+    for j, k in enumerate(got_keys.tolist()):
+        if k in written:
+            assert torch.equal(got_w[j], rows[written[k]]), f"key {k}: written row not stored"
+            assert torch.count_nonzero(got_s[j]) == 0, f"key {k}: optimizer state not reset"
+    assert_tables_match_reference(collection, reference, "after write")
+
+    features["x"] = features["x"] + [77]
+    train_side_by_side(collection, reference, [random_batch(gen, features, 3) for _ in range(6)], gen)
+    assert_tables_match_reference(collection, reference, "after write and more training")
+
+
+def test_read_changes_nothing_and_reports_missing_keys():
+    tables = [te.TableConfig("t", 3, ["x"], eviction="lfu"), te.TableConfig("u", 2, ["y"])]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.1))
+    for _ in range(3):
+        loss = ebc(Batch({"x": [[1, 2], [2]], "y": [[5], []]}).kjt()).values().sum()
+        loss.backward()
+    before = snapshot(ebc, tables)
+    rows, found = ebc.read("t", torch.tensor([2, 99, 1, 2]))
+    assert found.tolist() == [True, False, True, True]
+    assert tuple(rows.shape) == (4, 3) and rows.dtype == torch.float32
+    assert torch.count_nonzero(rows[1]) == 0, "a key not stored must read as zeros"
+    torch.testing.assert_close(rows[0], rows[3])
+    empty, none_found = ebc.read("u", torch.zeros(0, dtype=torch.int64))
+    assert tuple(empty.shape) == (0, 2) and none_found.numel() == 0
+    assert_snapshot_equal(before, snapshot(ebc, tables))
+
+
+def test_stats_and_storage_mode():
+    tables = [te.TableConfig("t", 3, ["x"]), te.TableConfig("u", 2, ["y"], num_embeddings=4)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1))
+    ebc(Batch({"x": [[1, 2]], "y": [[3]]}).kjt()).values().sum().backward()
+    assert ebc.storage_mode == "hbm_direct"
+    stats = ebc.stats()
+    assert set(stats) == {"t", "u"}
+    assert all(isinstance(s, te.TableStats) for s in stats.values())
+
+
+def test_kjt_given_by_offsets_equals_kjt_given_by_lengths():
+    tables = [te.TableConfig("t", 3, ["x", "y"], pooling="mean")]
+    batch = Batch(
+        {"x": [[1, 2], [], [3]], "y": [[], [4, 4], [1]]},
+        {"x": [[1.0, 2.0], [], [0.5]], "y": [[], [3.0, 1.0], [2.0]]},
+    )
+    by_lengths = batch.kjt()
+    by_offsets = te.KeyedJaggedTensor(
+        keys=by_lengths.keys(),
+        values=by_lengths.values(),
+        offsets=torch.tensor([0, 2, 2, 3, 3, 5, 6]),
+        weights=by_lengths.weights_or_none(),
+    )
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1))
+    ebc.eval()
+    torch.testing.assert_close(ebc(by_offsets).values(), ebc(by_lengths).values())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_prefetch_schedules_match_reference(optimizer, schedule):
+    check_scenario(te.EmbeddingBagCollection, edge_scenario(weighted=True), optimizer, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_prefetch_schedules_with_admission_match_reference(module, schedule):
+    check_scenario(module, admission_scenario(threshold=2), "adam", schedule)
+
+
+def test_keyed_tensor_layout_follows_table_config_order():
+    tables = [
+        te.TableConfig("b_table", 3, ["z", "a"]),
+        te.TableConfig("a_table", 2, ["m"]),
+    ]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1))
+    batch = Batch({"m": [[1], []], "a": [[2, 3], [4]], "z": [[], [5]]})  # KJT order: m, a, z
+    out = ebc(batch.kjt())
+    assert out.keys() == ["z", "a", "m"]
+    assert out.length_per_key() == [3, 3, 2]
+    assert tuple(out.values().shape) == (2, 8)
+    parts = out.to_dict()
+    assert list(parts) == ["z", "a", "m"]
+    torch.testing.assert_close(out["a"], out.values()[:, 3:6])
+    torch.testing.assert_close(parts["m"], out.values()[:, 6:8])
+
+
+def test_sequence_output_has_one_row_per_id():
+    tables = [te.TableConfig("t", 4, ["x", "y"])]
+    ec = te.EmbeddingCollection(tables, optimizer=te.optim.SGD(lr=0.1))
+    out = ec(Batch({"y": [[1, 2, 1], []], "x": [[], [3]]}).kjt())
+    assert set(out) == {"x", "y"}
+    assert tuple(out["y"].values().shape) == (3, 4)
+    assert out["y"].lengths().tolist() == [3, 0]
+    assert tuple(out["x"].values().shape) == (1, 4)
+    assert out["x"].lengths().tolist() == [0, 1]
+    torch.testing.assert_close(out["y"].values()[0], out["y"].values()[2])
+
+
+def test_zero_batch_size_is_a_step_without_rows():
+    """B = 0 (lengths and values both empty): an empty (0, sum dims) output, no row changes."""
+    tables = [te.TableConfig("t", 4, ["x", "y"])]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adagrad(lr=0.1))
+    ebc.write("t", torch.tensor([1, 2]), torch.ones(2, 4))
+    before = snapshot(ebc, tables)
+    out = ebc(Batch({"x": [], "y": []}).kjt())
+    assert tuple(out.values().shape) == (0, 8)
+    out.values().sum().backward()
+    assert_snapshot_equal(before, snapshot(ebc, tables))
+
+
+# --------------------------------------------------------------------------------------------------
+# Eval mode
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_eval_is_read_only(module):
+    """Eval forwards change nothing (rows, state, scores, step count); unseen keys read as zeros."""
+    pooled = module is te.EmbeddingBagCollection
+    tables = [
+        te.TableConfig("shared", 4, ["u", "v"], pooling="mean" if pooled else "sum"),
+        te.TableConfig("small", 2, ["w"], num_embeddings=50),
+    ]
+    seen = {"u": [1, 2, 3], "v": [3, 4], "w": [0, 1, 2]}
+    scenario = Scenario(
+        tables, {"shared": [1, 2, 3, 4, 100, 101], "small": list(range(50))}, {"shared": [1, 2]}, [], seed=3
+    )
+    collection, reference = build_pair(module, scenario, "adam")
+    gen = torch.Generator().manual_seed(11)
+    train = [random_batch(gen, seen, batch_size=3) for _ in range(3)]
+    train_side_by_side(collection, reference, train, gen)
+    before = snapshot(collection, tables)
+
+    collection.eval()
+    unseen = Batch({"u": [[100, 1], [101], []], "v": [[4, 100], [], [100]], "w": [[40], [2, 41], []]})
+    with torch.no_grad():
+        out = collection(unseen.kjt())
+    assert_outputs_close(out, reference.forward(unseen, train=False), "eval")
+    only_unseen = Batch({"u": [[100]], "v": [[101, 100]], "w": [[49]]})
+    out = collection(only_unseen.kjt())  # this time without no_grad
+    values = out.values() if pooled else torch.cat([jt.values().flatten() for jt in out.values()])
+    assert torch.count_nonzero(values) == 0, "keys not stored must read as zeros in eval"
+    assert_snapshot_equal(before, snapshot(collection, tables))
+    _, found = collection.read("shared", torch.tensor([100, 101]))
+    assert not found.any(), "eval inserted keys"
+
+    collection.train()  # training resumes exactly where it was (eval took no step)
+    more = [random_batch(gen, seen, batch_size=2) for _ in range(3)]
+    train_side_by_side(collection, reference, more, gen)
+    assert_tables_match_reference(collection, reference, "after eval and more training")
+
+
+# --------------------------------------------------------------------------------------------------
+# Admission
+# --------------------------------------------------------------------------------------------------
+
+
+def admission_scenario(threshold: int) -> Scenario:
+    tables = [
+        te.TableConfig("gated", 3, ["g1", "g2"], admission=te.FrequencyAdmission(threshold)),
+        te.TableConfig("open", 2, ["o"], pooling="mean"),
+    ]
+    pools = {"gated": [10, 11, 12, 13, -5], "open": [1, 2]}
+    fixed = [
+        # 11 three times in one batch (twice in one bag): admitted at once when threshold <= 3.
+        Batch({"g1": [[10, 10], [11]], "g2": [[11, 11], []], "o": [[1], []]}),
+        Batch({"g1": [[10], []], "g2": [[], [12]], "o": [[], [2]]}),
+        Batch({"g1": [[], []], "g2": [[], []], "o": [[], []]}),
+        Batch({"g1": [[12, 13]], "g2": [[10]], "o": [[1, 2]]}),
+    ]
+    gen = torch.Generator().manual_seed(threshold)
+    rest = [
+        random_batch(gen, {"g1": pools["gated"], "g2": pools["gated"], "o": [1, 2]}, 2)
+        for _ in range(STEPS - len(fixed))
+    ]
+    return Scenario(tables, pools, {}, fixed + rest, seed=threshold)
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 5])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_frequency_admission_matches_reference(module, optimizer, threshold):
+    check_scenario(module, admission_scenario(threshold), optimizer)
+
+
+def test_admission_stores_a_key_in_the_batch_that_reaches_the_threshold():
+    """Spelled out for k = 3: key 7 occurs twice in step 1 (not stored), once in step 2 (stored)."""
+    table = te.TableConfig(
+        "t", 2, ["x"], admission=te.FrequencyAdmission(3), initializer=te.init.Constant(0.5)
+    )
+    ebc = te.EmbeddingBagCollection([table], optimizer=te.optim.SGD(lr=1.0))
+    out = ebc(Batch({"x": [[7, 7]]}).kjt())
+    torch.testing.assert_close(out.values(), torch.full((1, 2), 1.0))  # two initial rows pooled
+    out.values().sum().backward()
+    assert sorted_export(ebc, "t")[0].numel() == 0, "stored before reaching the threshold"
+
+    out = ebc(Batch({"x": [[7], [7, 7]]}).kjt())
+    torch.testing.assert_close(out.values(), torch.tensor([[0.5, 0.5], [1.0, 1.0]]))
+    out.values().sum().backward()  # the whole batch's gradient: 3 occurrences of 1.0
+    keys, weights, _, _ = sorted_export(ebc, "t")
+    assert keys.tolist() == [7]
+    torch.testing.assert_close(weights, torch.full((1, 2), 0.5 - 3.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_triton_kernels_match_torch_kernels(module, optimizer):
+    """kernels="triton" (on CUDA, else the interpreter on CPU) equals kernels="torch"."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pooled = module is te.EmbeddingBagCollection
+    tables = [
+        te.TableConfig("shared", 4, ["a", "b"]),
+        te.TableConfig("small", 2, ["c"], num_embeddings=6, pooling="mean" if pooled else "sum"),
+    ]
+    pools = {"a": [3, -9, INT64_MAX], "b": [3, 4], "c": [0, 1, 5]}
+    gen = torch.Generator().manual_seed(5)
+    steps = [random_batch(gen, pools, batch_size=2, weighted=pooled) for _ in range(3)]
+    paths = [
+        module(tables, optimizer=make_optimizer(optimizer), device=device, kernels=k)
+        for k in ("torch", "triton")
+    ]
+    rows = torch.rand(2, 4, generator=gen).to(device)
+    for c in paths:
+        c.write("shared", torch.tensor([3, 4], device=device), rows)
+    for step, batch in enumerate(steps):
+        upstream = random_upstream(gen, batch, tables, pooled)
+        upstream = (
+            {f: u.to(device) for f, u in upstream.items()}
+            if isinstance(upstream, dict)
+            else upstream.to(device)
+        )
+        outs = []
+        for c in paths:
+            out = c(batch.kjt().to(device))
+            weighted_loss(out, upstream).backward()
+            outs.append(out)
+        assert_outputs_close(outs[1], outs[0], f"step {step + 1}")
+    for t in tables:
+        want, got = sorted_export(paths[0], t.name), sorted_export(paths[1], t.name)
+        assert got[0].tolist() == want[0].tolist()
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+def test_feature_dims_helper_is_consistent():
+    """Guards the helpers the suite leans on (a wrong helper would make every test vacuous)."""
+    tables = [te.TableConfig("a", 2, ["x", "y"]), te.TableConfig("b", 5, ["z"])]
+    assert feature_order(tables) == ["x", "y", "z"]
+    assert feature_dims(tables) == {"x": 2, "y": 2, "z": 5}
+
+
+def test_forward_uses_the_prefetch_of_an_equal_batch_once() -> None:
+    """An equal (not identical) batch consumes the pending prefetch: admission counts it once."""
+    table = te.TableConfig("t", 2, ["x"], admission=te.FrequencyAdmission(2))
+    ebc = te.EmbeddingBagCollection([table], optimizer=te.optim.SGD(lr=0.1))
+
+    def kjt() -> te.KeyedJaggedTensor:
+        return te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1]))
+
+    ebc.prefetch(kjt())
+    ebc(kjt()).values().sum().backward()
+    assert ebc.export("t").keys.tolist() == []  # one occurrence of a threshold of 2
+    ebc(kjt()).values().sum().backward()
+    assert ebc.export("t").keys.tolist() == [7]
+
+
+def test_forward_of_another_batch_than_the_prefetched_one_is_refused() -> None:
+    table = te.TableConfig("t", 2, ["x"])
+    ebc = te.EmbeddingBagCollection([table])
+    ebc.prefetch(te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1])))
+    with pytest.raises(RuntimeError, match="oldest prefetched"):
+        ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), torch.tensor([1])))
