@@ -56,6 +56,7 @@ class InsertResult:
     evicted_keys: torch.Tensor
     evicted_values: torch.Tensor
     evicted_scores: torch.Tensor
+    any_miss: bool = True  # host-side: False when every key was found (nothing inserted or evicted)
 
     @property
     def inserted(self) -> torch.Tensor:
@@ -94,6 +95,7 @@ class KeyIndex:
         # that decides when to look at it
         self._size_dev = torch.zeros((), dtype=torch.int64, device=self.device)
         self._size_bound = 0
+        self.generation = 0  # rehashes so far
 
     # ----------------------------------------------------------------------------------- layout
     def _allocate(self, num_buckets: int) -> None:
@@ -147,14 +149,21 @@ class KeyIndex:
             self._reserve_for(n)  # before the lookup: a rehash moves slots
         slots = self.find(keys)
         found = slots >= 0
+        miss = ~found
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        if not bool(miss.any()):  # the steady state of a warm table: every key found
+            if lock:
+                self.locks.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+            if self.policy == "lru":
+                self.scores.index_fill_(0, slots, step)
+            else:
+                self.scores.index_add_(0, slots, counts)
+            self._size_bound += n
+            return InsertResult(slots, found, self.values[slots], empty, empty, empty, any_miss=False)
         # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
         self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
-        miss = ~found
-        any_miss = bool(miss.any())  # False in the steady state of a warm table: nothing to place
-        ev_keys = ev_vals = ev_scores = torch.empty(0, dtype=torch.int64, device=self.device)
-        if any_miss:
-            ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
-        if any_miss and not self.bounded:
+        ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
+        if not self.bounded:
             failed = miss & (slots < 0)
             while bool(failed.any()):  # a full bucket: double, find this batch's slots again
                 self._grow(2 * self.num_buckets)
@@ -228,6 +237,15 @@ class KeyIndex:
         """Set the row addresses of occupied ``slots``."""
         self.values[slots] = values
 
+    def unlock_slots(self, slots: torch.Tensor, generation: int) -> bool:
+        """Release one lock on each of ``slots`` (int64 (n,), distinct, occupied) if the index has
+        not been rehashed since they were found (``generation``). Returns False (nothing done) if it
+        has: then ``unlock`` the keys."""
+        if generation != self.generation:
+            return False
+        self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        return True
+
     def unlock(self, keys: torch.Tensor) -> None:
         """Release one lock on each present key (absent keys are ignored)."""
         slots = self.find(keys)
@@ -264,6 +282,7 @@ class KeyIndex:
 
     def _grow(self, num_buckets: int) -> None:
         """Rehash into ``num_buckets`` (a power-of-two multiple: every old bucket splits cleanly)."""
+        self.generation += 1  # slots found before now are stale
         occupied = self.keys != RESERVED_KEY
         keys, values = self.keys[occupied], self.values[occupied]
         scores, locks = self.scores[occupied], self.locks[occupied]

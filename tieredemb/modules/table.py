@@ -59,13 +59,16 @@ class TablePrefetch:
 
     unique_keys: int64 (u,); inverse: int64 (n,) id -> unique position; counts: int64 (u,) occurrences;
     addresses: int64 (u,) row address per unique key (-1: read as zeros, never updated: eval misses);
-    locked: int64 (l,) keys whose slots this batch locked; scratch: int64 (s,) addresses to free.
+    locked: int64 (l,) keys whose slots this batch locked, at ``locked_slots`` while the index is at
+    rehash ``generation``; scratch: int64 (s,) addresses to free.
     """
 
     unique_keys: torch.Tensor
     inverse: torch.Tensor
     addresses: torch.Tensor
     locked: torch.Tensor
+    locked_slots: torch.Tensor
+    generation: int
     scratch: torch.Tensor
 
 
@@ -75,6 +78,7 @@ class _Counters:
 
     lookups: int = 0
     unique_lookups: int = 0
+    hits: int = 0  # batches with no miss count here; the others on the device
     evictions: int = 0
     not_admitted: int = 0
 
@@ -123,17 +127,21 @@ class HbmTable:
         if not training:
             slots = self.index.find(unique)
             addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
-            return TablePrefetch(unique, inverse, addresses, empty, empty)
+            return TablePrefetch(unique, inverse, addresses, empty, empty, self.index.generation, empty)
         store = self._admit(unique, counts)  # bool (u,), or None: every key is stored
         keys = unique if store is None else unique[store]
         res = self.index.find_or_insert(keys, step, counts if store is None else counts[store],
                                         lock=True)
         addresses = self._place_new(keys, res)  # (k,), -1 for conflict misses
         placed = res.slots >= 0
-        self._device_counts += torch.stack([res.found.sum(), (~res.found).sum(), (~placed).sum()])
+        if res.any_miss:
+            self._device_counts += torch.stack([res.found.sum(), (~res.found).sum(), (~placed).sum()])
+        else:
+            c.hits += keys.numel()
         c.evictions += res.evicted_keys.numel()
+        generation = self.index.generation
         if store is None and not self.index.bounded:  # every key got a row: no scratch
-            return TablePrefetch(unique, inverse, addresses, keys, empty)
+            return TablePrefetch(unique, inverse, addresses, keys, res.slots, generation, empty)
         # scratch rows for the batch: keys not admitted, conflict misses of a bounded table
         all_addr = torch.empty(unique.numel(), dtype=torch.int64, device=self.device)
         stored_pos = torch.arange(unique.numel(), device=self.device)
@@ -147,11 +155,14 @@ class HbmTable:
         scratch = self.store.allocate(scratch_pos.numel())
         all_addr[scratch_pos] = scratch
         self._initialize(unique[scratch_pos], scratch)
-        return TablePrefetch(unique, inverse, all_addr, keys[placed], scratch)
+        return TablePrefetch(unique, inverse, all_addr, keys[placed], res.slots[placed], generation,
+                             scratch)
 
     def _place_new(self, keys: torch.Tensor, res: InsertResult) -> torch.Tensor:
         """Rows for the keys ``res`` inserted (a victim's row when one was evicted, else a fresh
         one), initialized. Returns int64 (k,) the row address of each key, -1 where not placed."""
+        if not res.any_miss:
+            return res.values
         inserted = res.inserted.nonzero().squeeze(1)
         need = inserted[res.values[inserted] < 0] if self.index.bounded else inserted
         fresh = self.store.allocate(need.numel())
@@ -185,7 +196,8 @@ class HbmTable:
 
     def release(self, pf: TablePrefetch) -> None:
         """Unlock the batch's slots and free its scratch rows."""
-        self.index.unlock(pf.locked)
+        if not self.index.unlock_slots(pf.locked_slots, pf.generation):
+            self.index.unlock(pf.locked)  # the index was rehashed since: find the keys again
         self.store.free(pf.scratch)
 
     # ------------------------------------------------------------------------------ row access
@@ -215,6 +227,7 @@ class HbmTable:
     def stats(self) -> TableStats:
         c = self.counters
         hits, misses, conflicts = self._device_counts.tolist()
+        hits += c.hits
         return TableStats(
             rows={"device": self.index.size()}, capacity=self.config.max_capacity,
             lookups=c.lookups, unique_lookups=c.unique_lookups, hits=hits, misses=misses,
