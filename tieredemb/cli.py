@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -132,7 +133,14 @@ def run_train(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
-    config = _config_from_args(args)
+    if args.data is not None and not os.path.isfile(args.data):
+        print(f"error: --data {args.data}: no such file", file=sys.stderr)
+        return 2
+    try:
+        config = _config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bar = tqdm(total=config.steps, desc="train", unit="step", disable=args.no_progress, dynamic_ncols=True)
 
     def on_event(event: TrainEvent) -> None:
