@@ -62,11 +62,13 @@ def main() -> None:
     print("per step:  event | count | self CPU ms")
     for e in avg:
         if e.key in SYNC_EVENTS:
-            print(f"  {e.key:32s} {e.count / args.steps:8.1f} {e.self_cpu_time_total / 1e3 / args.steps:8.2f}")
+            ms = e.self_cpu_time_total / 1e3 / args.steps
+            print(f"  {e.key:32s} {e.count / args.steps:8.1f} {ms:8.2f}")
     top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:12]
     print("top self-CPU ops per step (ms):")
     for e in top:
-        print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {e.self_cpu_time_total / 1e3 / args.steps:8.2f}")
+        ms = e.self_cpu_time_total / 1e3 / args.steps
+        print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
 
 
 if __name__ == "__main__":
