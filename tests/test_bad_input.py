@@ -240,16 +240,31 @@ def test_default_storage_is_hbm_direct():
     assert fits.storage_mode == "hbm_direct"
 
 
+class _DictStore(te.storage.BackendSpec):
+    def open(self, table, width, device):
+        from tieredemb.storage.backend import DictBackend
+
+        return DictBackend(width)
+
+
 @pytest.mark.parametrize(
     "table, budget",
     [
         (te.TableConfig("bounded", 16, ["x"], num_embeddings=1000), 1),
-        (te.TableConfig("capped", 16, ["x"], max_capacity=1000), 1),
         (te.TableConfig("unbounded", 16, ["x"]), "1GiB"),  # counts as over any finite budget
     ],
-    ids=["num_embeddings", "max_capacity", "unbounded"],
+    ids=["num_embeddings", "unbounded"],
 )
-def test_over_budget_needs_tiered_storage(table, budget):
-    for caching in (True, False):  # cache and hybrid mode
-        with pytest.raises(NotImplementedError, match="tiered-storage"):
-            build([table], storage=te.StorageConfig(hbm_budget=budget, caching=caching))
+def test_over_budget_selects_cache_or_hybrid(table, budget):
+    cache = build([table], storage=te.StorageConfig(hbm_budget=budget, backing=_DictStore()))
+    assert cache.storage_mode == "cache"
+    hybrid = build([table], storage=te.StorageConfig(hbm_budget=budget, caching=False))
+    assert hybrid.storage_mode == "hybrid"
+    with pytest.raises(ValueError, match="HostMemory"):
+        build([table], storage=te.StorageConfig(hbm_budget=budget, caching=False, backing=_DictStore()))
+
+
+def test_max_capacity_in_cache_mode_is_refused():
+    table = te.TableConfig("capped", 16, ["x"], max_capacity=1000)
+    with pytest.raises(NotImplementedError, match="max_capacity"):
+        build([table], storage=te.StorageConfig(hbm_budget=1, backing=_DictStore()))

@@ -28,3 +28,12 @@ def test_free_rows_are_reused_before_growth() -> None:
     store.allocate(1)
     assert len(store.segments) == 2
     assert store.pointer_table().tolist() == [s.data_ptr() for s in store.segments]
+
+
+def test_segments_past_the_device_limit_live_on_the_host() -> None:
+    store = RowStore(width=3, segment_rows=2, device=torch.device("cpu"), device_segments=1)
+    addr = store.allocate(5)
+    assert store.rows_by_placement() == {"device": 2, "host": 4}
+    rows = torch.randn(5, 3)
+    store.scatter(addr, rows)
+    assert torch.equal(store.gather(addr.flip(0)), rows.flip(0))

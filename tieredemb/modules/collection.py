@@ -22,10 +22,12 @@ from torch import nn
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, TableBatch, check_keys, check_tables, layout_batch
+from tieredemb.modules.cache_table import CacheTable
 from tieredemb.modules.table import HbmTable, TablePrefetch, TableRows, TableStats
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
+from tieredemb.storage.backends import HostMemory
 
 
 @dataclass
@@ -79,11 +81,8 @@ class _Collection(nn.Module):
         self.storage_mode = _select_mode(tables, optimizer, storage)
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
-        self._tables = {
-            t.name: HbmTable(t, optimizer, self.seed, self.device, self.kernels,
-                             storage.bucket_width, storage.segment_rows)
-            for t in tables
-        }
+        self._tables = _build_tables(self.storage_mode, tables, optimizer, storage, self.seed,
+                                     self.device, self.kernels)
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queued: list[tuple[object, CollectionPrefetch]] = []
@@ -190,6 +189,11 @@ class _Collection(nn.Module):
             raise ValueError(f"table {table!r}: write keys must be distinct")
         t.write(keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
 
+    def flush(self) -> None:
+        """Write every dirty cached row down to the backing store (a no-op in ``hbm_direct``)."""
+        for t in self._tables.values():
+            t.flush()
+
     def export(self, table: str) -> TableRows:
         """Every stored row of ``table``: keys, weights, optimizer state and scores."""
         return self._table(table).export()
@@ -217,23 +221,58 @@ def _same_batch(a: object, b: object) -> bool:
     return all(x.shape == y.shape and torch.equal(x, y.to(x.device)) for x, y in pairs)
 
 
+def _row_bytes(t: TableConfig, optimizer: EmbeddingOptimizer) -> int:
+    return (t.embedding_dim + optimizer.state_width(t.embedding_dim)) * 4
+
+
 def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer,
                  storage: StorageConfig) -> str:
-    """``hbm_direct`` when there is no budget or the footprint fits it (DESIGN section 3)."""
+    """``hbm_direct`` when there is no budget or the footprint fits it; over it, ``cache`` or
+    ``hybrid`` by ``storage.caching`` (DESIGN section 3)."""
     if storage.hbm_budget is None:
         return "hbm_direct"
-    footprint = 0.0
-    for t in tables:
-        rows = t.bounded_rows
-        width = t.embedding_dim + optimizer.state_width(t.embedding_dim)
-        footprint += float("inf") if rows is None else rows * width * 4
+    footprint = sum(float("inf") if t.bounded_rows is None else t.bounded_rows * _row_bytes(t, optimizer)
+                    for t in tables)
     if footprint <= storage.hbm_budget:
         return "hbm_direct"
-    mode = "cache" if storage.caching else "hybrid"
-    raise NotImplementedError(
-        f"the tables need {footprint:.4g} bytes, over hbm_budget={storage.hbm_budget}: that is "
-        f"{mode!r} mode, which arrives with the tiered-storage issue (#3, 'Tiered storage: HBM cache "
-        "over host memory, RocksDB and Redis')")
+    if not storage.caching and not isinstance(storage.backing, HostMemory):
+        raise ValueError("hybrid mode (caching=False) keeps its overflow rows in host memory: its "
+                         f"backing must be te.storage.HostMemory(), got {storage.backing!r}")
+    return "cache" if storage.caching else "hybrid"
+
+
+def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budget: int) -> list[int]:
+    """Rows of each table on the device under ``budget`` bytes: shared in proportion to the tables'
+    footprints when every table is bounded, else in equal bytes."""
+    sizes = [t.bounded_rows for t in tables]
+    if all(s is not None for s in sizes):
+        total = sum(s * _row_bytes(t, optimizer) for s, t in zip(sizes, tables))
+        shares = [s * _row_bytes(t, optimizer) / total for s, t in zip(sizes, tables)]
+    else:
+        shares = [1.0 / len(tables)] * len(tables)
+    return [max(1, int(budget * f) // _row_bytes(t, optimizer)) for f, t in zip(shares, tables)]
+
+
+def _build_tables(mode: str, tables: list[TableConfig], optimizer: EmbeddingOptimizer,
+                  storage: StorageConfig, seed: int, device: torch.device, kernels) -> dict:
+    """One storage object per table, of the mode's class."""
+    common = dict(optimizer=optimizer, seed=seed, device=device, kernels=kernels,
+                  bucket_width=storage.bucket_width, segment_rows=storage.segment_rows)
+    if mode == "hbm_direct":
+        return {t.name: HbmTable(t, **common) for t in tables}
+    rows = _budget_rows(tables, optimizer, storage.hbm_budget)
+    if mode == "hybrid":
+        return {t.name: HbmTable(t, **common, device_segments=max(1, r // storage.segment_rows))
+                for t, r in zip(tables, rows)}
+    out = {}
+    for t, r in zip(tables, rows):
+        if t.max_capacity is not None:
+            raise NotImplementedError(f"table {t.name!r}: max_capacity in cache mode (a bound over all "
+                                      "tiers) is not built yet; use hbm_direct or hybrid mode")
+        width = t.embedding_dim + optimizer.state_width(t.embedding_dim)
+        backend = storage.backing.open(t.name, width, device)
+        out[t.name] = CacheTable(t, **common, cache_rows=r, backend=backend)
+    return out
 
 
 class EmbeddingBagCollection(_Collection):

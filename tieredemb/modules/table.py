@@ -93,11 +93,14 @@ class HbmTable:
         device: compute device.
         kernels: the kernel set (its ``index_class`` builds the index).
         bucket_width, segment_rows: layout (StorageConfig).
+        index_slots: bound of the index (default: the table's ``max_capacity``).
+        device_segments: row segments on the device before the next go to host memory (hybrid).
     """
 
     def __init__(self, config: TableConfig, optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int,
-                 segment_rows: int) -> None:
+                 segment_rows: int, index_slots: int | None = None,
+                 device_segments: int | None = None) -> None:
         self.config = config
         self.name = config.name
         self.dim = config.embedding_dim
@@ -105,11 +108,13 @@ class HbmTable:
         self.seed = seed
         self.device = device
         self.kernels = kernels
+        index_slots = config.max_capacity if index_slots is None else index_slots
         initial = min(config.bounded_rows or 4096, 1 << 16)
         self.index = kernels.index_class(bucket_width, config.eviction, device,
-                                         max_slots=config.max_capacity, initial_slots=2 * initial)
+                                         max_slots=index_slots, initial_slots=2 * initial)
         # a table that can never fill a whole segment gets one of its own size
-        self.store = RowStore(self.width, min(segment_rows, config.bounded_rows or segment_rows), device)
+        self.store = RowStore(self.width, min(segment_rows, config.bounded_rows or segment_rows), device,
+                              device_segments=device_segments)
         self.admission = None
         if config.admission is not None:
             self.admission = kernels.index_class(bucket_width, "lfu", device, initial_slots=1024)
@@ -232,5 +237,12 @@ class HbmTable:
             rows={"device": self.index.size()}, capacity=self.config.max_capacity,
             lookups=c.lookups, unique_lookups=c.unique_lookups, hits=hits, misses=misses,
             conflict_misses=conflicts, evictions=c.evictions, not_admitted=c.not_admitted,
-            bytes_moved={}, memory_bytes={"device": self.store.nbytes()},
+            bytes_moved={}, memory_bytes={k: v * self.width * 4
+                                          for k, v in self.store.rows_by_placement().items()},
         )
+
+    def flush(self) -> None:
+        """Nothing to write down: every row already lives in its only tier."""
+
+    def close(self) -> None:
+        """Nothing to release beyond the tensors."""

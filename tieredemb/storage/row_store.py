@@ -2,8 +2,8 @@
 
 Rows live in fixed-size segments (``segment_rows x width`` float32); address = segment * segment_rows
 + offset. Growth appends a segment, so there is never a 2x copy peak and an address stays valid for
-the life of its row, whatever the index above does. Each segment records its placement (device today;
-pinned host segments for hybrid mode and stashing come with the tiered-storage and stashing issues).
+the life of its row, whatever the index above does. A segment lives in device memory, or, past
+``device_segments``, in (pinned) host memory: that is hybrid mode.
 Kernels reach segments through ``pointer_table()``, so a segment may live anywhere the device can
 address.
 
@@ -22,14 +22,19 @@ class RowStore:
     Args:
         width: float32 elements per row (D + optimizer state).
         segment_rows: rows per segment.
-        device: where new segments are allocated.
+        device: the compute device; segments are allocated there.
+        device_segments: at most this many segments on ``device``; the next ones go to host memory
+            (pinned when ``device`` is CUDA, so kernels read them through UVA). None: no limit.
     """
 
-    def __init__(self, width: int, segment_rows: int, device: torch.device) -> None:
+    def __init__(self, width: int, segment_rows: int, device: torch.device,
+                 device_segments: int | None = None) -> None:
         self.width = width
         self.segment_rows = segment_rows
         self.device = torch.device(device)
+        self.device_segments = device_segments
         self.segments: list[torch.Tensor] = []
+        self.placement: list[str] = []  # "device" or "host", per segment
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # a stack of addresses
         self._free_count = 0
         self._pointers: torch.Tensor | None = None
@@ -57,7 +62,13 @@ class RowStore:
         self._free_count += n
 
     def _add_segment(self) -> None:
-        seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
+        if self.device_segments is None or len(self.segments) < self.device_segments:
+            seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
+            self.placement.append("device")
+        else:
+            self.placement.append("host")
+            seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32,
+                              pin_memory=self.device.type == "cuda")
         base = len(self.segments) * self.segment_rows
         self.segments.append(seg)
         self._pointers = None
@@ -76,6 +87,11 @@ class RowStore:
     def nbytes(self) -> int:
         return self.rows_allocated() * self.width * 4
 
+    def rows_by_placement(self) -> dict[str, int]:
+        """Allocated rows per placement: ``{"device": ..., "host": ...}``."""
+        on_device = self.placement.count("device") * self.segment_rows
+        return {"device": on_device, "host": self.rows_allocated() - on_device}
+
     def pointer_table(self) -> torch.Tensor:
         """int64 (num_segments,) base addresses of the segments, on the store's device."""
         if self._pointers is None:
@@ -89,14 +105,14 @@ class RowStore:
         cols = self.width if cols is None else cols
         out = torch.zeros(addresses.numel(), cols, dtype=torch.float32, device=self.device)
         for _, seg, idx, pos in self._by_segment(addresses):
-            out[pos] = seg[idx, :cols]
+            out[pos] = seg[idx.to(seg.device), :cols].to(self.device)
         return out
 
     def scatter(self, addresses: torch.Tensor, rows: torch.Tensor, col_start: int = 0) -> None:
         """rows[i] -> row addresses[i] from column ``col_start``; addresses distinct, >= 0."""
         cols = rows.shape[1]
         for _, seg, idx, pos in self._by_segment(addresses):
-            seg[idx, col_start : col_start + cols] = rows[pos]
+            seg[idx.to(seg.device), col_start : col_start + cols] = rows[pos].to(seg.device)
 
     def _by_segment(self, addresses: torch.Tensor):
         """Yield (segment number, segment, offsets in it, positions in ``addresses``)."""

@@ -1,0 +1,177 @@
+"""Cache mode computes the same function as hbm_direct, whatever the cache size, eviction policy,
+admission and prefetch schedule; after flush() the backing store alone holds the table.
+
+The backing store here is the plain dict backend (the reference the real backends are tested
+against in tests/storage)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb as te
+from tieredemb.storage.backend import DictBackend
+from tieredemb.storage.backends import BackendSpec
+
+DIM, ROWS = 4, 300
+
+
+class DictStore(BackendSpec):
+    """A spec opening DictBackends, and remembering them so the test can look inside."""
+
+    def __init__(self) -> None:
+        self.opened: dict[str, DictBackend] = {}
+
+    def open(self, table: str, width: int, device: torch.device) -> DictBackend:
+        self.opened[table] = DictBackend(width)
+        return self.opened[table]
+
+
+def zipf_batches(steps: int, batch: int, seed: int) -> list[te.KeyedJaggedTensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** 1.1
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (2 * batch,), generator=gen)
+        ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
+        out.append(te.KeyedJaggedTensor(["a", "b"], ids * 7 % ROWS, lengths))
+    return out
+
+
+def make(storage: te.StorageConfig | None, eviction: str, admission: int | None,
+         optimizer: te.optim.EmbeddingOptimizer) -> te.EmbeddingBagCollection:
+    adm = te.FrequencyAdmission(admission) if admission else None
+    tables = [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS, eviction=eviction,
+                             admission=adm, initializer=te.init.Normal(0.0, 0.1))]
+    return te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
+
+
+def train(ebc: te.EmbeddingBagCollection, batches: list, pipelined: bool) -> list[torch.Tensor]:
+    """30 steps; pipelined: prefetch(i+1) is issued before backward(i)."""
+    outs = []
+    grad_gen = torch.Generator().manual_seed(11)
+    if pipelined:
+        ebc.prefetch(batches[0])
+    for i, kjt in enumerate(batches):
+        out = ebc(kjt).values()
+        if pipelined and i + 1 < len(batches):
+            ebc.prefetch(batches[i + 1])
+        (out * torch.randn(out.shape, generator=grad_gen)).sum().backward()
+        outs.append(out.detach())
+    return outs
+
+
+def sorted_rows(rows: te.TableRows) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(rows.keys)
+    return rows.keys[order], torch.cat([rows.weights, rows.optimizer_state], 1)[order]
+
+
+@pytest.mark.parametrize("optimizer", [te.optim.Adam(lr=0.05), te.optim.RowWiseAdagrad(lr=0.1)],
+                         ids=["adam", "rowwise"])
+@pytest.mark.parametrize("cache_buckets", [1, 3, 74])  # 74 x 4 = 296 of 300 rows
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("admission", [None, 2])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission, pipelined) -> None:
+    width = 4
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=cache_buckets * width * row_bytes, backing=store,
+                               bucket_width=width, segment_rows=16)
+    cached = make(storage, eviction, admission, optimizer)
+    assert cached.storage_mode == "cache"
+    plain = make(None, eviction, admission, optimizer)
+    batches = zipf_batches(30, 6, seed=cache_buckets)
+    got = train(cached, batches, pipelined)
+    want = train(plain, batches, pipelined)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    keys, rows = sorted_rows(cached.export("t"))
+    want_keys, want_rows = sorted_rows(plain.export("t"))
+    assert torch.equal(keys, want_keys)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    stats = cached.stats()["t"]
+    if cache_buckets == 1:
+        assert stats.evictions > 0  # the small caches really evicted
+    cached.flush()
+    backend = store.opened["t"]
+    assert backend.size() == want_keys.numel()
+    fetched = backend.get(want_keys)
+    assert bool(fetched.found.all())
+    torch.testing.assert_close(fetched.rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
+def test_conflict_misses_and_shared_scratch_rows() -> None:
+    """One bucket of two ways and batches of many keys: most keys are conflict misses, trained in
+    scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row."""
+    optimizer = te.optim.SGD(lr=0.5)
+    row_bytes = DIM * 4
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=2 * row_bytes, backing=store, bucket_width=2, segment_rows=8)
+    cached = make(storage, "lru", None, optimizer)
+    plain = make(None, "lru", None, optimizer)
+    batches = [te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([len(ids), 0]))
+               for ids in ([1, 2, 3, 4, 5], [3, 4, 5, 6], [1, 5, 9], [9, 9, 2])]
+    got, want = train(cached, batches, True), train(plain, batches, True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert cached.stats()["t"].conflict_misses > 0
+    torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
+
+
+def test_forwards_without_backward_release_everything() -> None:
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8)
+    cached = make(storage, "lru", None, te.optim.SGD(lr=0.1))
+    plain = make(None, "lru", None, te.optim.SGD(lr=0.1))
+    batches = zipf_batches(100, 4, seed=5)
+    for ebc in (cached, plain):  # train-mode forwards insert their keys, in both modes
+        for kjt in batches:
+            with torch.no_grad():
+                ebc(kjt)
+    table = cached._tables["t"]
+    assert int(table.index.locks.sum()) == 0 and table.in_flight.size() == 0
+    rows_in_use = table.store.rows_in_use()
+    assert rows_in_use <= table.index.capacity()  # no scratch row leaked
+    for ebc in (cached, plain):
+        for kjt in batches[:5]:
+            ebc(kjt).values().sum().backward()
+    torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
+
+
+def test_eval_reads_without_inserting() -> None:
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8)
+    cached = make(storage, "lru", None, te.optim.SGD(lr=0.1))
+    for kjt in zipf_batches(5, 4, seed=1):
+        cached(kjt).values().sum().backward()
+    before = sorted_rows(cached.export("t"))
+    cached.eval()
+    kjt = te.KeyedJaggedTensor(["a", "b"], torch.tensor([0, 7, 299, 123]), torch.tensor([2, 1, 1, 0]))
+    out = cached(kjt).values()
+    after = sorted_rows(cached.export("t"))
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    w, found = cached.read("t", torch.tensor([0, 7, 299]))
+    expect = torch.where(found[:, None], w, torch.zeros_like(w))
+    torch.testing.assert_close(out[0, :DIM], expect[0] + expect[1])
+
+
+@pytest.mark.parametrize("optimizer", [te.optim.Adam(lr=0.05), te.optim.Adagrad(lr=0.1)],
+                         ids=["adam", "adagrad"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_hybrid_matches_hbm_direct(optimizer, pipelined) -> None:
+    """Hybrid: one index, the first rows in device segments and the rest in host segments."""
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    storage = te.StorageConfig(hbm_budget=32 * row_bytes, caching=False, segment_rows=16)
+    hybrid = make(storage, "lru", 2, optimizer)
+    assert hybrid.storage_mode == "hybrid"
+    plain = make(None, "lru", 2, optimizer)
+    batches = zipf_batches(30, 6, seed=9)
+    for g, w in zip(train(hybrid, batches, pipelined), train(plain, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    keys, rows = sorted_rows(hybrid.export("t"))
+    want_keys, want_rows = sorted_rows(plain.export("t"))
+    assert torch.equal(keys, want_keys)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    placement = hybrid._tables["t"].store.rows_by_placement()
+    assert placement["device"] == 32 and placement["host"] > 0  # rows really spilled to the host

@@ -1,0 +1,94 @@
+"""The interface of a backing store below the device cache: copy-based, one table per instance.
+
+Every backend (host memory, RocksDB, Redis) answers the same verbs with the same shapes:
+
+    get(keys: int64 (n,) cpu)            -> Fetched(rows: float32 (n, W) cpu, found: bool (n,) cpu)
+    set(keys: int64 (n,) cpu, rows: float32 (n, W) cpu)   upsert
+    delete(keys: int64 (n,) cpu)
+    scan(chunk_rows: int) -> iterator of (keys (m,), rows (m, W)), every stored row once
+    size() -> int; flush() (durable/visible to a new reader); close()
+
+Rows absent from the store come back as zeros with ``found`` False; the caller initializes them.
+Calls on one backend are made from one I/O worker thread at a time, in submission order (DESIGN
+section 4 rule 3), so a backend needs no locking of its own against reordering.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Fetched:
+    """Answer of ``Backend.get``: rows float32 (n, W) cpu (zeros where absent), found bool (n,) cpu."""
+
+    rows: torch.Tensor
+    found: torch.Tensor
+
+
+class Backend(ABC):
+    """One table's rows in a backing store. ``width`` is the float32 row width W (weights + state)."""
+
+    width: int
+
+    @abstractmethod
+    def get(self, keys: torch.Tensor) -> Fetched: ...
+
+    @abstractmethod
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def delete(self, keys: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    @abstractmethod
+    def size(self) -> int: ...
+
+    def flush(self) -> None:  # noqa: B027 - optional: most stores are durable after set
+        """Make every ``set`` durable / visible to a new reader (no-op where it already is)."""
+
+    def close(self) -> None:  # noqa: B027 - optional: nothing to release for in-memory stores
+        """Release files, connections and memory."""
+
+
+class DictBackend(Backend):
+    """The simplest backend: a Python dict of key -> row. The reference the others are tested
+    against, and the storage of the equivalence tests (DynamicEmb's test storage does the same)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def get(self, keys: torch.Tensor) -> Fetched:
+        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32)
+        found = torch.zeros(keys.numel(), dtype=torch.bool)
+        for i, k in enumerate(keys.tolist()):
+            row = self._rows.get(k)
+            if row is not None:
+                rows[i] = row
+                found[i] = True
+        return Fetched(rows, found)
+
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        for k, row in zip(keys.tolist(), rows.to(torch.float32).cpu()):
+            self._rows[k] = row.clone()
+
+    def delete(self, keys: torch.Tensor) -> None:
+        for k in keys.tolist():
+            self._rows.pop(k, None)
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        items = sorted(self._rows.items())
+        for start in range(0, len(items), chunk_rows):
+            part = items[start : start + chunk_rows]
+            yield (torch.tensor([k for k, _ in part], dtype=torch.int64),
+                   torch.stack([r for _, r in part]))
+
+    def size(self) -> int:
+        return len(self._rows)
