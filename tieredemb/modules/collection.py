@@ -189,6 +189,12 @@ class _Collection(nn.Module):
             raise ValueError(f"table {table!r}: write keys must be distinct")
         t.write(keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
 
+    def close(self) -> None:
+        """Flush and close the backing stores (files, connections). The collection is unusable after."""
+        self.flush()
+        for t in self._tables.values():
+            t.close()
+
     def flush(self) -> None:
         """Write every dirty cached row down to the backing store (a no-op in ``hbm_direct``)."""
         for t in self._tables.values():

@@ -1,13 +1,23 @@
 """Backing-store specifications: what a user names in ``StorageConfig(backing=...)``.
 
-A spec is plain configuration; the collection opens one backend per table from it. The backends
-themselves (copy-based ``get``/``set``/``delete``/``scan``/``flush``/``close``) arrive with the
-tiered-storage issue (#3); in ``hbm_direct`` mode the backing store is never touched.
+A spec is plain configuration; the collection calls ``spec.open(table, width, device)`` once per
+table and gets that table's ``Backend`` (copy-based ``get``/``set``/``delete``/``scan``/``flush``/
+``close``, see ``tieredemb.storage.backend``). In ``hbm_direct`` mode the backing store is never
+opened. ``docs/backends.md`` describes each store's layout, knobs and faults.
+
+``existing`` (RocksDB, Redis): what to do when the store already holds rows of the table being
+opened. ``"error"`` (default) refuses with ``ExistingRowsError``, so a new run never trains on a
+stale run's rows by accident; ``"reuse"`` keeps them (their width must match); ``"clear"`` deletes
+them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from tieredemb.storage.backend import Backend
 
 _EXISTING = ("error", "reuse", "clear")
 
@@ -15,35 +25,157 @@ _EXISTING = ("error", "reuse", "clear")
 class BackendSpec:
     """Base class of backing-store specs."""
 
+    def open(self, table: str, width: int, device: torch.device) -> Backend:
+        """The backend holding ``table``'s rows of ``width`` float32 for a collection on ``device``."""
+        raise NotImplementedError
+
+
+def _pinned(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _check_int(owner: str, name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner} {name} must be an int >= {low}, got {value!r}")
+
+
+def _check_existing(owner: str, existing: str) -> None:
+    if existing not in _EXISTING:
+        raise ValueError(f"{owner} existing must be one of {_EXISTING}, got {existing!r}")
+
+
+# The backends are imported inside ``open``: a collection that never opens a store (hbm_direct) does
+# not load rocksdict or redis-py.
+
+
+def _with_cache(backend: Backend, cache_rows: int, device: torch.device | str) -> Backend:
+    if cache_rows == 0:
+        return backend
+    from tieredemb.storage.host import CachedBackend
+
+    return CachedBackend(backend, cache_rows, pinned=_pinned(device))
+
 
 @dataclass(frozen=True)
 class HostMemory(BackendSpec):
-    """Rows in host memory (pinned when the device is CUDA)."""
+    """Rows in host memory (pinned when the device is CUDA): a host ``KeyIndex`` over host segments.
+
+    Args:
+        segment_rows: rows per host segment (the unit of growth).
+
+    Example::
+
+        te.StorageConfig(hbm_budget="8GiB", backing=te.storage.HostMemory())
+    """
+
+    segment_rows: int = 65536
+
+    def __post_init__(self) -> None:
+        _check_int("HostMemory", "segment_rows", self.segment_rows, 1)
+
+    def open(self, table: str, width: int, device: torch.device) -> Backend:
+        from tieredemb.storage.host import HostMemoryBackend
+
+        return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows)
 
 
 @dataclass(frozen=True)
 class RocksDB(BackendSpec):
-    """Rows in RocksDB on local disk (through ``rocksdict``), sharded by key hash."""
+    """Rows in RocksDB on local disk (through ``rocksdict``), sharded by key hash.
+
+    One database per shard under ``path``, a column family per table, WAL off (``flush()`` makes
+    rows durable). All tables opened from one spec share its databases and worker threads.
+
+    Args:
+        path: the store's directory (created if missing). One process at a time: give each rank of a
+            sharded collection its own path.
+        shards: databases, each with one worker thread. A store reopens with the count it was
+            created with.
+        existing: ``"error"`` | ``"reuse"`` | ``"clear"`` (module docstring).
+        cache_rows: rows of a write-through DRAM cache in front, per table (0: none).
+
+    Example::
+
+        te.StorageConfig(hbm_budget="8GiB", backing=te.storage.RocksDB("/tmp/emb", shards=8))
+    """
 
     path: str
     shards: int = 8
     existing: str = "error"
+    cache_rows: int = 0
+    # the open store, shared by every table opened from this spec (RocksDB allows one handle per
+    # database in a process); not configuration: excluded from init, repr and equality
+    _open: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.existing not in _EXISTING:
-            raise ValueError(f"RocksDB existing must be one of {_EXISTING}, got {self.existing!r}")
-        if not isinstance(self.shards, int) or self.shards < 1:
-            raise ValueError(f"RocksDB shards must be an int >= 1, got {self.shards!r}")
+        _check_existing("RocksDB", self.existing)
+        _check_int("RocksDB", "shards", self.shards, 1)
+        _check_int("RocksDB", "cache_rows", self.cache_rows, 0)
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"RocksDB path must be a non-empty string, got {self.path!r}")
+
+    def open(self, table: str, width: int, device: torch.device) -> Backend:
+        from tieredemb.storage.rocksdb import RocksDBStore
+
+        store = self._open.get("store")
+        if store is None or store.closed:
+            store = RocksDBStore(self.path, self.shards)
+            self._open["store"] = store
+        return _with_cache(store.open_table(table, width, self.existing), self.cache_rows, device)
 
 
 @dataclass(frozen=True)
 class Redis(BackendSpec):
-    """Rows in Redis (or Redis Cluster) as binary values, one key namespace per table."""
+    """Rows in Redis (or Redis Cluster) as binary values, one key namespace per table.
+
+    Args:
+        url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS).
+        password: overrides the URL's.
+        existing: ``"error"`` | ``"reuse"`` | ``"clear"`` (module docstring).
+        namespace: first part of every key: ``<namespace>:<table>:<8-byte key>``.
+        timeout_s: socket connect and read timeout of one attempt.
+        retries: retries of a call after a transient error (refused, dropped, timed out).
+        backoff_s: first sleep between attempts (doubles, at most 2 s).
+        cluster: the URL names a node of a Redis Cluster (``redis.cluster.RedisCluster``).
+        chunk_keys: keys per MGET/MSET command in a pipeline.
+        cache_rows: rows of a write-through DRAM cache in front, per table (0: none).
+
+    Example::
+
+        te.StorageConfig(hbm_budget="8GiB", backing=te.storage.Redis("redis://10.0.0.5:6379/0"))
+    """
 
     url: str = "redis://127.0.0.1:6379/0"
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     existing: str = "error"
+    namespace: str = "tieredemb"
+    timeout_s: float = 5.0
+    retries: int = 3
+    backoff_s: float = 0.1
+    cluster: bool = False
+    chunk_keys: int = 1024
+    cache_rows: int = 0
 
     def __post_init__(self) -> None:
-        if self.existing not in _EXISTING:
-            raise ValueError(f"Redis existing must be one of {_EXISTING}, got {self.existing!r}")
+        _check_existing("Redis", self.existing)
+        _check_int("Redis", "retries", self.retries, 0)
+        _check_int("Redis", "chunk_keys", self.chunk_keys, 1)
+        _check_int("Redis", "cache_rows", self.cache_rows, 0)
+        for name, low in (("timeout_s", 1e-3), ("backoff_s", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"Redis {name} must be a number >= {low}, got {value!r}")
+
+    def open(self, table: str, width: int, device: torch.device) -> Backend:
+        from tieredemb.storage.redis import RedisBackend, connect
+
+        client = connect(self.url, self.password, self.timeout_s, self.cluster, self.retries)
+        backend = RedisBackend(client, table, width, self.url, namespace=self.namespace,
+                               retries=self.retries, backoff_s=self.backoff_s,
+                               chunk_keys=self.chunk_keys, cluster=self.cluster)
+        try:
+            backend.check_existing(self.existing)
+        except BaseException:
+            backend.close()
+            raise
+        return _with_cache(backend, self.cache_rows, device)

@@ -1,0 +1,205 @@
+"""HostMemoryBackend: one table's rows in host memory, and the DRAM cache in front of a slower store.
+
+Layout: a CPU ``KeyIndex`` (raw int64 key -> row address) over a ``RowStore`` of host segments,
+pinned when the compute device is CUDA so fetched rows reach the device by DMA. The same structure
+as the device tier, one level down; every verb is a handful of vectorized torch calls.
+
+With ``capacity`` the index is bounded and evicts the least recently used row of a full bucket
+(``KeyIndex`` semantics): that is the DRAM cache ``CachedBackend`` puts in front of RocksDB or Redis
+(FBGEMM's "L2"). Unbounded, it is the ``HostMemory`` backing store and never drops a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from tieredemb.config import RESERVED_KEY
+from tieredemb.index.key_index import KeyIndex
+from tieredemb.storage.backend import Backend, Fetched
+from tieredemb.storage.row_store import RowStore
+
+_CPU = torch.device("cpu")
+
+
+class _PinnedRowStore(RowStore):
+    """A RowStore whose segments are page-locked host memory (for DMA to a CUDA device)."""
+
+    def _add_segment(self) -> None:
+        super()._add_segment()
+        self.segments[-1] = self.segments[-1].pin_memory()
+        self._pointers = None
+
+
+def last_of_duplicates(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys int64 (n,) -> (unique keys (u,), position in ``keys`` of each one's last occurrence (u,)).
+
+    An upsert with a key twice keeps the later row, as a sequence of single sets would.
+    """
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    last = torch.full((uniq.numel(),), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, inverse, torch.arange(keys.numel()), reduce="amax")
+    return uniq, last
+
+
+class HostMemoryBackend(Backend):
+    """One table's rows in (pinned) host memory.
+
+    Args:
+        width: float32 elements per row (weights + optimizer state).
+        pinned: page-lock the segments (only when a CUDA device will read them).
+        capacity: None: unbounded (a backing store). An int: at most about this many rows, the least
+            recently used row of a full bucket making room for a new one (a cache).
+        segment_rows: rows per host segment (the unit of growth).
+        bucket_width: slots per index bucket.
+
+    Example::
+
+        b = HostMemoryBackend(width=4)
+        b.set(torch.tensor([7, -3]), torch.ones(2, 4))
+        fetched = b.get(torch.tensor([7, 8]))   # rows (2, 4); found [True, False]
+    """
+
+    def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
+                 segment_rows: int = 65536, bucket_width: int = 16) -> None:
+        self.width = width
+        self.capacity = capacity
+        if capacity is not None:
+            segment_rows = min(segment_rows, max(capacity, 1))
+        self._index = KeyIndex(bucket_width, "lru", _CPU, max_slots=capacity)
+        store_cls = _PinnedRowStore if pinned else RowStore
+        self._store = store_cls(width, segment_rows, _CPU)
+        self._step = 0  # LRU clock: one tick per call
+
+    # ------------------------------------------------------------------------------------ verbs
+    def get(self, keys: torch.Tensor) -> Fetched:
+        """keys int64 (n,) cpu -> rows float32 (n, W) cpu (zeros where absent), found bool (n,)."""
+        keys = keys.reshape(-1).to(torch.int64)
+        slots = self._index.find(keys)  # (n,) -1 where absent
+        found = slots >= 0
+        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
+        rows = self._store.gather(addresses)  # address -1 reads zeros
+        if self.capacity is not None and bool(found.any()):
+            self._touch(keys[found])
+        return Fetched(rows, found)
+
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
+
+        Bounded: a key whose bucket has no room in this call (more new keys than ways) is skipped.
+        """
+        keys = keys.reshape(-1).to(torch.int64)
+        if keys.numel() == 0:
+            return
+        if bool((keys == RESERVED_KEY).any()):
+            raise ValueError(f"key {RESERVED_KEY} (te.RESERVED_KEY) cannot be stored")
+        uniq, last = last_of_duplicates(keys)
+        self._step += 1
+        res = self._index.find_or_insert(uniq, self._step)
+        placed = res.slots >= 0
+        addresses = res.values.clone()  # victims' rows are reused; -1 for slots that were empty
+        new = placed & (addresses < 0)
+        if bool(new.any()):
+            fresh = self._store.allocate(int(new.sum()))
+            addresses[new] = fresh
+            self._index.assign(res.slots[new], fresh)
+        src = rows.to(device=_CPU, dtype=torch.float32)[last[placed]]
+        self._store.scatter(addresses[placed], src)
+
+    def delete(self, keys: torch.Tensor) -> None:
+        """Remove keys int64 (n,) (absent ones ignored)."""
+        keys = keys.reshape(-1).to(torch.int64)
+        if keys.numel() == 0:
+            return
+        self._store.free(self._index.erase(torch.unique(keys)))
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every stored row once, by ascending key: (keys int64 (m,), rows float32 (m, W)) chunks.
+
+        The keys are a snapshot taken at the first chunk; rows are read as each chunk is yielded.
+        Do not ``set`` or ``delete`` while scanning (a freed row may be reused).
+        """
+        keys, addresses, _ = self._index.export()
+        order = torch.argsort(keys)
+        keys, addresses = keys[order], addresses[order]
+        for start in range(0, keys.numel(), chunk_rows):
+            part = slice(start, start + chunk_rows)
+            yield keys[part].clone(), self._store.gather(addresses[part])
+
+    def size(self) -> int:
+        return self._index.size()
+
+    def close(self) -> None:
+        self._index = KeyIndex(self._index.width, "lru", _CPU, max_slots=self.capacity)
+        self._store = RowStore(self.width, self._store.segment_rows, _CPU)
+
+    def nbytes(self) -> int:
+        """Host bytes held by rows (allocated segments)."""
+        return self._store.nbytes()
+
+    def _touch(self, keys: torch.Tensor) -> None:
+        """Refresh the LRU score of present keys (a cache hit)."""
+        self._step += 1
+        self._index.find_or_insert(torch.unique(keys), self._step)
+
+
+class CachedBackend(Backend):
+    """A write-through DRAM cache of rows in front of a slower backend (FBGEMM's "L2" cache).
+
+    ``get`` answers hits from host memory and fetches only the misses from ``store``, keeping what
+    it fetched; ``set`` writes ``store`` first, then the cache. Write-through, not write-back: the
+    store always holds every row, so an eviction from the cache never writes, a failed ``set``
+    leaves cache and store agreeing on the old rows, and ``scan``/``size`` read the store alone. What
+    it saves is the expensive part on SSD or over the network, the random reads; RocksDB's writes
+    (WAL off, into the memtable) are cheap.
+
+    Args:
+        store: the backend below (RocksDB, Redis), owned: closed with this one.
+        cache_rows: about how many rows the cache holds (least recently used evicted per bucket).
+        pinned: page-lock the cache rows.
+    """
+
+    def __init__(self, store: Backend, cache_rows: int, pinned: bool = False) -> None:
+        self.width = store.width
+        self.store = store
+        self.cache = HostMemoryBackend(store.width, pinned=pinned, capacity=cache_rows)
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, keys: torch.Tensor) -> Fetched:
+        keys = keys.reshape(-1).to(torch.int64)
+        cached = self.cache.get(keys)
+        miss = ~cached.found
+        n_miss = int(miss.sum())
+        self.hits += keys.numel() - n_miss
+        self.misses += n_miss
+        if n_miss == 0:
+            return cached
+        miss_keys = keys[miss]
+        fetched = self.store.get(miss_keys)
+        cached.rows[miss] = fetched.rows
+        cached.found[miss] = fetched.found
+        self.cache.set(miss_keys[fetched.found], fetched.rows[fetched.found])
+        return cached
+
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        self.store.set(keys, rows)  # raises before the cache changes: both keep the old rows
+        self.cache.set(keys, rows)
+
+    def delete(self, keys: torch.Tensor) -> None:
+        self.store.delete(keys)
+        self.cache.delete(keys)
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.store.scan(chunk_rows)
+
+    def size(self) -> int:
+        return self.store.size()
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    def close(self) -> None:
+        self.cache.close()
+        self.store.close()

@@ -1,0 +1,343 @@
+"""RocksDB backing store on local disk, through ``rocksdict`` in raw (bytes) mode.
+
+Layout of a store at ``path``::
+
+    path/tieredemb-store.json    {"format": 1, "shards": S}: a store is reopened with its own S
+    path/shard-00 .. shard-{S-1}  one RocksDB database per shard
+        column family "t:<table>" one per table: tables never see each other's keys, and dropping
+                                  a table (existing="clear") is one call, not a delete per row
+        key   8 bytes, big-endian (key XOR 2**63): byte order is numeric order  (``codec``)
+        value 4 * W bytes, the row's float32 values
+
+A key lives in shard ``((splitmix64(key) & 0xFFFFFFFF) * S) >> 32``: the low half of the hash, so
+shards do not follow the device index's buckets (which use the high half). Each call splits its keys
+by shard, sorts each shard's keys (RocksDB's multi-get and write batches are fastest in key order),
+and hands each shard to a worker of a pool with one thread per shard.
+
+Writes go without the write-ahead log (``disable_wal``): a row reaches disk when its memtable is
+flushed, by RocksDB when the memtable fills or by ``flush()``/``close()``. A process killed between
+two flushes loses the rows written since the last one; ``ebc.flush()`` and checkpoints call
+``flush()``. What the cache above needs is a store whose reads see every earlier write, which holds
+with or without the log.
+
+Every RocksDB or OS error comes out as ``BackendError`` naming the store's path and the table,
+chained to the original.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
+
+from tieredemb.init import splitmix64
+from tieredemb.storage.backend import Backend, Fetched
+from tieredemb.storage.codec import decode_keys, decode_rows, encode_keys, key_bytes, row_bytes
+from tieredemb.storage.errors import BackendError, ExistingRowsError
+
+FORMAT = 1
+META_FILE = "tieredemb-store.json"
+
+
+def shard_of(keys: torch.Tensor, shards: int) -> np.ndarray:
+    """int64 (n,) -> int64 (n,) shard in [0, shards). Part of the on-disk format: never change."""
+    low = splitmix64(keys.reshape(-1).to(torch.int64)) & 0xFFFFFFFF
+    return ((low * shards) >> 32).numpy()
+
+
+def _column_family(table: str) -> str:
+    return f"t:{table}"
+
+
+def _count_keys(family: Rdict) -> int:
+    keys = family.keys()  # an iterator over the column family (``iter(family)`` is not)
+    return sum(1 for _ in keys)
+
+
+def _options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)  # most first-time keys are absent: skip their disk reads
+    opts.set_block_based_table_factory(table)
+    return opts
+
+
+class RocksDBStore:
+    """The open databases of one store path, shared by the tables opened from one ``RocksDB`` spec.
+
+    RocksDB lets one handle per process open a database, so every table of a store goes through this
+    object; it closes the databases when the last table closes.
+
+    Args:
+        path: the store's directory (created if missing).
+        shards: databases (and worker threads). A store is always reopened with the count it was
+            created with; another count is an error.
+    """
+
+    def __init__(self, path: str, shards: int) -> None:
+        self.path = os.path.abspath(path)
+        self.shards = shards
+        self.tables: dict[str, RocksDBBackend] = {}
+        self.closed = False
+        self.dbs: list[Rdict] = []
+        self.families: list[set[str]] = []  # column families of each shard
+        with self._errors("open"):
+            os.makedirs(self.path, exist_ok=True)
+            self._check_meta()
+            try:
+                for s in range(shards):
+                    self._open_shard(s)
+            except BaseException:
+                while self.dbs:  # release the shards' locks: the path may be retried
+                    self.dbs.pop().close()
+                raise
+        self.pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="tieredemb-rocksdb")
+        self.write_options = WriteOptions()
+        self.write_options.disable_wal = True
+
+    @contextmanager
+    def _errors(self, what: str, table: str | None = None):
+        """Re-raise anything as ``BackendError`` naming the path (and table), chained."""
+        try:
+            yield
+        except (BackendError, ValueError):
+            raise
+        except Exception as e:
+            # A traceback keeps its frames' locals alive, and a column-family handle in one keeps
+            # its database open (and locked) after close: drop the locals of the finished frames.
+            # Where a frame still runs (the caller's), the code keeps no handle in a local.
+            traceback.clear_frames(e.__traceback__)
+            on = f"table {table!r} of " if table is not None else ""
+            raise BackendError(f"RocksDB {what} failed on {on}store {self.path}: {e}") from e
+
+    def _check_meta(self) -> None:
+        meta_path = os.path.join(self.path, META_FILE)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if meta.get("format") != FORMAT or meta.get("shards") != self.shards:
+                raise ValueError(
+                    f"RocksDB store {self.path} was created with {meta.get('shards')} shards "
+                    f"(format {meta.get('format')}); open it with RocksDB(path, shards="
+                    f"{meta.get('shards')}) or use another path"
+                )
+            return
+        if os.listdir(self.path):  # never scatter shard directories over someone else's files
+            raise ValueError(
+                f"RocksDB path {self.path} is a non-empty directory without {META_FILE}: not a "
+                f"tieredemb store; give an empty or new directory"
+            )
+        with open(meta_path, "w") as f:
+            json.dump({"format": FORMAT, "shards": self.shards}, f)
+
+    def _open_shard(self, shard: int) -> None:
+        shard_path = os.path.join(self.path, f"shard-{shard:02d}")
+        names: list[str] = []
+        if os.path.exists(os.path.join(shard_path, "CURRENT")):
+            names = [n for n in Rdict.list_cf(shard_path, Options(raw_mode=True)) if n != "default"]
+        self.dbs.append(Rdict(shard_path, _options(), column_families={n: _options() for n in names}))
+        self.families.append(set(names))
+
+    def open_table(self, table: str, width: int, existing: str) -> RocksDBBackend:
+        """The backend of ``table`` (rows of ``width`` float32), creating its column families."""
+        if self.closed:
+            raise BackendError(f"RocksDB store {self.path} is closed")
+        if table in self.tables:
+            raise ValueError(f"table {table!r} of RocksDB store {self.path} is already open")
+        name = _column_family(table)
+        backend = None
+        try:
+            with self._errors("open", table):
+                for shard, families in enumerate(self.families):  # no database in a local
+                    if existing == "clear" and name in families:
+                        self.dbs[shard].drop_column_family(name)
+                        families.discard(name)
+                    if name not in families:
+                        self.dbs[shard].create_column_family(name, _options())
+                        families.add(name)
+                backend = RocksDBBackend(self, table, width)
+                backend.check_existing(existing)
+        except BaseException:
+            if backend is not None:  # its column-family handles would keep the databases open
+                backend.drop_handles()
+            self.release(table)  # a store with no table open closes (another spec may open it)
+            raise
+        self.tables[table] = backend
+        return backend
+
+    def release(self, table: str) -> None:
+        """A table's backend closed; the last one closes the databases."""
+        self.tables.pop(table, None)
+        if self.tables or self.closed:
+            return
+        self.closed = True
+        self.pool.shutdown(wait=True)
+        first_error: Exception | None = None
+        while self.dbs:  # popped (no local holds one): dropped even if its close fails
+            try:
+                self.dbs.pop().close()
+            except Exception as e:  # close every shard, report the first failure
+                first_error = first_error or e
+        if first_error is not None:
+            with self._errors("close"):
+                raise first_error
+
+
+class RocksDBBackend(Backend):
+    """One table's rows in a sharded RocksDB store (see the module docstring for the layout).
+
+    Opened by ``te.storage.RocksDB(path).open(table, width, device)``; used from one I/O worker.
+    """
+
+    def __init__(self, store: RocksDBStore, table: str, width: int) -> None:
+        self.store = store
+        self.table = table
+        self.width = width
+        name = _column_family(table)
+        self._families = [db.get_column_family(name) for db in store.dbs]
+        self._handles = [db.get_column_family_handle(name) for db in store.dbs]
+        self._where = f"RocksDB table {table!r} of {store.path}"
+
+    def check_existing(self, existing: str) -> None:
+        """Refuse (``existing="error"``) or check the width of (``"reuse"``) rows already stored."""
+        first = next((v for f in self._families for v in f.values()), None)
+        if first is None or existing == "clear":
+            return
+        if existing == "error":
+            raise ExistingRowsError(
+                f"RocksDB store {self.store.path} already holds rows of table {self.table!r}: pass "
+                f"existing='reuse' to train on from them or existing='clear' to delete them"
+            )
+        if len(first) != 4 * self.width:
+            raise ValueError(
+                f"{self._where} holds rows of {len(first) // 4} float32, this table's rows have "
+                f"{self.width} (embedding_dim + optimizer state): reuse it with the same "
+                f"embedding_dim and optimizer, or pass existing='clear'"
+            )
+
+    # ------------------------------------------------------------------------------------ verbs
+    def get(self, keys: torch.Tensor) -> Fetched:
+        keys = keys.reshape(-1).to(torch.int64)
+        n = keys.numel()
+        if n == 0:
+            return Fetched(torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool))
+        order, groups = self._by_shard(keys)
+        with self.store._errors("get", self.table):
+            parts = self._each_shard(self._get_shard, groups)
+            rows_sorted, found_sorted = decode_rows([v for p in parts for v in p], self.width, self._where)
+        rows = torch.empty(n, self.width)
+        found = torch.empty(n, dtype=torch.bool)
+        idx = torch.from_numpy(order)
+        rows[idx], found[idx] = rows_sorted, found_sorted
+        return Fetched(rows, found)
+
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Upsert; a key given twice keeps its last row (shard order is stable)."""
+        keys = keys.reshape(-1).to(torch.int64)
+        if keys.numel() == 0:
+            return
+        order, groups = self._by_shard(keys)
+        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)])
+        starts = np.cumsum([0] + [len(g) for _, g in groups])
+        batches = [(s, g, values[a:b]) for (s, g), a, b in zip(groups, starts[:-1], starts[1:])]
+        with self.store._errors("set", self.table):
+            self._each_shard(self._set_shard, batches)
+
+    def delete(self, keys: torch.Tensor) -> None:
+        keys = keys.reshape(-1).to(torch.int64)
+        if keys.numel() == 0:
+            return
+        _, groups = self._by_shard(keys)
+        with self.store._errors("delete", self.table):
+            self._each_shard(self._delete_shard, groups)
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row once: shard after shard, ascending key within a shard, ``chunk_rows`` a chunk.
+
+        Each shard is read through one iterator, a consistent view of that shard at its start.
+        """
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        with self.store._errors("scan", self.table):
+            for shard in range(len(self._families)):
+                for k, v in self._families[shard].items():
+                    keys.append(k)
+                    values.append(v)
+                    if len(keys) == chunk_rows:
+                        yield self._chunk(keys, values)
+                        keys, values = [], []
+            if keys:
+                yield self._chunk(keys, values)
+
+    def size(self) -> int:
+        """Rows stored (counts every key: O(rows), for stats and tests, not the training step)."""
+        with self.store._errors("size", self.table):
+            return sum(_count_keys(self._families[shard]) for shard in range(len(self._families)))
+
+    def flush(self) -> None:
+        """Write every memtable of this table to disk (waits)."""
+        with self.store._errors("flush", self.table):
+            for shard in range(len(self._families)):
+                self._families[shard].flush(True)
+
+    def close(self) -> None:
+        if self.store.closed or self.store.tables.get(self.table) is not self:
+            return
+        try:
+            self.flush()
+        finally:
+            self.drop_handles()
+            self.store.release(self.table)
+
+    def drop_handles(self) -> None:
+        """Forget the column families (RocksDB closes only when no handle is left)."""
+        self._families, self._handles = [], []
+
+    # ------------------------------------------------------------------------------- internals
+    def _by_shard(self, keys: torch.Tensor) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """(order: positions of ``keys`` sorted by (shard, key), [(shard, encoded keys in order)])."""
+        enc = encode_keys(keys)
+        shard = shard_of(keys, self.store.shards)
+        order = np.lexsort((enc, shard))  # stable: a repeated key keeps its order
+        counts = np.bincount(shard, minlength=self.store.shards)
+        ends = np.cumsum(counts)
+        sorted_enc = enc[order]
+        groups = [(s, sorted_enc[e - c : e]) for s, (c, e) in enumerate(zip(counts, ends)) if c]
+        return order, groups
+
+    def _each_shard(self, fn, items: list) -> list:
+        """fn(*item) for each shard's item on the pool (one thread per shard); results in order."""
+        if len(items) == 1:
+            return [fn(*items[0])]
+        futures = [self.store.pool.submit(fn, *item) for item in items]
+        return [f.result() for f in futures]
+
+    def _get_shard(self, shard: int, enc: np.ndarray) -> list[bytes | None]:
+        return self._families[shard].get(key_bytes(enc))
+
+    def _set_shard(self, shard: int, enc: np.ndarray, values: list[bytes]) -> None:
+        batch = WriteBatch(raw_mode=True)
+        handle = self._handles[shard]
+        for k, v in zip(key_bytes(enc), values):
+            batch.put(k, v, handle)
+        self.store.dbs[shard].write(batch, self.store.write_options)
+
+    def _delete_shard(self, shard: int, enc: np.ndarray) -> None:
+        batch = WriteBatch(raw_mode=True)
+        handle = self._handles[shard]
+        for k in key_bytes(enc):
+            batch.delete(k, handle)
+        self.store.dbs[shard].write(batch, self.store.write_options)
+
+    def _chunk(self, keys: list[bytes], values: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, _ = decode_rows(values, self.width, self._where)
+        return decode_keys(keys), rows
