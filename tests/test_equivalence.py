@@ -551,3 +551,17 @@ def test_forward_of_another_batch_than_the_prefetched_one_is_refused() -> None:
     ebc.prefetch(te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1])))
     with pytest.raises(RuntimeError, match="oldest prefetched"):
         ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), torch.tensor([1])))
+
+
+def test_eval_forward_between_a_prefetch_and_its_forward() -> None:
+    """An eval forward leaves a training prefetch queued for its own forward."""
+    table = te.TableConfig("t", 2, ["x"])
+    ebc = te.EmbeddingBagCollection([table], optimizer=te.optim.SGD(lr=0.1))
+    batch = te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1]))
+    ebc.prefetch(batch)
+    ebc.eval()
+    assert torch.equal(ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), torch.tensor([1]))).values(),
+                       torch.zeros(1, 2))
+    ebc.train()
+    ebc(batch).values().sum().backward()
+    assert ebc.export("t").keys.tolist() == [7]

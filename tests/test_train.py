@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,26 @@ def test_training_is_reproducible() -> None:
         synthetic=SyntheticConfig(min_vocab=100, max_vocab=500, eval_size=2_048),
     )
     assert train(config).auc == train(config).auc
+
+
+@pytest.mark.parametrize("eval_every", [0, 2])
+def test_pipelined_training_matches_the_plain_loop(eval_every) -> None:
+    """TrainPipeline gives the plain loop's step losses and eval AUCs (evaluations run drained)."""
+    config = TrainConfig(
+        steps=5,
+        batch_size=256,
+        eval_every=eval_every,
+        synthetic=SyntheticConfig(min_vocab=100, max_vocab=500, eval_size=2_048),
+    )
+    plain, piped = [], []
+    want = train(config, callback=plain.append)
+    got = train(replace(config, pipeline=True), callback=piped.append)
+
+    def summary(events):
+        return [(e.kind, e.step, e.loss, e.auc) for e in events]
+
+    assert summary(piped) == summary(plain)
+    assert got.auc == want.auc and got.steps == want.steps
 
 
 def _write_criteo(path: Path, n: int) -> None:

@@ -12,6 +12,7 @@ from tieredemb.modules import (
     TableRows,
     TableStats,
 )
+from tieredemb.pipeline import TrainPipeline
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "TableConfig",
     "TableRows",
     "TableStats",
+    "TrainPipeline",
     "init",
     "optim",
     "storage",

@@ -68,6 +68,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=d.synthetic.eval_size,
         help="synthetic eval samples (default %(default)s)",
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="train through te.TrainPipeline: the next batches' copy and prefetch beside the step",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
@@ -107,6 +112,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_fraction=args.eval_fraction,
         max_rows=args.max_rows,
         synthetic=replace(d.synthetic, eval_size=args.eval_size),
+        pipeline=args.pipeline,
     )
 
 

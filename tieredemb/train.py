@@ -8,6 +8,7 @@ ground-truth logit on the same eval set, and the job passes when the model recov
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import tieredemb as te
 from tieredemb.data import SPARSE_FEATURES, ClickBatch, ClickSource
 from tieredemb.data.synthetic import SyntheticClicks, SyntheticConfig
 from tieredemb.models import DLRM, DLRMConfig, make_tables
+from tieredemb.pipeline import TrainPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class TrainConfig:
         max_rows: with ``data``, read at most this many rows.
         synthetic: the ground truth of the synthetic data (its ``seed`` is replaced by ``seed``).
         target_fraction: the share of the achievable AUC lift over 0.5 the job must recover.
+        pipeline: train through ``te.TrainPipeline`` (the next batches' copy and prefetch overlapped
+            with the step); the same result as the plain loop.
     """
 
     steps: int = 250
@@ -67,6 +71,7 @@ class TrainConfig:
     max_rows: int | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     target_fraction: float = 0.9
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.emb_optimizer not in EMB_OPTIMIZERS:
@@ -190,6 +195,44 @@ def train_step(model: DLRM, dense_opt: torch.optim.Optimizer, batch: ClickBatch)
     return loss.item()
 
 
+class DLRMLoss(nn.Module):
+    """``model(batch) -> loss`` for ``TrainPipeline``: batch is ``{"dense", "sparse", "labels"}``."""
+
+    def __init__(self, dlrm: DLRM) -> None:
+        super().__init__()
+        self.dlrm = dlrm
+
+    def forward(self, batch: dict[str, object]) -> torch.Tensor:
+        logits = self.dlrm(batch["dense"], batch["sparse"])
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch["labels"])
+
+
+def _pipelined_losses(
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    batches: Iterator[ClickBatch],
+    device: torch.device,
+    segment: int,
+) -> Iterator[float]:
+    """The losses of ``TrainPipeline`` steps over ``batches``. The pipeline drains every ``segment``
+    steps (0: never), so an evaluation between them finds no batch prefetched ahead."""
+    pipeline = TrainPipeline(DLRMLoss(model), dense_opt, device=device)
+    # the KJT is built once per batch: the pipeline prefetches that object and the model uses it
+    inputs = ({"dense": b.dense, "sparse": b.kjt(), "labels": b.labels} for b in batches)
+    while True:
+        part = itertools.islice(inputs, segment) if segment else inputs
+        steps = 0
+        while True:
+            try:
+                loss = pipeline.progress(part)
+            except StopIteration:
+                break
+            steps += 1
+            yield loss.item()
+        if steps == 0:
+            return
+
+
 def _ground_truth(eval_set: ClickBatch, fraction: float) -> tuple[float | None, float | None]:
     """(AUC_best, target AUC) from the eval set's true logits, or (None, None) without them."""
     if eval_set.true_logits is None:
@@ -209,9 +252,13 @@ def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = N
     dense_opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     history: list[TrainEvent] = []
     train_seconds, auc, loss = 0.0, 0.5, float("nan")
+    batches = _batches(source, config.steps, config.batch_size)
+    if config.pipeline:
+        losses = _pipelined_losses(model, dense_opt, batches, device, config.eval_every)
+    else:
+        losses = (train_step(model, dense_opt, batch.to(device)) for batch in batches)
     step_start = time.perf_counter()
-    for step, batch in enumerate(_batches(source, config.steps, config.batch_size), start=1):
-        loss = train_step(model, dense_opt, batch.to(device))
+    for step, loss in enumerate(losses, start=1):
         if callback is not None:
             callback(TrainEvent("step", step, loss))
         last = step == config.steps
@@ -241,6 +288,7 @@ def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = N
 
 __all__ = [
     "EMB_OPTIMIZERS",
+    "DLRMLoss",
     "TrainConfig",
     "TrainEvent",
     "TrainResult",

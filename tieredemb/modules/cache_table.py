@@ -13,7 +13,9 @@ Prefetch does all the moving; forward and backward see row addresses like in ``h
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
 the backend (conflict misses; the last batch sharing a row writes it) or dropped (not admitted).
 Evicted rows are always written down: the cache never loses a row. Backend calls run in order on the
-caller's thread (one FIFO), so a fetch always sees every earlier write-back.
+caller's thread (one FIFO), so a fetch always sees every earlier write-back; rows whose write-down
+failed are kept on the host, read in their place, retried at the next call, and the failure raised
+there, chained to the backend's exception.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tieredemb.modules.table import HbmTable, TablePrefetch, TableRows, TableSta
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.backend import Backend
+from tieredemb.storage.errors import BackendError
 
 
 @dataclass
@@ -56,6 +59,8 @@ class CacheTable(HbmTable):
         self.in_flight = KeyIndex(bucket_width, "lru", device, initial_slots=256)
         self.bytes_fetched = 0
         self.bytes_written = 0
+        self._unwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows not yet in the backend
+        self._write_error: Exception | None = None
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, step: int, training: bool) -> TablePrefetch:
@@ -67,12 +72,13 @@ class CacheTable(HbmTable):
         addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=self.device)
         shared = self.in_flight.find(unique)
         in_pad = shared >= 0
-        addresses[in_pad] = self.in_flight.values[shared[in_pad]]
-        self.in_flight.locks[shared[in_pad]] += 1
         rest = (~in_pad).nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest]) >= 0
         miss = rest[~in_cache]
-        fetched = self._fetch(unique[miss])  # (m, W) rows: backend's, else initial
+        fetched = self._fetch(unique[miss])  # (m, W) rows: backend's, else initial. May raise:
+        # nothing has changed yet
+        addresses[in_pad] = self.in_flight.values[shared[in_pad]]
+        self.in_flight.locks[shared[in_pad]] += 1
         store = torch.ones(rest.numel(), dtype=torch.bool, device=self.device)
         admit = self._admit_new(unique[miss], counts[miss], fetched.found)
         store[(~in_cache).nonzero().squeeze(1)] = admit
@@ -123,8 +129,19 @@ class CacheTable(HbmTable):
         return addresses, addresses >= 0
 
     def _get(self, keys: torch.Tensor):
+        """Backend rows of ``keys``, with the rows still waiting to be written down laid over them
+        (they are newer). Raises a pending write-down failure first, before anything changes."""
+        self._raise_write_failure()
         got = self.backend.get(keys.cpu())
         self.bytes_fetched += int(got.found.sum()) * self.width * 4
+        if self._unwritten:
+            pkeys = torch.cat([k for k, _ in self._unwritten])
+            prows = torch.cat([r for _, r in self._unwritten])
+            # the last write of a key wins: scan the pending rows in order
+            match = (keys.cpu()[:, None] == pkeys[None, :]).nonzero()
+            if match.numel():
+                got.rows[match[:, 0]] = prows[match[:, 1]]
+                got.found[match[:, 0]] = True
         return got
 
     def _fetch(self, keys: torch.Tensor):
@@ -184,12 +201,39 @@ class CacheTable(HbmTable):
         self.in_flight.assign(res.slots, scratch)
 
     def _write_down(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
-        """Copy rows at ``addresses`` to the backend under ``keys``."""
+        """Copy rows at ``addresses`` to the backend under ``keys``. The host copies are kept until
+        the backend has taken them: a failed write loses no row. The failure is raised at the next
+        call that needs the backend (never in the middle of a prefetch), and the rows are retried
+        then, in order."""
         if keys.numel() == 0:
             return
-        rows = self.store.gather(addresses).cpu()
-        self.backend.set(keys.cpu(), rows)
+        self._unwritten.append((keys.cpu(), self.store.gather(addresses).cpu()))
+        self._try_write()
+
+    def _try_write(self) -> None:
+        if not self._unwritten:
+            return
+        keys = torch.cat([k for k, _ in self._unwritten])
+        rows = torch.cat([r for _, r in self._unwritten])
+        try:
+            self.backend.set(keys, rows)
+        except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
+            self._write_error = e
+            return
+        self._unwritten.clear()
         self.bytes_written += keys.numel() * self.width * 4
+
+    def _raise_write_failure(self) -> None:
+        """Retry the rows a failed write-down kept; if that fails too, raise, chained to the cause."""
+        if self._write_error is None:
+            return
+        self._write_error = None
+        self._try_write()
+        if self._write_error is not None:
+            cause, self._write_error = self._write_error, None
+            n = sum(k.numel() for k, _ in self._unwritten)
+            raise BackendError(f"table {self.name!r}: writing {n} rows down to the backing store failed; "
+                               "they are kept and retried at the next call") from cause
 
     # ---------------------------------------------------------------------------------- release
     def release(self, pf: TablePrefetch) -> None:
@@ -234,17 +278,22 @@ class CacheTable(HbmTable):
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)
         if spill.numel():
-            self.backend.set(keys[spill].cpu(), rows[spill].cpu())
+            self._unwritten.append((keys[spill].cpu(), rows[spill].cpu()))
+            self._try_write()
         self.counters.evictions += res.evicted_keys.numel()
 
     def flush(self) -> None:
         """Write every cached row down (the backend alone then holds the table) and flush it."""
+        self._raise_write_failure()
         keys, addresses, _ = self.index.export()
         self._write_down(keys, addresses)
+        self._raise_write_failure()
         self.backend.flush()
 
     def export(self) -> TableRows:
         """Cached rows, and the backend's rows of keys not cached (scores of those: 0)."""
+        self._raise_write_failure()
+        self._try_write()
         keys, addresses, scores = self.index.export()
         parts = [(keys, self.store.gather(addresses), scores)]
         for bkeys, brows in self.backend.scan():

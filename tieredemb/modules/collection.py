@@ -107,8 +107,8 @@ class _Collection(nn.Module):
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
         and forward see batches in the same order. Without a pending prefetch, resolve now."""
-        if not self._queued:
-            return self._resolve(kjt)
+        if not self._queued or (not self.training and self._queued[0][1].training):
+            return self._resolve(kjt)  # nothing prefetched, or an eval forward between training steps
         queued, state = self._queued[0]
         if queued is not kjt and not _same_batch(queued, kjt):
             raise RuntimeError("forward got a batch other than the oldest prefetched one: prefetch "
