@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tieredemb as te
 from tests.storage.conftest import redis_factory, redis_server  # noqa: F401 (fixtures)
@@ -36,7 +38,9 @@ def zipf_batches(steps: int, batch: int, seed: int) -> list[te.KeyedJaggedTensor
     out = []
     for _ in range(steps):
         lengths = torch.randint(0, 4, (2 * batch,), generator=gen)
-        ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
+        n = int(lengths.sum())
+        ids = (torch.multinomial(weights, n, replacement=True, generator=gen) if n
+               else torch.empty(0, dtype=torch.int64))
         out.append(te.KeyedJaggedTensor(["a", "b"], ids * 7 % ROWS, lengths))
     return out
 
@@ -279,3 +283,33 @@ def test_backend_faults_surface_chained_and_lose_no_row() -> None:
     got = store.opened["t"].get(want_keys)
     assert bool(got.found.all())
     torch.testing.assert_close(got.rows, want_rows)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cache_rows=st.integers(1, 120), width=st.sampled_from([1, 2, 4, 8]), dim=st.integers(1, 9),
+       batch=st.integers(0, 7), eviction=st.sampled_from(["lru", "lfu"]),
+       admission=st.sampled_from([None, 2, 3]), pipelined=st.booleans(),
+       opt=st.sampled_from(["sgd", "adagrad", "rowwise", "adam"]), seed=st.integers(0, 2**16))
+def test_cache_matches_hbm_direct_on_drawn_shapes(cache_rows, width, dim, batch, eviction, admission,
+                                                  pipelined, opt, seed) -> None:
+    optimizer = {"sgd": te.optim.SGD(lr=0.2), "adagrad": te.optim.Adagrad(lr=0.2),
+                 "rowwise": te.optim.RowWiseAdagrad(lr=0.2), "adam": te.optim.Adam(lr=0.05)}[opt]
+    row_bytes = (dim + optimizer.state_width(dim)) * 4
+    adm = te.FrequencyAdmission(admission) if admission else None
+
+    def build(storage):
+        tables = [te.TableConfig("t", dim, ["a", "b"], num_embeddings=ROWS, eviction=eviction,
+                                 admission=adm, initializer=te.init.Normal(0.0, 0.1))]
+        return te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=seed)
+
+    cached = build(te.StorageConfig(hbm_budget=cache_rows * row_bytes, backing=DictStore(),
+                                    bucket_width=width, segment_rows=8))
+    assert cached.storage_mode == "cache"
+    plain = build(None)
+    batches = zipf_batches(10, batch, seed=seed)
+    for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    keys, rows = sorted_rows(cached.export("t"))
+    want_keys, want_rows = sorted_rows(plain.export("t"))
+    assert torch.equal(keys, want_keys)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,75 @@
+"""Cache and hybrid modes on CUDA, with tiny caches and the pipeline (races show there): the same
+outputs and rows as hbm_direct on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb as te
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+
+DIM, ROWS = 16, 2000
+
+
+def batches(steps: int, batch: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** 1.05
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (2 * batch,), generator=gen)
+        ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
+        out.append({"kjt": te.KeyedJaggedTensor(["a", "b"], ids, lengths),
+                    "grad": torch.randn(batch, 2 * DIM, generator=gen)})
+    return out
+
+
+class Model(torch.nn.Module):
+    def __init__(self, ebc: te.EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return (self.ebc(batch["kjt"]).values() * batch["grad"]).sum()
+
+
+def build(storage, device, kernels="auto") -> te.EmbeddingBagCollection:
+    tables = [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS)]
+    return te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), storage=storage,
+                                     device=device, seed=1, kernels=kernels)
+
+
+def rows(ebc) -> torch.Tensor:
+    r = ebc.export("t")
+    order = torch.argsort(r.keys)
+    return torch.cat([r.weights, r.optimizer_state], 1)[order].cpu()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["cache", "hybrid"])
+def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode) -> None:
+    row_bytes = (DIM + 2 * DIM) * 4
+    storage = te.StorageConfig(hbm_budget=8 * row_bytes, caching=mode == "cache", bucket_width=4,
+                               segment_rows=8)
+    gpu = build(storage, torch.device("cuda"), kernels)
+    assert gpu.storage_mode == mode
+    data = batches(25, 32)
+    pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"))
+    it = iter(data)
+    losses = []
+    while True:
+        try:
+            losses.append(float(pipe.progress(it).detach()))
+        except StopIteration:
+            break
+    cpu = build(None, torch.device("cpu"))
+    model = Model(cpu)
+    want = []
+    for b in data:
+        loss = model(b)
+        loss.backward()
+        want.append(float(loss.detach()))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
