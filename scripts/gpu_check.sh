@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check in one call (fits a ~10-minute limit): the CUDA test suite, the rest of the tests with
-# CUDA present, then `tieredemb bench hbm` on the GPU. Logs and the bench report go under $OUT
-# (./gpu_out when unset); the bench table is printed again as the last lines.
+# CUDA present, then `tieredemb bench hbm`, `bench cache` and `bench ssd` on the GPU. Logs and the
+# bench reports go under $OUT (./gpu_out when unset); the bench tables are printed again at the end.
+# The cache benches run only while the script's 10-minute deadline leaves them time (each gets
+# CACHE_TIMEOUT or what is left); --cache-only runs them alone.
 #
-#   scripts/gpu_check.sh [--bench-only] [--tests-only] [--profile] [--scale S] [--steps N]
-#                        [-- MORE BENCH ARGS]
+#   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
+#                        [--scale S] [--steps N] [--cache-scale S] [--cache-steps N]
+#                        [-- MORE HBM BENCH ARGS]
 #
 # Runs from a plain checkout: the project is not installed there, so PYTHONPATH points at it.
 set -o pipefail
@@ -17,14 +20,22 @@ mkdir -p "$OUT"
 run_tests=1
 run_bench=1
 run_profile=0
+run_hbm=1
+run_cache=1
 scale=1
 steps=50
+cache_scale=0.3
+cache_steps=20
 bench_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --bench-only) run_tests=0 ;;
         --tests-only) run_bench=0 ;;
         --profile) run_profile=1 ;;
+        --cache-only) run_tests=0; run_hbm=0 ;;
+        --no-cache) run_cache=0 ;;
+        --cache-scale) cache_scale="$2"; shift ;;
+        --cache-steps) cache_steps="$2"; shift ;;
         --scale) scale="$2"; shift ;;
         --steps) steps="$2"; shift ;;
         --) shift; bench_args=("$@"); break ;;
@@ -38,6 +49,8 @@ GPU_TESTS_TIMEOUT=150
 OTHER_TESTS_TIMEOUT=200
 BENCH_TIMEOUT=220
 PROFILE_TIMEOUT=120
+CACHE_TIMEOUT=200   # each of bench cache, bench ssd
+DEADLINE=580        # seconds since the start: nothing is started that could run past it
 
 echo "== machine"
 nvidia-smi -L
@@ -48,6 +61,8 @@ status=0
 gpu_rc=skipped
 other_rc=skipped
 bench_rc=skipped
+cache_rc=skipped
+ssd_rc=skipped
 if [ "$run_tests" = 1 ]; then
     echo "== tests/gpu"
     timeout "$GPU_TESTS_TIMEOUT" python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 \
@@ -61,18 +76,37 @@ if [ "$run_tests" = 1 ]; then
     [ "$other_rc" = 0 ] || status=1
 fi
 
-if [ "$run_bench" = 1 ]; then
+# the command line's entry point when it has `bench`, else the bench module itself
+if python3 -m tieredemb.cli bench hbm --help >/dev/null 2>&1; then
+    bench=(python3 -m tieredemb.cli bench)
+else
+    bench=(python3 -m tieredemb.bench)
+fi
+
+if [ "$run_bench" = 1 ] && [ "$run_hbm" = 1 ]; then
     echo "== bench hbm (scale $scale)"
-    # the command line's entry point when it has `bench`, else the bench module itself
-    if python3 -m tieredemb.cli bench hbm --help >/dev/null 2>&1; then
-        bench=(python3 -m tieredemb.cli bench)
-    else
-        bench=(python3 -m tieredemb.bench)
-    fi
     timeout "$BENCH_TIMEOUT" "${bench[@]}" hbm --device cuda --scale "$scale" --steps "$steps" \
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
     [ "$bench_rc" = 0 ] || status=1
+fi
+
+# bench cache / bench ssd: 10 tables x (10M x cache_scale) rows, HBM budget 10% of the footprint
+if [ "$run_bench" = 1 ] && [ "$run_cache" = 1 ]; then
+    for workload in cache ssd; do
+        left=$((DEADLINE - SECONDS))
+        limit=$(( left < CACHE_TIMEOUT ? left : CACHE_TIMEOUT ))
+        if [ "$limit" -lt 60 ]; then
+            echo "== bench $workload skipped: ${left}s left before the deadline"
+            continue
+        fi
+        echo "== bench $workload (scale $cache_scale, ${limit}s)"
+        timeout "$limit" "${bench[@]}" "$workload" --device cuda --scale "$cache_scale" \
+            --steps "$cache_steps" --out "$OUT" 2>&1 | tee "$OUT/bench-$workload.log"
+        rc=$?
+        [ "$rc" = 0 ] || status=1
+        if [ "$workload" = cache ]; then cache_rc=$rc; else ssd_rc=$rc; fi
+    done
 fi
 
 if [ "$run_profile" = 1 ]; then
@@ -81,8 +115,8 @@ if [ "$run_profile" = 1 ]; then
 fi
 
 echo
-echo "== summary: tests/gpu rc=$gpu_rc, other tests rc=$other_rc, bench rc=$bench_rc" \
-     "(124: timed out)"
+echo "== summary: tests/gpu rc=$gpu_rc, other tests rc=$other_rc, bench rc=$bench_rc," \
+     "bench cache rc=$cache_rc, bench ssd rc=$ssd_rc (124: timed out)"
 if [ "$run_tests" = 1 ]; then
     grep -E "[0-9]+ (passed|failed|errors?|skipped)" "$OUT/pytest.log" | tail -n 2
 fi
@@ -91,4 +125,11 @@ if [ -n "$table" ]; then
     cat "$table"
     grep -E "^check " "$OUT/bench.log" || true
 fi
+for workload in cache ssd; do
+    table=$(ls -t "$OUT"/*-"$workload".txt 2>/dev/null | head -n 1)
+    if [ -n "$table" ]; then
+        echo
+        cat "$table"
+    fi
+done
 exit "$status"

@@ -9,6 +9,13 @@ and writes ``<out>/<YYYYmmdd-HHMMSS>-hbm.json`` (machine, command line, options,
 the row checks) with the table beside it as ``.txt``. Both are rewritten after each configuration, so
 a run cut short still leaves what it measured. The exit status is 0 when every configuration ran and
 ours trained the same rows as the peer.
+
+    tieredemb bench cache|ssd [--scale S] [--device cpu|cuda] [--steps N] [--warmup N]
+                              [--budget-fraction F] [--dir DIR] [--shards N] [--out DIR]
+
+runs the cache-mode workloads (``tieredemb.bench.cache``): 10 tables x 10M rows in a device cache of
+10% of the footprint over host memory (``cache``) or RocksDB on local disk (``ssd``), against the same
+tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-ssd.json``) and ``.txt``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,30 @@ def _parser() -> argparse.ArgumentParser:
     hbm.add_argument("--no-preinsert", dest="preinsert", action="store_false",
                      help="start from empty tables (new keys are inserted while timing)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
+                                 "footprint over host memory, vs all in HBM (DESIGN section 7)"),
+                       ("ssd", "as cache, backing RocksDB on local disk, plus raw rocksdict rates")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--scale", type=float, default=1.0,
+                       help="multiplies rows and batch size (e.g. 0.001 for a CPU smoke run)")
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                       help="default: cuda when available, else cpu")
+        p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+        p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+        p.add_argument("--budget-fraction", type=float, default=0.1,
+                       help="HBM budget as a fraction of the tables' footprint")
+        p.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run")
+        p.add_argument("--no-prefill", dest="prefill", action="store_false",
+                       help="start empty (default: the hottest cache-rows ranks written first)")
+        p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+        if name == "ssd":
+            p.add_argument("--dir", default=None,
+                           help="RocksDB directory on the disk to test (default: a fresh temporary "
+                                "directory under /tmp, removed after)")
+            p.add_argument("--shards", type=int, default=8, help="RocksDB shards (= threads)")
+            p.add_argument("--raw-rows", type=int, default=None,
+                           help="rows of the raw rocksdict baseline (default: 1M x scale)")
     return parser
 
 
@@ -63,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("tieredemb bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
+    if args.workload in ("cache", "ssd"):
+        return _main_cache(args, argv, device)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             print(f"tieredemb bench: unknown kernels {k!r} (auto, torch or triton)", file=sys.stderr)
@@ -118,6 +151,51 @@ def _run_hbm(options: HbmOptions, argv: list[str], out_dir: str) -> int:
               f"(max |diff| {c.max_abs_diff:.3g}, {c.rows_trained} trained rows compared)")
     print(f"report: {path}")
     return 0 if bench.ok else 1
+
+
+def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device) -> int:
+    from tieredemb.bench.cache import CacheBench, CacheOptions, cache_shape
+
+    try:
+        options = CacheOptions(workload=args.workload, shape=cache_shape(args.scale), device=device,
+                               steps=args.steps, warmup=args.warmup, seed=args.seed,
+                               budget_fraction=args.budget_fraction,
+                               directory=getattr(args, "dir", None),
+                               shards=getattr(args, "shards", 8), prefill=args.prefill,
+                               raw_rows=getattr(args, "raw_rows", None))
+    except ValueError as e:
+        print(f"tieredemb bench: {e}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        started = datetime.now()
+        path = report_path(args.out, args.workload, started)
+        machine = machine_info(device)
+        s = options.shape
+        title = (f"{args.workload}: {s.num_tables} tables x {s.rows} rows x D={s.dim} RowWiseAdagrad, "
+                 f"HBM budget {options.budget_fraction:g} of {options.footprint_bytes / 1e9:.2f} GB, "
+                 f"batch {s.batch_size} x {s.bag_size} ids, {s.lookups} lookups/step, Zipf "
+                 f"{s.alpha}; {machine.get('gpu', device)}; median of {options.steps} steps")
+        bench = CacheBench(options, log=_log)
+
+        def text() -> str:
+            return format_table(title, bench.results) + "\n" + bench.details()
+
+        def save() -> None:
+            report = {"workload": args.workload, "date": started.isoformat(timespec="seconds"),
+                      "command_line": "tieredemb bench " + " ".join(argv), "machine": machine,
+                      **bench.summary(), "ok": bench.ok}
+            write_report(path, report, text())
+
+        bench.run(on_update=save)
+        save()
+        print(text())
+        print(f"report: {path}")
+        return 0 if bench.ok else 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 __all__ = ["main"]

@@ -1,0 +1,109 @@
+"""``tieredemb bench cache`` and ``bench ssd`` end to end on CPU at a tiny scale.
+
+Each run measures ours (cache mode over host memory / RocksDB) and the same tables all in device
+memory on the same batches, then compares, after ``ebc.flush()``, ours' rows of a sample of keys with
+the all-HBM rows. The unit test of ``compare`` makes sure that comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tieredemb.bench import main
+from tieredemb.bench.cache import RankBatches, cache_shape, compare
+
+SCALE = 0.001  # 10,000 rows a table, batch 10: 1,000 lookups a step; cache 1,000 rows a table
+
+
+def _finite_positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module", params=["cache", "ssd"])
+def report(request, tmp_path_factory) -> dict:
+    workload = request.param
+    out = tmp_path_factory.mktemp(f"bench-{workload}")
+    args = [workload, "--scale", str(SCALE), "--steps", "3", "--warmup", "5", "--device", "cpu",
+            "--threads", "1", "--out", str(out)]
+    if workload == "ssd":
+        args += ["--dir", str(out / "rocksdb"), "--shards", "2", "--raw-rows", "2000"]
+    rc = main(args)
+    files = list(out.glob(f"*-{workload}.json"))
+    assert len(files) == 1, f"expected one {workload} report in {out}, found {files}"
+    assert files[0].with_suffix(".txt").exists()
+    data = json.loads(files[0].read_text())
+    data["_rc"] = rc
+    return data
+
+
+def test_both_configurations_measured(report: dict) -> None:
+    assert report["_rc"] == 0, report
+    assert report["ok"] is True
+    got = {r["configuration"]: r for r in report["results"]}
+    assert set(got) == {"ours", "peer"}
+    for r in got.values():
+        assert r["error"] is None, r
+        assert _finite_positive(r["step_ms"]) and len(r["step_ms_all"]) == 3
+        assert all(_finite_positive(t) for t in r["step_ms_all"])
+    ours = got["ours"]["extra"]
+    assert ours["storage_mode"] == "cache"
+    assert got["peer"]["extra"]["storage_mode"] == "hbm_direct"
+    assert 0.0 <= ours["hit_rate"] <= 1.0
+    moved = ours["bytes_moved_per_step"]
+    assert moved["backend->device"] + moved["device->backend"] > 0
+    assert ours["timed_counters"]["evictions"] > 0  # the cache is full: the run exercises eviction
+    assert _finite_positive(report["ratio_vs_all_hbm"])
+    assert _finite_positive(report["bandwidth"]["host_to_device_bytes_per_s"])
+    shape = cache_shape(SCALE)
+    assert report["footprint_bytes"] == shape.num_tables * shape.rows * 129 * 4
+    assert report["cache_rows_per_table"][0] == shape.rows // 10
+
+
+def test_rows_after_flush_equal_the_all_hbm_rows(report: dict) -> None:
+    check = report["check"]
+    assert check["passed"], check["problems"]
+    assert check["rows_found"] > 0 and check["rows_moved"] > 0
+    assert check["max_abs_diff"] <= 1e-5
+
+
+def test_ssd_reports_raw_rocksdb_rates(report: dict) -> None:
+    if report["workload"] != "ssd":
+        assert report["rocksdb_rates"] is None
+        return
+    rates = report["rocksdb_rates"]
+    assert rates["rows"] == 2000 and rates["raw_get_found"] == 2000 == rates["backend_get_found"]
+    for key in ("raw_get_rows_per_s", "raw_put_rows_per_s", "backend_get_rows_per_s",
+                "backend_set_rows_per_s", "raw_get_bytes_per_s"):
+        assert _finite_positive(rates[key]), key
+
+
+def test_compare_catches_a_different_row() -> None:
+    shape = cache_shape(SCALE)
+    batch = RankBatches(shape, torch.device("cpu")).batch(0)
+    keys = [torch.arange(4) for _ in range(shape.num_tables)]
+    rows = [(torch.full((4, shape.dim), 0.5), torch.ones(4, dtype=torch.bool))
+            for _ in range(shape.num_tables)]
+    assert batch.kjt.values().numel() == shape.lookups
+    assert compare(shape, keys, rows, [(w.clone(), f.clone()) for w, f in rows], 0).passed
+    other = [(w.clone(), f.clone()) for w, f in rows]
+    other[3][0][2, 7] += 1e-3
+    bad = compare(shape, keys, rows, other, 0)
+    assert not bad.passed and "table 3" in bad.problems[0]
+    other = [(w.clone(), f.clone()) for w, f in rows]
+    other[1][1][0] = False
+    assert not compare(shape, keys, rows, other, 0).passed
+
+
+def test_ids_are_the_hbm_workloads_ranks() -> None:
+    from tieredemb.bench.workloads import HbmBatches
+
+    shape = cache_shape(SCALE)
+    ours = RankBatches(shape, torch.device("cpu"), seed=3).batch(5)
+    hbm = HbmBatches(shape, torch.device("cpu"), seed=3).batch(5)
+    assert torch.equal(ours.ranks, hbm.ranks)
+    assert torch.equal(ours.kjt.values(), hbm.ranks.reshape(-1))
+    assert ours.unique_keys == sum(hbm.unique_keys)

@@ -1,0 +1,586 @@
+"""The ``cache`` and ``ssd`` workloads (DESIGN section 7): a device cache of 10% of the footprint.
+
+10 tables x 10M rows x D=128 fp32 with RowWiseAdagrad (rows of 129 float32, 51.6 GB in all), batch
+10,486 with one 10-id bag per table, Zipf alpha 1.05 (the ``hbm`` workload's sampler and seeds). The
+tables are bounded (``num_embeddings=rows``), so an id is the Zipf *rank* itself (rank 0 hottest; the
+device index hashes them, so hot ids still spread over its buckets). In one process, on the same
+batches:
+
+    ours    te.EmbeddingBagCollection in ``cache`` mode: hbm_budget = budget_fraction x footprint,
+            backing te.storage.HostMemory() (``cache``) or te.storage.RocksDB(dir, shards) (``ssd``)
+    peer    the same collection with no budget (``hbm_direct``: every row in device memory)
+
+Both start from the same state: the hottest ``cache_rows`` ranks of each table written with their
+initial rows (``prefill``; the cache's rows, what a long run converges to), every other row absent
+(its initial row on first use). ``warmup`` untimed steps then churn the cache (misses, evictions,
+write-backs) before ``steps`` timed ones (CUDA events, queue drained around each step). Reported per
+configuration: median step ms; for ours also the hit rate of unique keys, misses, evictions, bytes
+moved each way per step and the achieved host<->device bandwidth (bytes moved / step time) against
+the pinned copy bandwidth measured at the start. After the steps ours is flushed and its rows of a
+sample of keys (hot, random, and the last batch's) are compared with the peer's.
+
+``ssd`` adds raw ``rocksdict`` rates on the same disk (``raw_rocksdb_rates``): multi-get and
+write-batch put of 516-byte rows, one thread per shard, next to ``RocksDBBackend.get``/``set`` on the
+same keys, rows and call sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+import tieredemb as te
+from tieredemb.bench.hbm import (
+    free_memory,
+    peak_device_bytes,
+    reset_peak,
+    synchronize,
+    time_ms,
+    upstream_grad,
+)
+from tieredemb.bench.report import Measurement, fill_ratios, host_rss_bytes, peak_host_rss_bytes
+from tieredemb.bench.workloads import HbmShape, ZipfSampler
+from tieredemb.modules.table import HbmTable
+
+CACHE_SHAPE = HbmShape(rows=10_000_000)
+OPTIMIZER = "rowwise_adagrad"
+LR = 0.05
+CHECK_HOT, CHECK_RANDOM, CHECK_LAST = 2048, 8192, 8192
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+
+
+@dataclass
+class CacheOptions:
+    """What ``tieredemb bench cache|ssd`` runs."""
+
+    workload: str = "cache"  # "cache" | "ssd"
+    shape: HbmShape = field(default_factory=lambda: CACHE_SHAPE)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    steps: int = 20
+    warmup: int = 20
+    seed: int = 0
+    budget_fraction: float = 0.1
+    directory: str | None = None  # ssd: the RocksDB directory (default: a fresh one under /tmp)
+    shards: int = 8
+    prefill: bool = True
+    raw_rows: int | None = None  # ssd baseline rows (default: scaled from 1M)
+
+    def __post_init__(self) -> None:
+        if self.workload not in ("cache", "ssd"):
+            raise ValueError(f"workload must be cache or ssd, got {self.workload!r}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        if not 0 < self.budget_fraction < 1:
+            raise ValueError(f"budget fraction must be in (0, 1), got {self.budget_fraction}")
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.shape.dim + 1) * 4  # weights + RowWiseAdagrad's one state float
+
+    @property
+    def footprint_bytes(self) -> int:
+        return self.shape.num_tables * self.shape.rows * self.row_bytes
+
+
+# ---------------------------------------------------------------------------------- batches
+@dataclass
+class RankBatch:
+    step: int
+    ranks: torch.Tensor  # int64 (T, B, L) device
+    kjt: te.KeyedJaggedTensor  # ids = ranks, features f0..f{T-1}
+    unique_keys: int  # distinct ids summed over tables
+
+
+class RankBatches:
+    """The ``hbm`` workload's ranks (same sampler, same per-step seeds) used as ids directly."""
+
+    def __init__(self, shape: HbmShape, device: torch.device, seed: int = 0) -> None:
+        self.shape, self.device, self.seed = shape, torch.device(device), seed
+        self.sampler = ZipfSampler(shape.rows, shape.alpha, self.device)
+
+    def batch(self, step: int) -> RankBatch:
+        s = self.shape
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed * 1_000_003 + step)
+        ranks = self.sampler.sample((s.num_tables, s.batch_size, s.bag_size), gen)
+        lengths = torch.full((s.num_tables * s.batch_size,), s.bag_size, dtype=torch.int64,
+                             device=self.device)
+        kjt = te.KeyedJaggedTensor(keys=[s.feature_name(t) for t in range(s.num_tables)],
+                                   values=ranks.reshape(-1), lengths=lengths)
+        unique = sum(int(torch.unique(ranks[t]).numel()) for t in range(s.num_tables))
+        return RankBatch(step, ranks, kjt, unique)
+
+
+def table_configs(shape: HbmShape) -> list[te.TableConfig]:
+    return [te.TableConfig(name=shape.table_name(t), embedding_dim=shape.dim,
+                           feature_names=[shape.feature_name(t)], num_embeddings=shape.rows,
+                           initializer=te.init.Uniform(-0.01, 0.01))
+            for t in range(shape.num_tables)]
+
+
+# ------------------------------------------------------------------------------ measurements
+def measure_pinned_bandwidth(device: torch.device, nbytes: int | None = None,
+                             repeats: int = 5) -> dict:
+    """Bytes / time of one-way copies between pinned host memory and ``device`` (CUDA); on CPU a
+    host memcpy stands in (so CPU smoke runs have a finite number)."""
+    if device.type != "cuda":
+        nbytes = nbytes or (64 << 20)
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        ms = statistics.median(time_ms(lambda: b.copy_(a), device) for _ in range(repeats))
+        bw = nbytes / (ms * 1e-3)
+        return {"kind": "host memcpy (no CUDA)", "buffer_bytes": nbytes,
+                "host_to_device_bytes_per_s": bw, "device_to_host_bytes_per_s": bw}
+    nbytes = nbytes or (1 << 30)
+    h2d, d2h = _pinned_copy_ms(nbytes, device, repeats)
+    free_memory(device)
+    return {"kind": "pinned", "buffer_bytes": nbytes,
+            "host_to_device_bytes_per_s": nbytes / (h2d * 1e-3),
+            "device_to_host_bytes_per_s": nbytes / (d2h * 1e-3)}
+
+
+def _pinned_copy_ms(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    h2d = statistics.median(time_ms(lambda: dev.copy_(host, non_blocking=True), device)
+                            for _ in range(repeats))
+    d2h = statistics.median(time_ms(lambda: host.copy_(dev, non_blocking=True), device)
+                            for _ in range(repeats))
+    return h2d, d2h
+
+
+_COUNTERS = ("lookups", "unique_lookups", "hits", "misses", "conflict_misses", "evictions",
+             "fetched_bytes", "written_bytes")
+
+
+def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
+    """Summed over tables, without the backend's row count (O(rows) in RocksDB)."""
+    out = dict.fromkeys(_COUNTERS, 0)
+    for t in ebc._tables.values():
+        s = HbmTable.stats(t)
+        for k in _COUNTERS[:6]:
+            out[k] += int(getattr(s, k))
+        out["fetched_bytes"] += int(getattr(t, "bytes_fetched", 0))
+        out["written_bytes"] += int(getattr(t, "bytes_written", 0))
+    return out
+
+
+def prefill(ebc: te.EmbeddingBagCollection, shape: HbmShape, rows: int, device: torch.device,
+            seed: int) -> None:
+    """Write ranks [0, rows) of every table with their initial rows."""
+    for config in table_configs(shape):
+        for lo in range(0, rows, 1 << 18):
+            keys = torch.arange(lo, min(lo + (1 << 18), rows), device=device)
+            ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
+
+
+def check_keys(shape: HbmShape, last: RankBatch, seed: int) -> list[torch.Tensor]:
+    """Per table, ranks compared (int64 host, sorted): hottest, random, and the last batch's."""
+    gen = torch.Generator().manual_seed(seed + 29)
+    out = []
+    for t in range(shape.num_tables):
+        hot = torch.arange(min(CHECK_HOT, shape.rows))
+        rand = torch.randint(0, shape.rows, (min(CHECK_RANDOM, shape.rows),), generator=gen)
+        lastb = last.ranks[t].reshape(-1).cpu()[:CHECK_LAST]
+        out.append(torch.unique(torch.cat([hot, rand, lastb])))
+    return out
+
+
+@dataclass
+class CacheRowCheck:
+    passed: bool
+    rows_compared: int
+    rows_found: int
+    rows_moved: int
+    max_abs_diff: float
+    problems: list[str] = field(default_factory=list)
+
+
+def read_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, keys: list[torch.Tensor],
+              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for t, k in enumerate(keys):
+        w, f = ebc.read(shape.table_name(t), k.to(device))
+        out.append((w.detach().cpu(), f.cpu()))
+    return out
+
+
+def compare(shape: HbmShape, keys: list[torch.Tensor], ours: list, peer: list,
+            seed: int) -> CacheRowCheck:
+    problems: list[str] = []
+    compared = found_n = moved = 0
+    max_diff = 0.0
+    for t, config in enumerate(table_configs(shape)):
+        (ow, of), (pw, pf) = ours[t], peer[t]
+        compared += of.numel()
+        if not torch.equal(of, pf):
+            problems.append(f"table {t}: ours finds {int(of.sum())} of the checked keys, the "
+                            f"all-HBM configuration {int(pf.sum())}")
+            continue
+        found_n += int(of.sum())
+        if of.any():
+            d = float((ow[of] - pw[of]).abs().max())
+            max_diff = max(max_diff, d)
+            if not torch.allclose(ow[of], pw[of], rtol=CHECK_RTOL, atol=CHECK_ATOL):
+                problems.append(f"table {t}: rows differ from the all-HBM rows by up to {d:.3g}")
+            init = config.initializer.rows(seed, config.name, keys[t][of], shape.dim)
+            moved += int(((pw[of] - init).abs().amax(dim=1) > 0).sum())
+        if not torch.equal(ow[~of], torch.zeros_like(ow[~of])):
+            problems.append(f"table {t}: keys not stored do not read as zeros")
+    if moved == 0:
+        problems.append("no compared row moved from its initial value: the check proves nothing")
+    return CacheRowCheck(not problems, compared, found_n, moved, max_diff, problems)
+
+
+# ------------------------------------------------------------------------------------ runs
+def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batches: RankBatches,
+               grad: torch.Tensor, prefill_rows: int, log: Callable[[str], None],
+               check_keys_of: Callable[[RankBatch], list[torch.Tensor]] | None = None,
+               configuration: str = "ours") -> tuple[Measurement, list | None, list[torch.Tensor]]:
+    """Build, prefill, warm up, time, then (after flush) read the checked keys. Returns the
+    measurement, those rows (host) and the keys read; the collection is closed and freed."""
+    shape, dev = opts.shape, opts.device
+    reset_peak(dev)
+    ebc = te.EmbeddingBagCollection(table_configs(shape), optimizer=te.optim.RowWiseAdagrad(lr=LR),
+                                    storage=storage, device=dev, seed=opts.seed)
+    try:
+        m = Measurement(configuration, OPTIMIZER, label)
+        t0 = time.perf_counter()
+        if prefill_rows and opts.prefill:
+            prefill(ebc, shape, prefill_rows, dev, opts.seed)
+        synchronize(dev)
+        prefill_s = time.perf_counter() - t0
+
+        def step(b: RankBatch) -> None:
+            ebc.prefetch(b.kjt)
+            ebc(b.kjt).values().backward(grad)
+
+        times, unique, before = [], [], {}
+        last = None
+        for i in range(opts.warmup + opts.steps):
+            if i == opts.warmup:
+                synchronize(dev)
+                before = counters(ebc)
+            last = batches.batch(i)
+            ms = time_ms(lambda b=last: step(b), dev)
+            if i >= opts.warmup:
+                times.append(ms)
+                unique.append(last.unique_keys)
+        synchronize(dev)
+        after = counters(ebc)
+        m.set_times(times, shape.lookups)
+        m.unique_keys_per_step = statistics.mean(unique)
+        m.peak_device_bytes = peak_device_bytes(dev)
+        m.host_rss_bytes = host_rss_bytes()
+        delta = {k: after[k] - before[k] for k in _COUNTERS}
+        n = opts.steps
+        fetched, written = delta["fetched_bytes"] / n, delta["written_bytes"] / n
+        sec = m.step_ms * 1e-3
+        m.new_keys_per_step = delta["misses"] / n
+        m.extra = {
+            "storage_mode": ebc.storage_mode,
+            "prefill_rows_per_table": prefill_rows if opts.prefill else 0,
+            "prefill_s": prefill_s,
+            "timed_counters": delta,
+            "hit_rate": delta["hits"] / delta["unique_lookups"] if delta["unique_lookups"] else None,
+            "misses_per_step": delta["misses"] / n,
+            "conflict_misses_per_step": delta["conflict_misses"] / n,
+            "evictions_per_step": delta["evictions"] / n,
+            "bytes_moved_per_step": {"backend->device": fetched, "device->backend": written},
+            "achieved_bytes_per_s": {"backend->device": fetched / sec, "device->backend": written / sec,
+                                     "both": (fetched + written) / sec},
+            "rows_device": after_rows(ebc),
+            "peak_host_rss_bytes": peak_host_rss_bytes(),
+        }
+        t0 = time.perf_counter()
+        ebc.flush()
+        synchronize(dev)
+        m.extra["flush_s"] = time.perf_counter() - t0
+        keys = check_keys_of(last) if check_keys_of is not None else []
+        rows = read_rows(ebc, shape, keys, dev) if keys else None
+        log(f"{label}: {m.step_ms:.3f} ms/step" + (
+            f", hit rate {m.extra['hit_rate']:.4f}" if m.extra["hit_rate"] is not None else ""))
+        return m, rows, keys
+    finally:
+        ebc.close()
+        ebc = None  # the tables' memory goes before the next configuration is built
+        free_memory(dev)
+
+
+def after_rows(ebc: te.EmbeddingBagCollection) -> int:
+    return sum(t.index.size() for t in ebc._tables.values())
+
+
+# --------------------------------------------------------------------------- raw rocksdict
+def raw_rocksdb_rates(directory: str, rows: int, width: int, shards: int, call_rows: int,
+                      seed: int) -> dict:
+    """Raw rocksdict put (WriteBatch, WAL off) and multi-get rates of ``rows`` random keys in calls
+    of ``call_rows`` keys, one DB and one thread per shard; then ``RocksDBBackend.set``/``get`` on
+    the same keys, rows and calls in a store beside it."""
+    from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+    gen = torch.Generator().manual_seed(seed + 31)
+    keys = torch.unique(torch.randint(0, 1 << 62, (rows,), generator=gen))
+    keys = keys[torch.randperm(keys.numel(), generator=gen)]
+    n = keys.numel()
+    vals = torch.rand(n, width, generator=gen)
+    row_nbytes = width * 4
+    kb = [int(k).to_bytes(8, "big") for k in keys.tolist()]
+    vb = [bytes(v) for v in vals.numpy()]  # numpy rows: width * 4 bytes each
+    raw_dir = os.path.join(directory, "raw")
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    dbs = [Rdict(os.path.join(raw_dir, f"shard-{s:02d}"), opts) for s in range(shards)]
+    wo = WriteOptions()
+    wo.disable_wal = True
+    pool = ThreadPoolExecutor(max_workers=shards)
+    calls = [(a, min(a + call_rows, n)) for a in range(0, n, call_rows)]
+
+    def put(shard: int, a: int, b: int) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for i in range(a + shard, b, shards):
+            batch.put(kb[i], vb[i])
+        dbs[shard].write(batch, wo)
+
+    def get(shard: int, a: int, b: int) -> int:
+        got = dbs[shard].get(kb[a + shard : b : shards])  # one multi-get
+        return sum(v is not None for v in got)
+
+    def each(fn) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = 0
+        for a, b in calls:
+            out += sum(f.result() or 0 for f in [pool.submit(fn, s, a, b) for s in range(shards)])
+        return time.perf_counter() - t0, out
+
+    try:
+        put_s, _ = each(put)
+        for db in dbs:
+            db.flush(True)
+        get_s, found = each(get)
+    finally:
+        pool.shutdown()
+        for db in dbs:
+            db.close()
+    result = {"rows": n, "row_bytes": row_nbytes, "call_rows": call_rows, "threads": shards,
+              "raw_put_rows_per_s": n / put_s, "raw_put_bytes_per_s": n * row_nbytes / put_s,
+              "raw_get_rows_per_s": n / get_s, "raw_get_bytes_per_s": n * row_nbytes / get_s,
+              "raw_get_found": found}
+    backend = te.storage.RocksDB(os.path.join(directory, "backend"), shards=shards).open(
+        "bench", width, torch.device("cpu"))
+    try:
+        t0 = time.perf_counter()
+        for a, b in calls:
+            backend.set(keys[a:b], vals[a:b])
+        set_s = time.perf_counter() - t0
+        backend.flush()
+        t0 = time.perf_counter()
+        found = 0
+        for a, b in calls:
+            found += int(backend.get(keys[a:b]).found.sum())
+        get_s = time.perf_counter() - t0
+    finally:
+        backend.close()
+    result.update({"backend_set_rows_per_s": n / set_s, "backend_set_bytes_per_s": n * row_nbytes / set_s,
+                   "backend_get_rows_per_s": n / get_s, "backend_get_bytes_per_s": n * row_nbytes / get_s,
+                   "backend_get_found": found})
+    return result
+
+
+# ------------------------------------------------------------------------------------ driver
+class CacheBench:
+    """Runs ours (cache mode) and the all-HBM peer; ``results`` fill as it goes."""
+
+    def __init__(self, options: CacheOptions, log: Callable[[str], None] = lambda s: None) -> None:
+        self.options = options
+        self.log = log
+        self.results: list[Measurement] = []
+        self.check: CacheRowCheck | None = None
+        self.bandwidth: dict = {}
+        self.raw: dict | None = None
+        self.cache_rows: list[int] = []
+        self.directory: str | None = None
+
+    def run(self, on_update: Callable[[], None] = lambda: None) -> None:
+        opts = self.options
+        s = opts.shape
+        self.log(f"{opts.workload}: {s} on {opts.device}, budget {opts.budget_fraction:.0%} of "
+                 f"{opts.footprint_bytes / 1e9:.2f} GB, {opts.warmup} warmup + {opts.steps} steps")
+        self.bandwidth = measure_pinned_bandwidth(opts.device)
+        self.log(f"copy bandwidth h2d {self.bandwidth['host_to_device_bytes_per_s'] / 1e9:.1f} GB/s, "
+                 f"d2h {self.bandwidth['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s "
+                 f"({self.bandwidth['kind']})")
+        batches = RankBatches(s, opts.device, opts.seed)
+        grad = upstream_grad(s, opts.device, opts.seed)
+        made_dir = opts.workload == "ssd" and opts.directory is None
+        if opts.workload == "ssd":
+            self.directory = opts.directory or tempfile.mkdtemp(prefix="tieredemb-ssd-", dir="/tmp")
+            os.makedirs(self.directory, exist_ok=True)
+        try:
+            self._run(batches, grad, on_update)
+        finally:
+            if made_dir and self.directory:
+                shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _run(self, batches: RankBatches, grad: torch.Tensor, on_update: Callable[[], None]) -> None:
+        opts, s = self.options, self.options.shape
+        budget = int(opts.budget_fraction * opts.footprint_bytes)
+        if opts.workload == "ssd":
+            store_dir = os.path.join(self.directory, "store")
+            shutil.rmtree(store_dir, ignore_errors=True)
+            backing = te.storage.RocksDB(store_dir, shards=opts.shards)
+            label = f"ours (cache, RocksDB x{opts.shards})"
+        else:
+            backing = te.storage.HostMemory()
+            label = "ours (cache, host memory)"
+        storage = te.StorageConfig(hbm_budget=budget, backing=backing)
+        cache_rows = max(1, int(budget // s.num_tables) // opts.row_bytes)
+        self.cache_rows = [cache_rows] * s.num_tables
+        keys_box: dict = {}
+
+        def keys_of(last: RankBatch) -> list[torch.Tensor]:
+            keys_box["keys"] = check_keys(s, last, opts.seed)
+            return keys_box["keys"]
+
+        ours = self._attempt(Measurement("ours", OPTIMIZER, label),
+                             lambda: run_config(opts, label, storage, batches, grad, cache_rows,
+                                                self.log, keys_of), on_update)
+        peer_label = "all in HBM (hbm_direct)"
+        peer = self._attempt(Measurement("peer", OPTIMIZER, peer_label),
+                             lambda: run_config(opts, peer_label, te.StorageConfig(), batches, grad,
+                                                cache_rows, self.log,
+                                                lambda _: keys_box.get("keys", []), "peer"),
+                             on_update)
+        if ours is not None and peer is not None and ours[1] is not None and peer[1] is not None:
+            self.check = compare(s, keys_box["keys"], ours[1], peer[1], opts.seed)
+            verdict = "passed" if self.check.passed else "FAILED: " + "; ".join(self.check.problems)
+            self.log(f"rows of ours vs all in HBM: {verdict}")
+            on_update()
+        if opts.workload == "ssd":
+            n = opts.raw_rows or max(1000, min(1_000_000, round(1_000_000 * s.rows / CACHE_SHAPE.rows)))
+            call = max(64, min(65536, n // 8))
+            rates_dir = os.path.join(self.directory, "rates")
+            shutil.rmtree(rates_dir, ignore_errors=True)  # a reused --dir: start from empty stores
+            try:
+                self.raw = raw_rocksdb_rates(rates_dir, n, s.dim + 1,
+                                             opts.shards, call, opts.seed)
+                self.log(f"raw rocksdict: get {self.raw['raw_get_rows_per_s']:.3g} rows/s, put "
+                         f"{self.raw['raw_put_rows_per_s']:.3g} rows/s; RocksDBBackend get "
+                         f"{self.raw['backend_get_rows_per_s']:.3g}, set "
+                         f"{self.raw['backend_set_rows_per_s']:.3g} rows/s")
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                self.log(traceback.format_exc())
+                self.raw = {"error": f"{type(e).__name__}: {e}"}
+            on_update()
+
+    def _attempt(self, failed: Measurement, fn: Callable[[], tuple],
+                 on_update: Callable[[], None]) -> tuple | None:
+        self.log(f"{failed.label} ...")
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            self.log(traceback.format_exc())
+            failed.error = f"{type(e).__name__}: {e}"
+            free_memory(self.options.device)
+            self.results.append(failed)
+            on_update()
+            return None
+        self.results.append(result[0])
+        fill_ratios(self.results)
+        on_update()
+        return result
+
+    @property
+    def ok(self) -> bool:
+        return (all(r.error is None for r in self.results) and self.check is not None
+                and self.check.passed and not (self.raw or {}).get("error"))
+
+    def ratio_vs_hbm(self) -> float | None:
+        ours = next((r for r in self.results if r.configuration == "ours" and r.step_ms), None)
+        peer = next((r for r in self.results if r.configuration == "peer" and r.step_ms), None)
+        return ours.step_ms / peer.step_ms if ours and peer else None
+
+    def details(self) -> str:
+        """Lines under the table: hit rate, traffic and bandwidth, the ratio, raw RocksDB rates."""
+        lines = []
+        bw = self.bandwidth
+        ratio = self.ratio_vs_hbm()
+        if ratio is not None:
+            lines.append(f"ours / all-in-HBM step time: {ratio:.2f}x (first target: <= 2x)")
+        for r in self.results:
+            x = r.extra
+            if r.configuration != "ours" or r.error is not None or not x:
+                continue
+            moved, rate = x["bytes_moved_per_step"], x["achieved_bytes_per_s"]
+            hr = x["hit_rate"]
+            lines.append(
+                f"hit rate {hr:.4f} of unique keys; misses/step {x['misses_per_step']:.0f} "
+                f"(conflict {x['conflict_misses_per_step']:.0f}), evictions/step "
+                f"{x['evictions_per_step']:.0f}; cache rows/table {self.cache_rows[0]}"
+                if hr is not None else "hit rate -")
+            lines.append(
+                f"bytes moved/step: backend->device {moved['backend->device'] / 1e6:.2f} MB, "
+                f"device->backend {moved['device->backend'] / 1e6:.2f} MB; achieved "
+                f"{rate['backend->device'] / 1e9:.2f} / {rate['device->backend'] / 1e9:.2f} GB/s "
+                f"vs {bw['kind']} copy {bw['host_to_device_bytes_per_s'] / 1e9:.1f} / "
+                f"{bw['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s "
+                f"({rate['backend->device'] / bw['host_to_device_bytes_per_s']:.1%} / "
+                f"{rate['device->backend'] / bw['device_to_host_bytes_per_s']:.1%})")
+        if self.check is not None:
+            c = self.check
+            lines.append(f"check ours vs all in HBM after flush: "
+                         f"{'same rows' if c.passed else 'DIFFERENT ROWS: ' + '; '.join(c.problems)} "
+                         f"(max |diff| {c.max_abs_diff:.3g}; {c.rows_compared} keys, {c.rows_found} "
+                         f"stored, {c.rows_moved} trained)")
+        if self.raw and "error" not in self.raw:
+            r = self.raw
+            lines.append(
+                f"RocksDB x{r['threads']} threads, {r['rows']} rows of {r['row_bytes']} B in calls of "
+                f"{r['call_rows']}: raw rocksdict get {r['raw_get_rows_per_s']:.3g} rows/s "
+                f"({r['raw_get_bytes_per_s'] / 1e6:.0f} MB/s), put {r['raw_put_rows_per_s']:.3g} rows/s "
+                f"({r['raw_put_bytes_per_s'] / 1e6:.0f} MB/s); RocksDBBackend get "
+                f"{r['backend_get_rows_per_s']:.3g} rows/s ({r['backend_get_bytes_per_s'] / 1e6:.0f} "
+                f"MB/s), set {r['backend_set_rows_per_s']:.3g} rows/s "
+                f"({r['backend_set_bytes_per_s'] / 1e6:.0f} MB/s)")
+        elif self.raw:
+            lines.append(f"raw RocksDB rates FAILED: {self.raw['error']}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict:
+        opts = self.options
+        return {
+            "shape": asdict(opts.shape),
+            "lookups_per_step": opts.shape.lookups,
+            "options": {"device": str(opts.device), "steps": opts.steps, "warmup": opts.warmup,
+                        "seed": opts.seed, "budget_fraction": opts.budget_fraction,
+                        "shards": opts.shards, "prefill": opts.prefill, "optimizer": OPTIMIZER,
+                        "lr": LR, "directory": self.directory},
+            "footprint_bytes": opts.footprint_bytes,
+            "hbm_budget_bytes": int(opts.budget_fraction * opts.footprint_bytes),
+            "cache_rows_per_table": self.cache_rows,
+            "bandwidth": self.bandwidth,
+            "ratio_vs_all_hbm": self.ratio_vs_hbm(),
+            "results": self.results,
+            "check": self.check,
+            "rocksdb_rates": self.raw,
+        }
+
+
+def cache_shape(scale: float) -> HbmShape:
+    """The cache workload's shape at ``scale`` (rows and batch)."""
+    return replace(CACHE_SHAPE).scaled(scale)
+
+
+__all__ = ["CACHE_SHAPE", "CacheBench", "CacheOptions", "RankBatches", "cache_shape",
+           "measure_pinned_bandwidth", "raw_rocksdb_rates"]
