@@ -14,6 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tieredemb as te
+from tieredemb.bench.cache import RankBatches, cache_shape
+from tieredemb.bench.cache import table_configs as cache_table_configs
 from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 
@@ -26,16 +28,27 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
+    p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     dev = torch.device("cuda")
-    shape = HbmShape().scaled(args.scale)
-    ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[args.optimizer][0](),
-                                    device=dev)
-    t0 = time.perf_counter()
-    preinsert_rows(ebc, shape, dev, 0)
-    torch.cuda.synchronize()
-    print(f"preinsert {shape.num_tables} x {shape.rows} rows: {time.perf_counter() - t0:.1f} s")
-    batches = HbmBatches(shape, dev, 0)
+    if args.workload == "hbm":
+        shape = HbmShape().scaled(args.scale)
+        ebc = te.EmbeddingBagCollection(shape.table_configs(),
+                                        optimizer=OPTIMIZERS[args.optimizer][0](), device=dev)
+        t0 = time.perf_counter()
+        preinsert_rows(ebc, shape, dev, 0)
+        torch.cuda.synchronize()
+        print(f"preinsert {shape.num_tables} x {shape.rows} rows: {time.perf_counter() - t0:.1f} s")
+        batches = HbmBatches(shape, dev, 0)
+    else:  # cache mode over host memory, 10% of the footprint on the device
+        shape = cache_shape(args.scale)
+        configs = cache_table_configs(shape)
+        footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
+        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=te.storage.HostMemory())
+        ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                        storage=storage, device=dev)
+        batches = RankBatches(shape, dev, 0)
     grad = upstream_grad(shape, dev, 0)
 
     def step(i: int) -> None:
@@ -43,12 +56,12 @@ def main() -> None:
         ebc.prefetch(kjt)
         ebc(kjt).values().backward(grad)
 
-    for i in range(3):
+    for i in range(args.warmup):
         step(i)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
         t0 = time.perf_counter()
-        for i in range(3, 3 + args.steps):
+        for i in range(args.warmup, args.warmup + args.steps):
             step(i)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
@@ -64,7 +77,11 @@ def main() -> None:
         if e.key in SYNC_EVENTS:
             ms = e.self_cpu_time_total / 1e3 / args.steps
             print(f"  {e.key:32s} {e.count / args.steps:8.1f} {ms:8.2f}")
-    top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:12]
+    print("labelled stages per step (CPU total ms):")
+    for e in sorted(avg, key=lambda e: -e.cpu_time_total):
+        if e.key.startswith("##"):
+            print(f"  {e.key:32s} {e.count / args.steps:8.1f} {e.cpu_time_total / 1e3 / args.steps:8.2f}")
+    top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
     print("top self-CPU ops per step (ms):")
     for e in top:
         ms = e.self_cpu_time_total / 1e3 / args.steps

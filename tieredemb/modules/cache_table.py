@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import KeyIndex
@@ -75,16 +76,19 @@ class CacheTable(HbmTable):
         rest = (~in_pad).nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest]) >= 0
         miss = rest[~in_cache]
-        fetched = self._fetch(unique[miss])  # (m, W) rows: backend's, else initial. May raise:
-        # nothing has changed yet
+        with record_function("## cache.fetch ##"):
+            fetched = self._fetch(unique[miss])  # (m, W) rows: backend's, else initial. May
+            # raise: nothing has changed yet
         addresses[in_pad] = self.in_flight.values[shared[in_pad]]
         self.in_flight.locks[shared[in_pad]] += 1
         store = torch.ones(rest.numel(), dtype=torch.bool, device=self.device)
         admit = self._admit_new(unique[miss], counts[miss], fetched.found)
         store[(~in_cache).nonzero().squeeze(1)] = admit
         keep = rest[store]
-        res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True)
-        self._write_down(res.evicted_keys, res.evicted_values)
+        with record_function("## cache.insert ##"):
+            res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True)
+        with record_function("## cache.write_down ##"):
+            self._write_down(res.evicted_keys, res.evicted_values)
         placed = res.slots >= 0
         row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=self.device)
         row_of[miss] = torch.arange(miss.numel(), device=self.device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
@@ -96,12 +97,15 @@ class _Collection(nn.Module):
         self._queued.append((kjt, self._resolve(kjt)))
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
-        batch = layout_batch(kjt, self.table_configs, self.device, self._uses_weights)
+        with record_function("## check_batch ##"):
+            batch = layout_batch(kjt, self.table_configs, self.device, self._uses_weights)
         training = self.training
         if training:
             self._clock += 1
-        tables = {name: self._tables[name].prefetch(tb.ids, self._clock, training)
-                  for name, tb in batch.tables.items()}
+        tables = {}
+        for name, tb in batch.tables.items():
+            with record_function("## table.prefetch ##"):
+                tables[name] = self._tables[name].prefetch(tb.ids, self._clock, training)
         return CollectionPrefetch(batch, tables, training)
 
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
