@@ -100,7 +100,7 @@ class CacheTable(HbmTable):
         owed = self._scratch(unique[conflict], fetched.rows[row_of[conflict]], addresses, conflict)
         private = self._scratch(unique[dropped], fetched.rows[row_of[dropped]], addresses, dropped)
         self._register_owed(unique[conflict], owed)
-        self.counters.hits += rest.numel() - miss.numel() + unique.numel() - rest.numel()
+        self.counters.hits += unique.numel() - miss.numel()  # in the cache or a scratch pad
         self._device_counts[1] += miss.numel()
         self._device_counts[2] += conflict.numel()
         self.counters.evictions += res.evicted_keys.numel()
