@@ -73,3 +73,31 @@ def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode) -> None:
         want.append(float(loss.detach()))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
+
+
+def test_host_memory_backend_with_a_gpu_index_matches_the_dict_backend() -> None:
+    """HostMemory under a CUDA collection: index on the GPU, rows in pinned host segments read and
+    written in place by the Triton kernels."""
+    from tieredemb.storage.backend import DictBackend
+
+    width = 7
+    backend = te.storage.HostMemory(segment_rows=64).open("t", width, torch.device("cuda"))
+    assert backend.device.type == "cuda"
+    ref = DictBackend(width)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        keys = torch.randint(-500, 500, (int(torch.randint(0, 200, (1,), generator=gen)),), generator=gen)
+        rows = torch.randn(keys.numel(), width, generator=gen)
+        backend.set(keys.cuda(), rows.cuda())
+        ref.set(keys, rows)
+        gone = torch.randint(-500, 500, (10,), generator=gen)
+        backend.delete(gone.cuda())
+        ref.delete(gone)
+        probe = torch.randint(-600, 600, (300,), generator=gen)
+        got, want = backend.get(probe.cuda()), ref.get(probe)
+        assert torch.equal(got.found.cpu(), want.found)
+        assert torch.equal(got.rows.cpu(), want.rows)
+    assert backend.size() == ref.size()
+    scanned = {k: r for ks, rs in backend.scan(chunk_rows=50) for k, r in zip(ks.tolist(), rs.cpu())}
+    assert sorted(scanned) == sorted(ref._rows)
+    assert all(torch.equal(scanned[k], ref._rows[k]) for k in scanned)

@@ -136,13 +136,14 @@ class CacheTable(HbmTable):
         """Backend rows of ``keys``, with the rows still waiting to be written down laid over them
         (they are newer). Raises a pending write-down failure first, before anything changes."""
         self._raise_write_failure()
-        got = self.backend.get(keys.cpu())
+        keys = keys.to(self.backend.device)
+        got = self.backend.get(keys)
         self.bytes_fetched += int(got.found.sum()) * self.width * 4
         if self._unwritten:
             pkeys = torch.cat([k for k, _ in self._unwritten])
             prows = torch.cat([r for _, r in self._unwritten])
             # the last write of a key wins: scan the pending rows in order
-            match = (keys.cpu()[:, None] == pkeys[None, :]).nonzero()
+            match = (keys[:, None] == pkeys[None, :]).nonzero()
             if match.numel():
                 got.rows[match[:, 0]] = prows[match[:, 1]]
                 got.found[match[:, 0]] = True
@@ -211,7 +212,9 @@ class CacheTable(HbmTable):
         then, in order."""
         if keys.numel() == 0:
             return
-        self._unwritten.append((keys.cpu(), self.store.gather(addresses).cpu()))
+        bdev = self.backend.device
+        rows = self.kernels.gather(self.store, addresses, self.width)
+        self._unwritten.append((keys.to(bdev), rows.to(bdev)))
         self._try_write()
 
     def _try_write(self) -> None:
@@ -282,7 +285,7 @@ class CacheTable(HbmTable):
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)
         if spill.numel():
-            self._unwritten.append((keys[spill].cpu(), rows[spill].cpu()))
+            self._unwritten.append((keys[spill].to(self.backend.device), rows[spill].to(self.backend.device)))
             self._try_write()
         self.counters.evictions += res.evicted_keys.numel()
 

@@ -2,8 +2,11 @@
 
 Every backend (host memory, RocksDB, Redis) answers the same verbs with the same shapes:
 
-    get(keys: int64 (n,) cpu)            -> Fetched(rows: float32 (n, W) cpu, found: bool (n,) cpu)
-    set(keys: int64 (n,) cpu, rows: float32 (n, W) cpu)   upsert
+    get(keys: int64 (n,))                -> Fetched(rows: float32 (n, W), found: bool (n,))
+    set(keys: int64 (n,), rows: float32 (n, W))           upsert
+
+Keys and rows are on ``backend.device``: the CPU for RocksDB and Redis; the GPU for host memory
+under a CUDA collection (its index is on the GPU, its rows in pinned host memory).
     delete(keys: int64 (n,) cpu)
     scan(chunk_rows: int) -> iterator of (keys (m,), rows (m, W)), every stored row once
     size() -> int; flush() (durable/visible to a new reader); close()
@@ -34,6 +37,7 @@ class Backend(ABC):
     """One table's rows in a backing store. ``width`` is the float32 row width W (weights + state)."""
 
     width: int
+    device: torch.device = torch.device("cpu")  # where get/set take and give keys and rows
 
     @abstractmethod
     def get(self, keys: torch.Tensor) -> Fetched: ...

@@ -76,7 +76,8 @@ class HostMemory(BackendSpec):
     def open(self, table: str, width: int, device: torch.device) -> Backend:
         from tieredemb.storage.host import HostMemoryBackend
 
-        return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows)
+        return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
+                                 device=device if _pinned(device) else None)
 
 
 @dataclass(frozen=True)

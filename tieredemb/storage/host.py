@@ -1,8 +1,10 @@
 """HostMemoryBackend: one table's rows in host memory, and the DRAM cache in front of a slower store.
 
-Layout: a CPU ``KeyIndex`` (raw int64 key -> row address) over a ``RowStore`` of host segments,
-pinned when the compute device is CUDA so fetched rows reach the device by DMA. The same structure
-as the device tier, one level down; every verb is a handful of vectorized torch calls.
+Layout: a ``KeyIndex`` (raw int64 key -> row address) over a ``RowStore`` of host segments. On a CUDA
+device (``device=cuda``) the index lives on the GPU and the segments are pinned: the Triton kernels
+gather and scatter rows in host memory in place through UVA, as DynamicEmb and HierarchicalKV keep
+their host tier; keys and rows in and out stay on the GPU. On the CPU it is the same structure with
+the pure-torch reference.
 
 With ``capacity`` the index is bounded and evicts the least recently used row of a full bucket
 (``KeyIndex`` semantics): that is the DRAM cache ``CachedBackend`` puts in front of RocksDB or Redis
@@ -38,8 +40,8 @@ def last_of_duplicates(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     An upsert with a key twice keeps the later row, as a sequence of single sets would.
     """
     uniq, inverse = torch.unique(keys, return_inverse=True)
-    last = torch.full((uniq.numel(),), -1, dtype=torch.int64)
-    last.scatter_reduce_(0, inverse, torch.arange(keys.numel()), reduce="amax")
+    last = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=keys.device)
+    last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), reduce="amax")
     return uniq, last
 
 
@@ -62,24 +64,48 @@ class HostMemoryBackend(Backend):
     """
 
     def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
-                 segment_rows: int = 65536, bucket_width: int = 16) -> None:
+                 segment_rows: int = 65536, bucket_width: int = 16,
+                 device: torch.device | None = None) -> None:
         self.width = width
         self.capacity = capacity
         if capacity is not None:
             segment_rows = min(segment_rows, max(capacity, 1))
-        self._index = KeyIndex(bucket_width, "lru", _CPU, max_slots=capacity)
-        store_cls = _PinnedRowStore if pinned else RowStore
-        self._store = store_cls(width, segment_rows, _CPU)
+        self.device = torch.device(device) if device is not None else _CPU
+        if self.device.type == "cuda":
+            # the index on the GPU, the rows in pinned host segments that the kernels read and
+            # write in place through UVA: no host work and no staging copy per call
+            from tieredemb.ops import select_kernels
+
+            self._kernels = select_kernels("auto", self.device)
+            self._index = self._kernels.index_class(bucket_width, "lru", self.device, max_slots=capacity)
+            self._store = RowStore(width, segment_rows, self.device, device_segments=0)
+        else:
+            self._kernels = None
+            self._index = KeyIndex(bucket_width, "lru", _CPU, max_slots=capacity)
+            store_cls = _PinnedRowStore if pinned else RowStore
+            self._store = store_cls(width, segment_rows, _CPU)
         self._step = 0  # LRU clock: one tick per call
+
+    def _gather(self, addresses: torch.Tensor) -> torch.Tensor:
+        if self._kernels is None:
+            return self._store.gather(addresses)
+        return self._kernels.gather(self._store, addresses, self.width)
+
+    def _scatter(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+        if self._kernels is None:
+            self._store.scatter(addresses, rows)
+        else:
+            self._kernels.scatter(self._store, addresses, rows)
 
     # ------------------------------------------------------------------------------------ verbs
     def get(self, keys: torch.Tensor) -> Fetched:
-        """keys int64 (n,) cpu -> rows float32 (n, W) cpu (zeros where absent), found bool (n,)."""
-        keys = keys.reshape(-1).to(torch.int64)
+        """keys int64 (n,) -> rows float32 (n, W) (zeros where absent), found bool (n,), on
+        ``self.device`` (the CPU, or the CUDA device whose index this is)."""
+        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
         slots = self._index.find(keys)  # (n,) -1 where absent
         found = slots >= 0
         addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
-        rows = self._store.gather(addresses)  # address -1 reads zeros
+        rows = self._gather(addresses)  # address -1 reads zeros
         if self.capacity is not None and bool(found.any()):
             self._touch(keys[found])
         return Fetched(rows, found)
@@ -89,7 +115,7 @@ class HostMemoryBackend(Backend):
 
         Bounded: a key whose bucket has no room in this call (more new keys than ways) is skipped.
         """
-        keys = keys.reshape(-1).to(torch.int64)
+        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
         if keys.numel() == 0:
             return
         if bool((keys == RESERVED_KEY).any()):
@@ -104,12 +130,12 @@ class HostMemoryBackend(Backend):
             fresh = self._store.allocate(int(new.sum()))
             addresses[new] = fresh
             self._index.assign(res.slots[new], fresh)
-        src = rows.to(device=_CPU, dtype=torch.float32)[last[placed]]
-        self._store.scatter(addresses[placed], src)
+        src = rows.to(device=self.device, dtype=torch.float32)[last[placed]]
+        self._scatter(addresses[placed], src)
 
     def delete(self, keys: torch.Tensor) -> None:
         """Remove keys int64 (n,) (absent ones ignored)."""
-        keys = keys.reshape(-1).to(torch.int64)
+        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
         if keys.numel() == 0:
             return
         self._store.free(self._index.erase(torch.unique(keys)))
@@ -125,14 +151,14 @@ class HostMemoryBackend(Backend):
         keys, addresses = keys[order], addresses[order]
         for start in range(0, keys.numel(), chunk_rows):
             part = slice(start, start + chunk_rows)
-            yield keys[part].clone(), self._store.gather(addresses[part])
+            yield keys[part].clone(), self._gather(addresses[part])
 
     def size(self) -> int:
         return self._index.size()
 
     def close(self) -> None:
-        self._index = KeyIndex(self._index.width, "lru", _CPU, max_slots=self.capacity)
-        self._store = RowStore(self.width, self._store.segment_rows, _CPU)
+        self._index = KeyIndex(self._index.width, "lru", self.device, max_slots=self.capacity)
+        self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0)
 
     def nbytes(self) -> int:
         """Host bytes held by rows (allocated segments)."""
