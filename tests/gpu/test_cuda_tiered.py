@@ -47,16 +47,17 @@ def rows(ebc) -> torch.Tensor:
     return torch.cat([r.weights, r.optimizer_state], 1)[order].cpu()
 
 
+@pytest.mark.parametrize("in_thread", [False, True])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["cache", "hybrid"])
-def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode) -> None:
+def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread) -> None:
     row_bytes = (DIM + 2 * DIM) * 4
     storage = te.StorageConfig(hbm_budget=8 * row_bytes, caching=mode == "cache", bucket_width=4,
                                segment_rows=8)
     gpu = build(storage, torch.device("cuda"), kernels)
     assert gpu.storage_mode == mode
     data = batches(25, 32)
-    pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"))
+    pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"), prefetch_in_thread=in_thread)
     it = iter(data)
     losses = []
     while True:

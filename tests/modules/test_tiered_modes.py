@@ -313,3 +313,43 @@ def test_cache_matches_hbm_direct_on_drawn_shapes(cache_rows, width, dim, batch,
     want_keys, want_rows = sorted_rows(plain.export("t"))
     assert torch.equal(keys, want_keys)
     torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, ebc: te.EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return (self.ebc(batch["kjt"]).values() * batch["grad"]).sum()
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread) -> None:
+    """Prefetch of batch i+1 on a worker thread, beside batch i's backward: the collection serializes
+    index and row-store changes, so the result is the plain loop's."""
+    optimizer = te.optim.Adam(lr=0.05)
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    storage = te.StorageConfig(hbm_budget=8 * row_bytes, backing=DictStore(), bucket_width=4,
+                               segment_rows=8)
+    cached, plain = make(storage, "lru", 2, optimizer), make(None, "lru", 2, optimizer)
+    gen = torch.Generator().manual_seed(2)
+    data = [{"kjt": kjt, "grad": torch.randn(6, 2 * DIM, generator=gen)}
+            for kjt in zipf_batches(25, 6, seed=8)]
+    pipe = te.TrainPipeline(_Loss(cached), None, prefetch_in_thread=in_thread)
+    it = iter(data)
+    got = []
+    while True:
+        try:
+            got.append(pipe.progress(it).detach())
+        except StopIteration:
+            break
+    model = _Loss(plain)
+    want = []
+    for b in data:
+        loss = model(b)
+        loss.backward()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1],
+                               rtol=1e-5, atol=1e-6)

@@ -13,8 +13,10 @@ one row per id) and how the outputs are assembled.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -89,12 +91,31 @@ class _Collection(nn.Module):
         self._queued: list[tuple[object, CollectionPrefetch]] = []
         # autograd needs an input that requires grad to call our backward
         self._dummy = torch.zeros(1, requires_grad=True)
+        # prefetch may run on another thread and CUDA stream than forward/backward (TrainPipeline's
+        # prefetch_in_thread): index and row-store changes take this lock, and on CUDA each one's
+        # stream waits for the previous one's event, so they happen in one order on host and GPU
+        self._lock = threading.RLock()
+        self._mutated: torch.cuda.Event | None = None
+
+    @contextmanager
+    def _mutating(self):
+        with self._lock:
+            cuda = self.device.type == "cuda"
+            if cuda and self._mutated is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._mutated)
+            try:
+                yield
+            finally:
+                if cuda:
+                    self._mutated = torch.cuda.Event()
+                    self._mutated.record(torch.cuda.current_stream(self.device))
 
     # ----------------------------------------------------------------------------- data path
     def prefetch(self, kjt: object) -> None:
         """Resolve ``kjt``'s rows now (checks, dedup, insert, lock); the next forward of the same
         batch object uses them."""
-        self._queued.append((kjt, self._resolve(kjt)))
+        with self._mutating():
+            self._queued.append((kjt, self._resolve(kjt)))
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
         with record_function("## check_batch ##"):
@@ -111,6 +132,13 @@ class _Collection(nn.Module):
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
         and forward see batches in the same order. Without a pending prefetch, resolve now."""
+        with self._mutating():
+            state = self._take_prefetched_locked(kjt)
+        if self.device.type == "cuda":
+            _hand_over(state, torch.cuda.current_stream(self.device))
+        return state
+
+    def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
         if not self._queued or (not self.training and self._queued[0][1].training):
             return self._resolve(kjt)  # nothing prefetched, or an eval forward between training steps
         queued, state = self._queued[0]
@@ -148,13 +176,14 @@ class _Collection(nn.Module):
         self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:
-        if state.released:
-            return
-        state.released = True
-        if state.finalizer is not None:
-            state.finalizer.detach()
-        for name, tpf in state.tables.items():
-            self._tables[name].release(tpf)
+        with self._mutating():
+            if state.released:
+                return
+            state.released = True
+            if state.finalizer is not None:
+                state.finalizer.detach()
+            for name, tpf in state.tables.items():
+                self._tables[name].release(tpf)
 
     # Subclasses: how one table's rows are looked up and how gradients map back to ids.
     _uses_weights = False
@@ -175,7 +204,9 @@ class _Collection(nn.Module):
         """Current weights of ``keys`` (float32 (n, D); zeros where not stored) and ``found`` (bool
         (n,)). Inserts nothing and moves no score."""
         t = self._table(table)
-        return t.read(check_keys(t.config, keys, self.device))
+        keys = check_keys(t.config, keys, self.device)
+        with self._mutating():  # a cache-mode read may fetch from the backing store
+            return t.read(keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
         """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
@@ -191,30 +222,51 @@ class _Collection(nn.Module):
             raise ValueError(f"table {table!r}: weights must be finite")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
-        t.write(keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
+        with self._mutating():
+            t.write(keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
 
     def close(self) -> None:
         """Flush and close the backing stores (files, connections). The collection is unusable after."""
-        self.flush()
-        for t in self._tables.values():
-            t.close()
+        with self._mutating():
+            self.flush()
+            for t in self._tables.values():
+                t.close()
 
     def flush(self) -> None:
         """Write every dirty cached row down to the backing store (a no-op in ``hbm_direct``)."""
-        for t in self._tables.values():
-            t.flush()
+        with self._mutating():
+            for t in self._tables.values():
+                t.flush()
 
     def export(self, table: str) -> TableRows:
         """Every stored row of ``table``: keys, weights, optimizer state and scores."""
-        return self._table(table).export()
+        t = self._table(table)
+        with self._mutating():
+            return t.export()
 
     def stats(self) -> dict[str, TableStats]:
         """Per table: rows per tier, lookups, hits, misses, evictions, bytes."""
-        return {name: t.stats() for name, t in self._tables.items()}
+        with self._mutating():
+            return {name: t.stats() for name, t in self._tables.items()}
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
         return f"tables=[{dims}], optimizer={self.optimizer}, storage_mode={self.storage_mode!r}"
+
+
+def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
+    """A prefetched batch's tensors may have been allocated on the prefetch stream; forward and
+    backward read them on ``stream``. record_stream keeps the caching allocator from handing their
+    blocks to the prefetch stream again before ``stream``'s use is done (the per-batch tensors are
+    small and freed at unpredictable times by autograd, which rules out an event per buffer here)."""
+    tensors = [t for tb in state.batch.tables.values()
+               for t in (tb.ids, tb.lengths, tb.offsets, tb.weights) if t is not None]
+    for tpf in state.tables.values():
+        tensors += [getattr(tpf, f.name) for f in fields(tpf)
+                    if isinstance(getattr(tpf, f.name), torch.Tensor)]
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 def _same_batch(a: object, b: object) -> bool:
