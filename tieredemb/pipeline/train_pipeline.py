@@ -70,17 +70,14 @@ class TrainPipeline:
       after the training stream's work of step i (an event, not ``record_stream``: batch i+2's buffers
       may reuse the blocks batch i just freed), and the training stream waits on the copy's event.
     - training stream (the caller's current stream): forward, backward, optimizer; by default also the
-      prefetch, between forward i and backward i. The collections are not stream-safe yet: backward i
-      unlocks index slots and frees scratch rows that prefetch i+1 locks and allocates, so by default
-      the two stay ordered on one stream and the overlap is the copy's.
+      prefetch, between forward i and backward i.
     - prefetch stream, with ``prefetch_in_thread=True``: prefetch i+1 runs on a single worker thread
-      (its host syncs - ``torch.unique``, miss checks - leave the training thread) on its own stream,
-      after an event recorded behind forward i; forward i+1 waits for the thread and then for the
-      prefetch's event. This overlaps prefetch i+1 with backward i for real, but the collection's
-      index, row store and free lists are then touched by two threads at once (backward i's unlock
-      and scratch free beside prefetch i+1's inserts and allocations), so it is off by default until
-      the collections are made thread- and stream-safe. Unbounded tables without admission are the
-      case where the race cannot change a row (only lock counts, which they never read).
+      (its host syncs - ``torch.unique``, miss checks, backend calls - leave the training thread) on
+      its own stream, after an event recorded behind forward i; forward i+1 waits for the thread and
+      then for the prefetch's event. The collections serialize their index and row-store changes
+      (a lock, and an event chain between streams) and hand prefetched tensors over with
+      ``record_stream``, so backward i's release beside prefetch i+1 is safe. Off by default until
+      its overlap is measured.
 
     Args:
         model: called as ``model(batch)``; returns the loss (a scalar tensor) or ``(loss, output)``.
@@ -89,7 +86,7 @@ class TrainPipeline:
             first embedding collection, else the CPU.
         stash: embedding memory stashing (``te.StashConfig``): not implemented yet.
         prefetch_in_thread: run each prefetch on a background thread and the prefetch stream (see
-            above: not yet safe; default False).
+            above; default False).
 
     Batches: any object with ``.to(device, non_blocking=True)`` returning the moved batch (as
     TorchRec's ``Batch``), or a dict, list, tuple or dataclass of tensors and KeyedJaggedTensors (moved
@@ -343,7 +340,7 @@ class TrainPipeline:
         """Release every in-flight batch's prefetches (after a running one finishes) and stop."""
         for record in self._batches:
             if record.prefetch is not None:
-                wait_futures([record.prefetch])  # the collections are not thread-safe: let it end
+                wait_futures([record.prefetch])  # let a running prefetch end before cancelling it
             for collection, kjt in record.plan:
                 _cancel_prefetch(collection, kjt)
         self._batches.clear()
