@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from datetime import datetime
 
 import torch
@@ -108,13 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with _torch_threads(args.threads):
         return _run_hbm(options, argv, args.out)
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` (None: unchanged) for the block, restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _log(line: str) -> None:
@@ -166,10 +174,7 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with _torch_threads(args.threads):
         started = datetime.now()
         path = report_path(args.out, args.workload, started)
         machine = machine_info(device)
@@ -194,8 +199,6 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
         print(text())
         print(f"report: {path}")
         return 0 if bench.ok else 1
-    finally:
-        torch.set_num_threads(threads)
 
 
 __all__ = ["main"]
