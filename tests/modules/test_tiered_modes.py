@@ -73,6 +73,19 @@ def sorted_rows(rows: te.TableRows) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.keys[order], torch.cat([rows.weights, rows.optimizer_state], 1)[order]
 
 
+def trains_alike(ebc: te.EmbeddingBagCollection, ref: te.EmbeddingBagCollection, batches: list,
+                 pipelined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train both on ``batches``; assert equal outputs and equal stored rows. Returns the reference's
+    (keys, rows) sorted by key."""
+    for g, w in zip(train(ebc, batches, pipelined), train(ref, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    keys, rows = sorted_rows(ebc.export("t"))
+    want_keys, want_rows = sorted_rows(ref.export("t"))
+    assert torch.equal(keys, want_keys)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    return want_keys, want_rows
+
+
 @pytest.mark.parametrize("optimizer", [te.optim.Adam(lr=0.05), te.optim.RowWiseAdagrad(lr=0.1)],
                          ids=["adam", "rowwise"])
 @pytest.mark.parametrize("cache_buckets", [1, 3, 74])  # 74 x 4 = 296 of 300 rows
@@ -89,14 +102,7 @@ def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission,
     assert cached.storage_mode == "cache"
     plain = make(None, eviction, admission, optimizer)
     batches = zipf_batches(30, 6, seed=cache_buckets)
-    got = train(cached, batches, pipelined)
-    want = train(plain, batches, pipelined)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    keys, rows = sorted_rows(cached.export("t"))
-    want_keys, want_rows = sorted_rows(plain.export("t"))
-    assert torch.equal(keys, want_keys)
-    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    want_keys, want_rows = trains_alike(cached, plain, batches, pipelined)
     stats = cached.stats()["t"]
     if cache_buckets == 1:
         assert stats.evictions > 0  # the small caches really evicted
@@ -174,12 +180,7 @@ def test_hybrid_matches_hbm_direct(optimizer, pipelined) -> None:
     assert hybrid.storage_mode == "hybrid"
     plain = make(None, "lru", 2, optimizer)
     batches = zipf_batches(30, 6, seed=9)
-    for g, w in zip(train(hybrid, batches, pipelined), train(plain, batches, pipelined)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    keys, rows = sorted_rows(hybrid.export("t"))
-    want_keys, want_rows = sorted_rows(plain.export("t"))
-    assert torch.equal(keys, want_keys)
-    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    trains_alike(hybrid, plain, batches, pipelined)
     placement = hybrid._tables["t"].store.rows_by_placement()
     assert placement["device"] == 32 and placement["host"] > 0  # rows really spilled to the host
 
@@ -205,10 +206,7 @@ def test_cache_over_real_backends_matches_hbm_direct(backend, cache_buckets, evi
     cached = make(storage, eviction, 2, optimizer)
     plain = make(None, eviction, 2, optimizer)
     batches = zipf_batches(30, 6, seed=cache_buckets)
-    for g, w in zip(train(cached, batches, True), train(plain, batches, True)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    want_keys, want_rows = sorted_rows(plain.export("t"))
-    torch.testing.assert_close(sorted_rows(cached.export("t"))[1], want_rows, rtol=1e-5, atol=1e-6)
+    want_keys, want_rows = trains_alike(cached, plain, batches, True)
     cached.close()
     if backend == "host":
         return  # host memory does not outlive its collection
@@ -307,12 +305,7 @@ def test_cache_matches_hbm_direct_on_drawn_shapes(cache_rows, width, dim, batch,
     assert cached.storage_mode == "cache"
     plain = build(None)
     batches = zipf_batches(10, batch, seed=seed)
-    for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    keys, rows = sorted_rows(cached.export("t"))
-    want_keys, want_rows = sorted_rows(plain.export("t"))
-    assert torch.equal(keys, want_keys)
-    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    trains_alike(cached, plain, batches, pipelined)
 
 
 class _Loss(torch.nn.Module):
