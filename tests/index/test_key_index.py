@@ -123,3 +123,9 @@ def test_erase_find_and_reserved_key() -> None:
     assert index.find(torch.tensor([5, -5, 99])).ge(0).tolist() == [True, False, False]
     assert index.size() == 2
     assert int((index.keys == RESERVED_KEY).sum()) == index.capacity() - 2
+
+
+def test_the_empty_mark_is_never_found() -> None:
+    index = KeyIndex(4, "lru", torch.device("cpu"))
+    index.find_or_insert(torch.tensor([1, 2]), step=1)
+    assert index.find(torch.tensor([RESERVED_KEY, 1])).tolist()[0] == -1

@@ -122,10 +122,11 @@ def test_find_hashes_like_the_reference():
     tri = TritonKeyIndex(8, "lru", DEVICE, initial_slots=8 * 512)
     for name in ("keys", "values", "scores", "locks"):
         setattr(tri, name, getattr(ref, name).clone())
-    absent = torch.tensor([2, 3, -2, INT64_MAX - 1], dtype=torch.int64, device=DEVICE)
+    absent = torch.tensor([2, 3, -2, INT64_MAX - 1, RESERVED_KEY], dtype=torch.int64, device=DEVICE)
     probe = torch.cat([keys, absent])
     assert torch.equal(tri.find(probe), ref.find(probe))
     assert bool((tri.find(keys) >= 0).all())
+    assert int(tri.find(probe)[-1]) == -1  # the empty mark is never found
 
 
 def test_empty_calls():

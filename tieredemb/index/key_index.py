@@ -128,7 +128,7 @@ class KeyIndex:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         base = self._bucket(keys) * self.width  # (n,)
         ways = base[:, None] + torch.arange(self.width, device=self.device)[None, :]  # (n, W)
-        hit = self.keys[ways] == keys[:, None]
+        hit = (self.keys[ways] == keys[:, None]) & (keys[:, None] != RESERVED_KEY)  # never the empty mark
         way = hit.to(torch.int8).argmax(dim=1)
         return torch.where(hit.any(dim=1), base + way, torch.full_like(base, -1))
 

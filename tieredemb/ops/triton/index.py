@@ -42,7 +42,8 @@ def _bucket_of(keys, num_buckets):
 
 @triton.jit
 def _find_kernel(
-    keys, table_keys, out_slots, n, num_buckets, width, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
+    keys, table_keys, out_slots, n, num_buckets, width, RESERVED: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr
 ):
     # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -52,7 +53,7 @@ def _find_kernel(
     ways = tl.arange(0, BLOCK_W)
     wmask = in_range[:, None] & (ways[None, :] < width)
     stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
-    hit = wmask & (stored == k[:, None])
+    hit = wmask & (stored == k[:, None]) & (k[:, None] != RESERVED)  # the empty mark is never found
     first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)  # (BLOCK_K,)
     slot = tl.where(first < BLOCK_W, base + first, -1)
     tl.store(out_slots + i, slot, mask=in_range)
@@ -147,6 +148,7 @@ class TritonKeyIndex(KeyIndex):
             n,
             self.num_buckets,
             self.width,
+            RESERVED=RESERVED_KEY,
             BLOCK_K=block_k,
             BLOCK_W=block_w,
             num_warps=4,
