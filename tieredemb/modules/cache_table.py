@@ -157,8 +157,7 @@ class CacheTable(HbmTable):
         found = got.found.to(self.device)
         new = (~found).nonzero().squeeze(1)
         if new.numel():
-            rows[new] = 0.0
-            rows[new, : self.dim] = self.config.initializer.rows(self.seed, self.name, keys[new], self.dim)
+            rows[new] = self._initial_rows(keys[new])
         got.rows, got.found = rows, found
         return got
 
@@ -166,30 +165,15 @@ class CacheTable(HbmTable):
         """bool (m,) for missed keys: stored in the backend already, or admitted by this batch."""
         if self.admission is None:
             return torch.ones(keys.numel(), dtype=torch.bool, device=self.device)
-        new = (~found).nonzero().squeeze(1)
-        res = self.admission.find_or_insert(keys[new], 0, counts[new])
-        admitted = self.admission.scores[res.slots] >= self.config.admission.threshold
-        self.admission.erase(keys[new][admitted])
-        out = found.clone()
-        out[new] = admitted
-        return out
-
-    def _slot_rows(self, res) -> torch.Tensor:
-        """Row addresses of ``res``'s slots after ``_fill_inserted`` assigned the new ones."""
-        safe = res.slots.clamp(min=0)
-        return torch.where(res.slots >= 0, self.index.values[safe], -1)
+        return self._count_admission(keys, counts, found)
 
     def _fill_inserted(self, keys: torch.Tensor, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
         """Rows of the keys ``res`` inserted: a victim's row (already written down) or a fresh one,
         filled with the fetched or initial row."""
         if not res.any_miss:
             return
-        inserted = res.inserted.nonzero().squeeze(1)
-        need = inserted[res.values[inserted] < 0]
-        fresh = self.store.allocate(need.numel())
-        self.index.assign(res.slots[need], fresh)
-        addresses = self._slot_rows(res)
-        self.kernels.scatter(self.store, addresses[inserted], rows[row_of[inserted]])
+        inserted = self._give_rows(res)
+        self.kernels.scatter(self.store, self._slot_rows(res)[inserted], rows[row_of[inserted]])
 
     def _scratch(self, keys: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
@@ -278,9 +262,7 @@ class CacheTable(HbmTable):
         res = self.index.find_or_insert(keys, step)
         self._write_down(res.evicted_keys, res.evicted_values)
         if res.any_miss:
-            inserted = res.inserted.nonzero().squeeze(1)
-            need = inserted[res.values[inserted] < 0]
-            self.index.assign(res.slots[need], self.store.allocate(need.numel()))
+            self._give_rows(res)
         placed = (res.slots >= 0).nonzero().squeeze(1)
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)

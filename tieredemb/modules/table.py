@@ -168,36 +168,55 @@ class HbmTable:
         one), initialized. Returns int64 (k,) the row address of each key, -1 where not placed."""
         if not res.any_miss:
             return res.values
-        inserted = res.inserted.nonzero().squeeze(1)
-        need = inserted[res.values[inserted] < 0] if self.index.bounded else inserted
-        fresh = self.store.allocate(need.numel())
-        addresses = res.values.clone()
-        addresses[need] = fresh
-        self.index.assign(res.slots[need], fresh)
+        inserted = self._give_rows(res)
+        addresses = self._slot_rows(res)
         self._initialize(keys[inserted], addresses[inserted])
         return addresses
+
+    def _give_rows(self, res: InsertResult) -> torch.Tensor:
+        """Row addresses for the keys ``res`` inserted: the victim's row where one was evicted (its
+        owner's row already written elsewhere by the caller), else a fresh row, assigned in the
+        index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
+        inserted = res.inserted.nonzero().squeeze(1)
+        # an unbounded index never evicts: every inserted key needs a fresh row
+        need = inserted[res.values[inserted] < 0] if self.index.bounded else inserted
+        self.index.assign(res.slots[need], self.store.allocate(need.numel()))
+        return inserted
+
+    def _slot_rows(self, res: InsertResult) -> torch.Tensor:
+        """int64 (n,) row address of each of ``res``'s keys, -1 where not placed."""
+        safe = res.slots.clamp(min=0)
+        return torch.where(res.slots >= 0, self.index.values[safe], -1)
 
     def _admit(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """bool (u,): keys to store (already stored, or admitted by this batch's occurrences);
         None when the table has no admission policy (every key is stored)."""
         if self.admission is None:
             return None
-        stored = self.index.find(unique) >= 0
+        return self._count_admission(unique, counts, self.index.find(unique) >= 0)
+
+    def _count_admission(self, keys: torch.Tensor, counts: torch.Tensor,
+                         stored: torch.Tensor) -> torch.Tensor:
+        """Count the occurrences of the keys not ``stored`` (bool (n,)); bool (n,): stored already,
+        or brought to the admission threshold by this batch (their counters are then dropped)."""
         cand = ~stored
-        res = self.admission.find_or_insert(unique[cand], 0, counts[cand])
+        res = self.admission.find_or_insert(keys[cand], 0, counts[cand])
         admitted = self.admission.scores[res.slots] >= self.config.admission.threshold
-        self.admission.erase(unique[cand][admitted])
+        self.admission.erase(keys[cand][admitted])
         out = stored.clone()
         out[cand] = admitted
         return out
 
-    def _initialize(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
-        """Initial rows (weights from the initializer, optimizer state zero) at ``addresses``."""
-        if keys.numel() == 0:
-            return
+    def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """float32 (n, W): weights from the initializer, optimizer state zero."""
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = self.config.initializer.rows(self.seed, self.name, keys, self.dim)
-        self.kernels.scatter(self.store, addresses, rows)
+        return rows
+
+    def _initialize(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
+        """Initial rows at ``addresses``."""
+        if keys.numel():
+            self.kernels.scatter(self.store, addresses, self._initial_rows(keys))
 
     def release(self, pf: TablePrefetch) -> None:
         """Unlock the batch's slots and free its scratch rows."""
