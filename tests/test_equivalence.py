@@ -116,9 +116,13 @@ def check_scenario(module: type, scenario: Scenario, optimizer: str, schedule: s
 # --------------------------------------------------------------------------------------------------
 
 
+INITIALIZERS = [te.init.Uniform(-0.01, 0.01), te.init.Normal(0.0, 0.1), te.init.Constant(0.25)]
+
+
 @st.composite
 def table_configs(draw, pooled: bool):
-    """1-3 tables: mixed dims, 1-2 features each (shared tables), bounded or raw-id keys."""
+    """1-3 tables: mixed dims, 1-2 features each (shared tables), bounded or raw-id keys, mixed
+    initializers and eviction policies (tables of one dim are batched together)."""
     tables, pools = [], {}
     for i in range(draw(st.integers(1, 3))):
         n_features = draw(st.integers(1, 2))
@@ -133,10 +137,13 @@ def table_configs(draw, pooled: bool):
         tables.append(
             te.TableConfig(
                 name=f"table{i}",
-                embedding_dim=draw(st.sampled_from([1, 2, 3, 4, 8])),
+                # dims repeat often: tables of one dim share an index and a row store (a group)
+                embedding_dim=draw(st.sampled_from([1, 2, 2, 3, 3, 8])),
                 feature_names=features,
                 num_embeddings=num_embeddings,
                 pooling=draw(st.sampled_from(["sum", "mean"])) if pooled else "sum",
+                initializer=draw(st.sampled_from(INITIALIZERS)),
+                eviction=draw(st.sampled_from(["lru", "lfu"])),
             )
         )
         pools[tables[-1].name] = pool

@@ -8,6 +8,7 @@ on CPU and CUDA); the float transforms run in float64 and round once to float32.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -37,10 +38,22 @@ def stable_name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def random_bits(seed: int, table: str, keys: torch.Tensor, dim: int, stream: int = 0) -> torch.Tensor:
-    """int64 (n, dim) of well-mixed bits, a pure function of (seed, table, key, column, stream)."""
-    base = splitmix64(torch.tensor(seed, dtype=torch.int64) * 31 + stable_name_hash(table) + stream)
-    per_key = splitmix64(keys.to(torch.int64) ^ base.to(keys.device))  # (n,)
+@functools.lru_cache(maxsize=256)
+def _table_bases(seed: int, names: tuple[str, ...], stream: int, device: torch.device) -> torch.Tensor:
+    """int64 (t,): the generator's base of each table, kept on ``device`` (no copy per call)."""
+    hashes = torch.tensor([stable_name_hash(n) for n in names], dtype=torch.int64)
+    return splitmix64(torch.tensor(seed, dtype=torch.int64) * 31 + hashes + stream).to(device)
+
+
+def random_bits(seed: int, table: str | list[str], keys: torch.Tensor, dim: int, stream: int = 0,
+                tables: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 (n, dim) of well-mixed bits, a pure function of (seed, table, key, column, stream).
+
+    ``table`` is one name, or several with ``tables`` (int64 (n,)) the position of each key's."""
+    names = (table,) if isinstance(table, str) else tuple(table)
+    bases = _table_bases(int(seed), names, stream, keys.device)
+    base = bases[0] if tables is None else bases[tables]
+    per_key = splitmix64(keys.to(torch.int64) ^ base)  # (n,)
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN  # (dim,)
     return splitmix64(per_key[:, None] + cols[None, :])
 
@@ -51,9 +64,13 @@ def uniform01(bits: torch.Tensor) -> torch.Tensor:
 
 
 class Initializer:
-    """Base class: ``rows(seed, table, keys, dim) -> float32 (n, dim)`` on ``keys.device``."""
+    """Base class: ``rows(seed, table, keys, dim) -> float32 (n, dim)`` on ``keys.device``.
 
-    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    ``table`` may also be a list of table names, with ``tables`` (int64 (n,)) the position of each
+    key's table in it: several tables' rows in one call, each as if drawn alone."""
+
+    def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
+             tables: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -64,8 +81,9 @@ class Uniform(Initializer):
     low: float = -0.01
     high: float = 0.01
 
-    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
-        u = uniform01(random_bits(seed, table, keys, dim))
+    def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
+             tables: torch.Tensor | None = None) -> torch.Tensor:
+        u = uniform01(random_bits(seed, table, keys, dim, tables=tables))
         return (self.low + (self.high - self.low) * u).to(torch.float32)
 
 
@@ -76,9 +94,10 @@ class Normal(Initializer):
     mean: float = 0.0
     std: float = 0.01
 
-    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
-        u1 = 1.0 - uniform01(random_bits(seed, table, keys, dim, stream=0))  # (0, 1]
-        u2 = uniform01(random_bits(seed, table, keys, dim, stream=1))
+    def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
+             tables: torch.Tensor | None = None) -> torch.Tensor:
+        u1 = 1.0 - uniform01(random_bits(seed, table, keys, dim, stream=0, tables=tables))  # (0, 1]
+        u2 = uniform01(random_bits(seed, table, keys, dim, stream=1, tables=tables))
         z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
         return (self.mean + self.std * z).to(torch.float32)
 
@@ -97,12 +116,13 @@ class TruncatedNormal(Initializer):
         if not self.a < self.b:
             raise ValueError(f"TruncatedNormal needs a < b, got a={self.a}, b={self.b}")
 
-    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
+             tables: torch.Tensor | None = None) -> torch.Tensor:
         def cdf(x: float) -> float:
             return 0.5 * (1.0 + math.erf((x - self.mean) / (self.std * math.sqrt(2.0))))
 
         lo, hi = cdf(self.a), cdf(self.b)
-        u = uniform01(random_bits(seed, table, keys, dim))
+        u = uniform01(random_bits(seed, table, keys, dim, tables=tables))
         p = (lo + (hi - lo) * u).clamp(1e-16, 1 - 1e-16)
         x = self.mean + self.std * math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
         return x.clamp(self.a, self.b).to(torch.float32)
@@ -114,7 +134,8 @@ class Constant(Initializer):
 
     value: float = 0.0
 
-    def rows(self, seed: int, table: str, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
+             tables: torch.Tensor | None = None) -> torch.Tensor:
         return torch.full((keys.numel(), dim), float(self.value), dtype=torch.float32,
                           device=keys.device)
 

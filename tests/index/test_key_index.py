@@ -129,3 +129,44 @@ def test_the_empty_mark_is_never_found() -> None:
     index = KeyIndex(4, "lru", torch.device("cpu"))
     index.find_or_insert(torch.tensor([1, 2]), step=1)
     assert index.find(torch.tensor([RESERVED_KEY, 1])).tolist()[0] == -1
+
+
+def test_regions_behave_as_separate_indexes() -> None:
+    """Tables batched into one index (a region each) answer exactly as one index per table: same
+    slots within the region, same evictions, conflicts, scores and growth."""
+    from tieredemb.index import Region
+
+    regions = [Region("lru", 8), Region("lfu", None, 8), Region("lfu", 12), Region("lru", None, 4)]
+    multi = KeyIndex(4, regions=regions)
+    alone = [KeyIndex(4, r.policy, max_slots=r.max_slots, initial_slots=r.initial_slots) for r in regions]
+    rng = random.Random(11)
+    pool = [rng.randrange(-(2**63) + 1, 2**63) for _ in range(60)]
+    for step in range(1, 16):
+        pairs = rng.sample([(k, r) for k in pool for r in range(len(regions))], 30)
+        keys = torch.tensor([k for k, _ in pairs])
+        tables = torch.tensor([r for _, r in pairs])
+        counts = torch.tensor([rng.randint(1, 3) for _ in pairs])
+        lock = step % 3 == 0
+        got = multi.find_or_insert(keys, step, counts, lock=lock, tables=tables)
+        fresh = got.inserted & (got.values < 0)
+        multi.assign(got.slots[fresh], keys[fresh])  # the key as its address: comparable across indexes
+        for r, index in enumerate(alone):
+            mine = tables == r
+            want = index.find_or_insert(keys[mine], step, counts[mine], lock=lock)
+            fresh_r = want.inserted & (want.values < 0)
+            index.assign(want.slots[fresh_r], keys[mine][fresh_r])
+            base = multi.region_start[r] * multi.width
+            assert multi.region_buckets[r] == index.num_buckets, f"step {step} region {r}"
+            slots = got.slots[mine]
+            msg = f"step {step} region {r}"
+            assert torch.equal(torch.where(slots >= 0, slots - base, -1), want.slots), msg
+            ev = got.evicted_tables == r
+            assert torch.equal(got.evicted_keys[ev], want.evicted_keys), f"step {step} region {r}"
+            for a, b in zip(multi.export(r), index.export()):
+                assert torch.equal(a, b), f"step {step} region {r}"
+            assert multi.size(r) == index.size()
+        if lock:  # release the batch again
+            multi.unlock(keys, tables)
+            for r, index in enumerate(alone):
+                index.unlock(keys[tables == r])
+    assert multi.generation > 0  # the unbounded regions grew during the run

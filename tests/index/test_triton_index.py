@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # before triton is imported anywhere
 pytest.importorskip("triton")
 
 from tieredemb.config import RESERVED_KEY  # noqa: E402
-from tieredemb.index import KeyIndex  # noqa: E402
+from tieredemb.index import KeyIndex, Region  # noqa: E402
 from tieredemb.ops.triton import TritonKeyIndex  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,7 +27,7 @@ POOL = [0, 1, -1, INT64_MAX, RESERVED_KEY + 1, 2**40, -(2**40), 123456789012345]
     7919 * i - 50_000 for i in range(72)
 ]
 
-FIELDS = ("slots", "found", "values", "evicted_keys", "evicted_values", "evicted_scores")
+FIELDS = ("slots", "found", "values", "evicted_keys", "evicted_values", "evicted_scores", "evicted_tables")
 
 
 def assert_same_state(got: KeyIndex, want: KeyIndex, msg: str) -> None:
@@ -42,24 +42,40 @@ def assert_same_result(got, want, msg: str) -> None:
         assert torch.equal(getattr(got, name), getattr(want, name)), f"{msg}: {name} differ"
 
 
-def run_workload(width: int, policy: str, max_slots: int | None, seed: int, steps: int = 8) -> None:
+def _pairs(rng: random.Random, n: int, regions: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """n distinct (key, region) pairs; regions None for a one-region index."""
+    pairs = rng.sample([(k, r) for k in POOL for r in range(regions)], n)
+    keys = torch.tensor([k for k, _ in pairs], dtype=torch.int64, device=DEVICE)
+    if regions == 1:
+        return keys, None
+    return keys, torch.tensor([r for _, r in pairs], dtype=torch.int64, device=DEVICE)
+
+
+def run_workload(width: int, policy: str, max_slots: int | None, seed: int, steps: int = 8,
+                 regions: list[Region] | None = None) -> None:
     """Random find_or_insert (lock on/off, LFU counts), assign, unlock, erase, find and export, on
     both indexes in lockstep."""
     rng = random.Random(seed)
-    kw = {"max_slots": max_slots} if max_slots is not None else {"initial_slots": 2 * width}
+    if regions is not None:
+        kw = {"regions": regions}
+    elif max_slots is not None:
+        kw = {"max_slots": max_slots}
+    else:
+        kw = {"initial_slots": 2 * width}
     ref = KeyIndex(width, policy, DEVICE, **kw)
     tri = TritonKeyIndex(width, policy, DEVICE, **kw)
+    nreg = len(ref.regions)
     next_address = 0
-    locked: list[list[int]] = []
+    locked: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     for step in range(1, steps + 1):
-        keys = torch.tensor(rng.sample(POOL, rng.randint(0, 24)), dtype=torch.int64, device=DEVICE)
+        keys, tables = _pairs(rng, rng.randint(0, 24), nreg)
         counts = torch.tensor(
             [rng.randint(1, 3) for _ in range(keys.numel())], dtype=torch.int64, device=DEVICE
         )
         lock = rng.random() < 0.5
         msg = f"step {step} lock={lock}"
-        want = ref.find_or_insert(keys, step, counts, lock=lock)
-        got = tri.find_or_insert(keys, step, counts, lock=lock)
+        want = ref.find_or_insert(keys, step, counts, lock=lock, tables=tables)
+        got = tri.find_or_insert(keys, step, counts, lock=lock, tables=tables)
         assert_same_result(got, want, msg)
         assert_same_state(tri, ref, msg)
         fresh = want.inserted & (want.values < 0)  # the caller gives new rows an address
@@ -68,19 +84,20 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
         for index in (ref, tri):
             index.assign(want.slots[fresh], addresses)
         if lock:
-            locked.append(keys.tolist())
+            locked.append((keys, tables))
         if locked and rng.random() < 0.5:  # backward of an earlier batch
-            batch = torch.tensor(locked.pop(0), dtype=torch.int64, device=DEVICE)
-            ref.unlock(batch)
-            tri.unlock(batch)
+            batch, btables = locked.pop(0)
+            ref.unlock(batch, btables)
+            tri.unlock(batch, btables)
         if rng.random() < 0.3:
-            gone = torch.tensor(rng.sample(POOL, 5), dtype=torch.int64, device=DEVICE)
-            assert torch.equal(tri.erase(gone), ref.erase(gone)), msg
-        probe = torch.tensor(rng.sample(POOL, 20), dtype=torch.int64, device=DEVICE)
-        assert torch.equal(tri.find(probe), ref.find(probe)), msg
+            gone, gtables = _pairs(rng, 5, nreg)
+            assert torch.equal(tri.erase(gone, gtables), ref.erase(gone, gtables)), msg
+        probe, ptables = _pairs(rng, 20, nreg)
+        assert torch.equal(tri.find(probe, ptables), ref.find(probe, ptables)), msg
         assert_same_state(tri, ref, msg)
-        for a, b in zip(tri.export(), ref.export()):
-            assert torch.equal(a, b), msg
+        for r in [None, *range(nreg)]:
+            for a, b in zip(tri.export(r), ref.export(r)):
+                assert torch.equal(a, b), msg
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -96,6 +113,13 @@ def test_bounded_matches_reference(policy, width, seed):
 def test_unbounded_matches_reference(policy, width):
     """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes."""
     run_workload(width, policy, max_slots=None, seed=3)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_regions_match_reference(seed):
+    """Several tables in one index: bounded and unbounded regions, LRU and LFU side by side."""
+    regions = [Region("lru", 2 * 4), Region("lfu", None, 8), Region("lfu", 3 * 4), Region("lru", None, 4)]
+    run_workload(4, "lru", None, seed=seed, steps=10, regions=regions)
 
 
 def test_single_bucket_ties_and_conflicts():

@@ -114,6 +114,44 @@ def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission,
     torch.testing.assert_close(fetched.rows, want_rows, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_buckets", [1, 3])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_tables_batched_in_one_cache_stay_apart(cache_buckets, pipelined) -> None:
+    """Three tables of one dim share a cache index and row store (a region each); the same raw
+    ids in each are different rows, with their own policy, admission and initializer. Trained as
+    hbm_direct would, and after flush each table's backend holds exactly its own rows."""
+    optimizer = te.optim.Adagrad(lr=0.1)
+    tables = [te.TableConfig("t", DIM, ["a"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1)),
+              te.TableConfig("u", DIM, ["b"], num_embeddings=ROWS, eviction="lfu",
+                             admission=te.FrequencyAdmission(2)),
+              te.TableConfig("v", DIM, ["c"], num_embeddings=ROWS, pooling="mean",
+                             initializer=te.init.Constant(0.5))]
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=3 * cache_buckets * 4 * row_bytes, backing=store,
+                               bucket_width=4, segment_rows=16)
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
+    plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3)
+    assert cached.storage_mode == "cache" and len(cached._groups) == 1
+    batches = []
+    for kjt in zipf_batches(30, 5, seed=cache_buckets):  # feature c repeats feature a's bags
+        ids, lengths = kjt.values(), kjt.lengths()
+        a_ids = ids[: int(lengths[:5].sum())]
+        batches.append(te.KeyedJaggedTensor(["a", "b", "c"], torch.cat([ids, a_ids]),
+                                            torch.cat([lengths, lengths[:5]])))
+    for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert sum(s.evictions for s in cached.stats().values()) > 0
+    cached.flush()
+    for name in ("t", "u", "v"):
+        want_keys, want_rows = sorted_rows(plain.export(name))
+        backend = store.opened[name]
+        assert backend.size() == want_keys.numel(), name
+        got = backend.get(want_keys)
+        assert bool(got.found.all()), name
+        torch.testing.assert_close(got.rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
 def test_conflict_misses_and_shared_scratch_rows() -> None:
     """One bucket of two ways and batches of many keys: most keys are conflict misses, trained in
     scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row."""
@@ -142,7 +180,7 @@ def test_forwards_without_backward_release_everything() -> None:
         for kjt in batches:
             with torch.no_grad():
                 ebc(kjt)
-    table = cached._tables["t"]
+    (table,) = cached._groups
     assert int(table.index.locks.sum()) == 0 and table.in_flight.size() == 0
     rows_in_use = table.store.rows_in_use()
     assert rows_in_use <= table.index.capacity()  # no scratch row leaked
@@ -181,7 +219,7 @@ def test_hybrid_matches_hbm_direct(optimizer, pipelined) -> None:
     plain = make(None, "lru", 2, optimizer)
     batches = zipf_batches(30, 6, seed=9)
     trains_alike(hybrid, plain, batches, pipelined)
-    placement = hybrid._tables["t"].store.rows_by_placement()
+    placement = hybrid._groups[0].store.rows_by_placement()
     assert placement["device"] == 32 and placement["host"] > 0  # rows really spilled to the host
 
 

@@ -49,7 +49,7 @@ from tieredemb.bench.hbm import (
 )
 from tieredemb.bench.report import Measurement, fill_ratios, host_rss_bytes, peak_host_rss_bytes
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
-from tieredemb.modules.table import HbmTable
+from tieredemb.modules.cache_table import CacheGroup
 
 CACHE_SHAPE = HbmShape(rows=10_000_000)
 OPTIMIZER = "rowwise_adagrad"
@@ -167,12 +167,13 @@ _COUNTERS = ("lookups", "unique_lookups", "hits", "misses", "conflict_misses", "
 def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
     """Summed over tables, without the backend's row count (O(rows) in RocksDB)."""
     out = dict.fromkeys(_COUNTERS, 0)
-    for t in ebc._tables.values():
-        s = HbmTable.stats(t)
-        for k in _COUNTERS[:6]:
-            out[k] += int(getattr(s, k))
-        out["fetched_bytes"] += int(getattr(t, "bytes_fetched", 0))
-        out["written_bytes"] += int(getattr(t, "bytes_written", 0))
+    for group in ebc._groups:
+        for t in range(len(group.configs)):
+            s = group.stats(t, backend_rows=False) if isinstance(group, CacheGroup) else group.stats(t)
+            for k in _COUNTERS[:6]:
+                out[k] += int(getattr(s, k))
+            out["fetched_bytes"] += s.bytes_moved.get("backend->device", 0)
+            out["written_bytes"] += s.bytes_moved.get("device->backend", 0)
     return out
 
 
@@ -319,7 +320,7 @@ def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batche
 
 
 def after_rows(ebc: te.EmbeddingBagCollection) -> int:
-    return sum(t.index.size() for t in ebc._tables.values())
+    return sum(group.index.size() for group in ebc._groups)
 
 
 # --------------------------------------------------------------------------- raw rocksdict

@@ -1,4 +1,4 @@
-"""KeyIndex: a bucketed hash index from raw int64 keys to row addresses.
+"""KeyIndex: a bucketed hash index from raw int64 keys to row addresses, for one table or several.
 
 Layout (all on one device, CPU or CUDA): ``num_buckets x width`` slots, slot = bucket * width + way.
 
@@ -7,10 +7,16 @@ Layout (all on one device, CPU or CUDA): ``num_buckets x width`` slots, slot = b
     scores: int64 (C,)  LRU: step of last use; LFU: use count
     locks:  int32 (C,)  batches holding the slot; a locked slot is never evicted
 
-A key's bucket is a multiply-shift reduction of its splitmix64 hash, monotone in the hash, so
-doubling the buckets splits each bucket in two and a rehash can never overflow one. Unbounded tables
-grow by doubling; a table with ``max_slots`` is allocated at that size once and evicts the
-lowest-score unlocked slot of the key's bucket when the bucket is full (exact LRU/LFU per bucket).
+The buckets are cut into **regions**, one per table of a table group: region r owns buckets
+``[start_r, start_r + buckets_r)`` and has its own eviction policy and bound, so tables batched into
+one index never share a bucket and a bounded table evicts only its own rows. Every verb takes
+``tables``, the region of each key (None: region 0); the identity of a row is (region, key).
+
+A key's bucket in its region is a multiply-shift reduction of its splitmix64 hash, monotone in the
+hash, so doubling a region's buckets splits each of them in two and a rehash can never overflow one.
+Unbounded regions grow by doubling; a region with ``max_slots`` is allocated at that size once and
+evicts the lowest-score unlocked slot of the key's bucket when the bucket is full (exact LRU/LFU per
+bucket).
 
 Insertion is deterministic: a bucket's misses, in ascending key order, take first its empty ways
 (in way order), then, when eviction is allowed, its unlocked ways by ascending (score, way). The Triton
@@ -29,13 +35,23 @@ from tieredemb.config import RESERVED_KEY
 from tieredemb.init import _shr, splitmix64
 
 _INT64_MAX = 2**63 - 1
-MAX_LOAD = 0.5  # unbounded indexes double before inserts would pass this load
+MAX_LOAD = 0.5  # unbounded regions double before inserts would pass this load
 
 
-def bucket_of(keys: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """int64 (n,) keys -> int64 (n,) bucket in [0, num_buckets)."""
+def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:
+    """int64 (n,) keys -> int64 (n,) bucket in [0, num_buckets) (a scalar or one per key)."""
     hi = _shr(splitmix64(keys), 32)  # [0, 2**32)
     return (hi * num_buckets) >> 32
+
+
+@dataclass(frozen=True)
+class Region:
+    """One table's part of an index: its eviction ``policy``, its bound ``max_slots`` (None:
+    unbounded, grows by doubling from ``initial_slots``)."""
+
+    policy: str = "lru"
+    max_slots: int | None = None
+    initial_slots: int = 1024
 
 
 @dataclass
@@ -47,7 +63,7 @@ class InsertResult:
     values:  int64 (n,) the key's row address; for a key inserted into an evicted slot, the victim's
              address (the caller reuses that row); -1 for a key inserted into an empty slot, until
              the caller calls ``assign``
-    evicted_keys / evicted_values / evicted_scores: (e,) what eviction removed from the index
+    evicted_keys / evicted_values / evicted_scores / evicted_tables: (e,) what eviction removed
     """
 
     slots: torch.Tensor
@@ -56,6 +72,7 @@ class InsertResult:
     evicted_keys: torch.Tensor
     evicted_values: torch.Tensor
     evicted_scores: torch.Tensor
+    evicted_tables: torch.Tensor
     any_miss: bool = True  # host-side: False when every key was found (nothing inserted or evicted)
 
     @property
@@ -69,132 +86,166 @@ class KeyIndex:
 
     Args:
         width: slots per bucket.
-        policy: ``"lru"`` or ``"lfu"``.
+        policy, max_slots, initial_slots: the single region of a one-table index (see ``Region``).
         device: where the index tensors live.
-        max_slots: None for an unbounded index (grows by doubling); else the index is allocated with
-            ``ceil(max_slots / width)`` buckets at once and evicts when a bucket is full.
-        initial_slots: starting size of an unbounded index.
+        regions: several tables' regions instead (then ``policy``/``max_slots``/``initial_slots``
+            are not used).
     """
 
-    def __init__(self, width: int, policy: str, device: torch.device, max_slots: int | None = None,
-                 initial_slots: int = 1024) -> None:
-        if policy not in ("lru", "lfu"):
-            raise ValueError(f"unknown eviction policy {policy!r}")
+    def __init__(self, width: int, policy: str = "lru", device: torch.device | str = "cpu",
+                 max_slots: int | None = None, initial_slots: int = 1024,
+                 regions: list[Region] | None = None) -> None:
+        regions = [Region(policy, max_slots, initial_slots)] if regions is None else list(regions)
+        for r in regions:
+            if r.policy not in ("lru", "lfu"):
+                raise ValueError(f"unknown eviction policy {r.policy!r}")
         self.width = width
-        self.policy = policy
         self.device = torch.device(device)
-        self.bounded = max_slots is not None
-        if self.bounded:
-            num_buckets = -(-max_slots // width)
-        else:
-            num_buckets = 1
-            while num_buckets * width < initial_slots:
-                num_buckets *= 2
-        self._allocate(num_buckets)
-        # the size lives on the device (no sync per insert); ``_size_bound`` is a host upper bound
-        # that decides when to look at it
-        self._size_dev = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._size_bound = 0
+        self.regions = regions
+        self.bounded = any(r.max_slots is not None for r in regions)  # some region evicts
+        self._lfu = torch.tensor([r.policy == "lfu" for r in regions], device=self.device)
+        buckets = []
+        for r in regions:
+            if r.max_slots is not None:
+                buckets.append(-(-r.max_slots // width))
+            else:
+                nb = 1
+                while nb * width < r.initial_slots:
+                    nb *= 2
+                buckets.append(nb)
+        self._allocate(buckets)
+        # sizes live on the device (no sync per insert)
+        self._sizes = torch.zeros(len(regions), dtype=torch.int64, device=self.device)
         self.generation = 0  # rehashes so far
 
     # ----------------------------------------------------------------------------------- layout
-    def _allocate(self, num_buckets: int) -> None:
-        c = num_buckets * self.width
-        self.num_buckets = num_buckets
-        self.keys = torch.full((c,), RESERVED_KEY, dtype=torch.int64, device=self.device)
-        self.values = torch.full((c,), -1, dtype=torch.int64, device=self.device)
-        self.scores = torch.zeros(c, dtype=torch.int64, device=self.device)
-        self.locks = torch.zeros(c, dtype=torch.int32, device=self.device)
+    def _allocate(self, region_buckets: list[int]) -> None:
+        self.region_buckets = list(region_buckets)
+        self.region_start = [0]
+        for nb in region_buckets[:-1]:
+            self.region_start.append(self.region_start[-1] + nb)
+        self.num_buckets = sum(region_buckets)
+        c = self.num_buckets * self.width
+        dev = self.device
+        self._start_dev = torch.tensor(self.region_start, dtype=torch.int64, device=dev)
+        self._nb_dev = torch.tensor(region_buckets, dtype=torch.int64, device=dev)
+        counts = torch.tensor(region_buckets, device=dev)
+        bounded = torch.tensor([r.max_slots is not None for r in self.regions], device=dev)
+        # per bucket: may its full ways be evicted (its region is bounded)
+        self.bucket_evictable = torch.repeat_interleave(bounded, counts, output_size=self.num_buckets)
+        self.keys = torch.full((c,), RESERVED_KEY, dtype=torch.int64, device=dev)
+        self.values = torch.full((c,), -1, dtype=torch.int64, device=dev)
+        self.scores = torch.zeros(c, dtype=torch.int64, device=dev)
+        self.locks = torch.zeros(c, dtype=torch.int32, device=dev)
 
-    def capacity(self) -> int:
-        return self.num_buckets * self.width
+    def capacity(self, region: int | None = None) -> int:
+        """Slots of ``region`` (None: all)."""
+        nb = self.num_buckets if region is None else self.region_buckets[region]
+        return nb * self.width
 
-    def size(self) -> int:
-        return int(self._size_dev)
+    def size(self, region: int | None = None) -> int:
+        """Keys stored in ``region`` (None: all). Reads a device value."""
+        return int(self._sizes.sum() if region is None else self._sizes[region])
 
-    def _reserve_for(self, n: int) -> None:
-        """Grow if ``n`` more keys could pass the load limit (reads the size only when it might)."""
-        if self._size_bound + n > MAX_LOAD * self.capacity():
-            self._size_bound = self.size()
-            self.reserve(self._size_bound + n)
+    def _tables(self, keys: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
+        if tables is None:
+            return torch.zeros_like(keys)
+        return tables
 
-    def _bucket(self, keys: torch.Tensor) -> torch.Tensor:
-        return bucket_of(keys, self.num_buckets)
+    def _bucket(self, keys: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
+        if len(self.regions) == 1:
+            return bucket_of(keys, self.num_buckets)
+        return self._start_dev[tables] + bucket_of(keys, self._nb_dev[tables])
+
+    def region_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 (n,) region of each slot."""
+        if len(self.regions) == 1:
+            return torch.zeros_like(slots)
+        return torch.searchsorted(self._start_dev, slots // self.width, right=True) - 1
 
     # ------------------------------------------------------------------------------------ verbs
-    def find(self, keys: torch.Tensor) -> torch.Tensor:
+    def find(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """keys: int64 (n,) -> slots: int64 (n,), -1 where absent. Scores and locks unchanged."""
         if keys.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        base = self._bucket(keys) * self.width  # (n,)
+        base = self._bucket(keys, tables) * self.width  # (n,)
         ways = base[:, None] + torch.arange(self.width, device=self.device)[None, :]  # (n, W)
         hit = (self.keys[ways] == keys[:, None]) & (keys[:, None] != RESERVED_KEY)  # never the empty mark
         way = hit.to(torch.int8).argmax(dim=1)
         return torch.where(hit.any(dim=1), base + way, torch.full_like(base, -1))
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
-                       lock: bool = False) -> InsertResult:
-        """Find ``keys`` (unique int64 (n,)), inserting the absent ones.
+                       lock: bool = False, tables: torch.Tensor | None = None) -> InsertResult:
+        """Find ``keys`` (unique (region, key) pairs, int64 (n,)), inserting the absent ones.
 
         Every key that ends in a slot gets its score updated (LRU: ``step``; LFU: ``+= counts``, the
         occurrences in the batch, 1 each by default). With ``lock`` those slots' lock counts go up by
         one (release with ``unlock``). Keys present or inserted earlier in the same call are never
-        evicted by it. Host syncs: the insertion's compaction, and one check for a full bucket in an
-        unbounded index.
+        evicted by it. Host syncs: the miss count per region, the insertion's compaction, and one
+        check for a full bucket in an unbounded region.
         """
         n = keys.numel()
+        tables = self._tables(keys, tables)
         if counts is None:
             counts = torch.ones(n, dtype=torch.int64, device=self.device)
-        if not self.bounded:
-            self._reserve_for(n)  # before the lookup: a rehash moves slots
-        slots = self.find(keys)
+        slots = self.find(keys, tables)
         found = slots >= 0
         miss = ~found
+        regions = len(self.regions)
+        # one host read: misses and sizes per region (whether to insert, whether to grow first)
+        info = torch.cat([torch.bincount(tables[miss], minlength=regions), self._sizes]).tolist()
+        misses, sizes = info[:regions], info[regions:]
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        if not bool(miss.any()):  # the steady state of a warm table: every key found
+        if not any(misses):  # the steady state of a warm table: every key found
             if lock:
                 self.locks.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-            if self.policy == "lru":
+            if all(r.policy == "lru" for r in self.regions):
                 self.scores.index_fill_(0, slots, step)
             else:
-                self.scores.index_add_(0, slots, counts)
-            self._size_bound += n
-            return InsertResult(slots, found, self.values[slots], empty, empty, empty, any_miss=False)
+                self._touch(slots, found, tables, step, counts)
+            return InsertResult(slots, found, self.values[slots], empty, empty, empty, empty,
+                                any_miss=False)
+        if self._reserve([s + m for s, m in zip(sizes, misses)]):
+            slots = self.find(keys, tables)  # the rehash moved every slot
         # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
         self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
-        ev_keys, ev_vals, ev_scores = self._insert(keys, slots, miss)
-        if not self.bounded:
-            failed = miss & (slots < 0)
-            while bool(failed.any()):  # a full bucket: double, find this batch's slots again
-                self._grow(2 * self.num_buckets)
-                slots = torch.where(slots >= 0, self.find(keys), slots)
-                self._insert(keys, slots, failed)
-                failed = miss & (slots < 0)
+        evicted = self._insert(keys, tables, slots, miss)
+        failed = miss & (slots < 0) & ~self._region_bounded(tables)
+        grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
+        while any(grow):  # a full bucket in an unbounded region: double it, place the rest
+            self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
+            slots = torch.where(slots >= 0, self.find(keys, tables), slots)
+            self._insert(keys, tables, slots, failed)
+            failed = failed & (slots < 0)
+            grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
         placed = slots >= 0
         safe = slots.clamp(min=0)
         values = torch.where(placed, self.values[safe], -1)
-        self._touch(safe, placed, step, counts)
+        self._touch(safe, placed, tables, step, counts)
         if not lock:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
-        self._size_dev += (miss & placed).sum() - ev_keys.numel()
-        self._size_bound += n
-        return InsertResult(slots, found, values, ev_keys, ev_vals, ev_scores)
+        self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
+        self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
+        return InsertResult(slots, found, values, *evicted)
 
-    def _insert(self, keys: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
+    def _region_bounded(self, tables: torch.Tensor) -> torch.Tensor:
+        return self.bucket_evictable[self._start_dev[tables]]
+
+    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
 
-        Returns the evicted (keys, values, scores).
+        Returns the evicted (keys, values, scores, tables).
         """
         idx = todo.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if idx.numel() == 0:
-            return empty, empty, empty
-        mk = keys[idx]
-        bucket = self._bucket(mk)
+            return empty, empty, empty, empty
+        mk, mt = keys[idx], tables[idx]
+        bucket = self._bucket(mk, mt)
         # misses sorted by (bucket, key): the deterministic order in which they claim ways
         order = torch.argsort(mk, stable=True)
         order = order[torch.argsort(bucket[order], stable=True)]
-        idx, mk, bucket = idx[order], mk[order], bucket[order]
+        idx, mk, mt, bucket = idx[order], mk[order], mt[order], bucket[order]
         ubuckets, counts = torch.unique_consecutive(bucket, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(idx.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
@@ -207,7 +258,7 @@ class KeyIndex:
         s = slot[ok]
         victim = self.keys[s] != RESERVED_KEY
         ev = s[victim]
-        evicted = (self.keys[ev].clone(), self.values[ev].clone(), self.scores[ev].clone())
+        evicted = (self.keys[ev].clone(), self.values[ev].clone(), self.scores[ev].clone(), mt[ok][victim])
         self.values[s[~victim]] = -1
         self.keys[s] = mk[ok]
         self.scores[s] = 0
@@ -219,19 +270,23 @@ class KeyIndex:
         ways = buckets[:, None] * self.width + torch.arange(self.width, device=self.device)[None, :]
         k, sc, lk = self.keys[ways], self.scores[ways], self.locks[ways]
         is_empty = k == RESERVED_KEY
-        evictable = ~is_empty & (lk == 0) & self.bounded
+        evictable = ~is_empty & (lk == 0) & self.bucket_evictable[buckets][:, None]
         prio = torch.where(is_empty, torch.full_like(sc, -1), sc)
         prio = torch.where(is_empty | evictable, prio, torch.full_like(sc, _INT64_MAX))
         prio, order = torch.sort(prio, dim=1, stable=True)
         return torch.where(prio < _INT64_MAX, order, torch.full_like(order, -1))
 
-    def _touch(self, safe: torch.Tensor, placed: torch.Tensor, step: int, counts: torch.Tensor) -> None:
+    def _touch(self, safe: torch.Tensor, placed: torch.Tensor, tables: torch.Tensor, step: int,
+               counts: torch.Tensor) -> None:
         """Scores of the placed slots: LRU ``step``, LFU ``+= counts`` (new slots start at 0)."""
-        if self.policy == "lru":
-            delta = torch.where(placed, step - self.scores[safe], 0)
+        policies = {r.policy for r in self.regions}
+        if policies == {"lru"}:
+            delta = step - self.scores[safe]
+        elif policies == {"lfu"}:
+            delta = counts
         else:
-            delta = torch.where(placed, counts, 0)
-        self.scores.index_add_(0, safe, delta)  # unplaced entries add 0 to slot 0
+            delta = torch.where(self._lfu[tables], counts, step - self.scores[safe])
+        self.scores.index_add_(0, safe, torch.where(placed, delta, 0))  # unplaced entries add 0
 
     def assign(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Set the row addresses of occupied ``slots``."""
@@ -246,48 +301,67 @@ class KeyIndex:
         self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
         return True
 
-    def unlock(self, keys: torch.Tensor) -> None:
+    def unlock(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Release one lock on each present key (absent keys are ignored)."""
-        slots = self.find(keys)
+        slots = self.find(keys, tables)
         self.locks.index_add_(0, slots.clamp(min=0), -(slots >= 0).to(torch.int32))
         self.locks.clamp_(min=0)
 
-    def erase(self, keys: torch.Tensor) -> torch.Tensor:
+    def erase(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """Remove keys. Returns the row addresses of the removed ones (int64 (r,))."""
-        slots = self.find(keys)
-        slots = slots[slots >= 0]
+        tables = self._tables(keys, tables)
+        slots = self.find(keys, tables)
+        present = slots >= 0
+        slots, tables = slots[present], tables[present]
         values = self.values[slots].clone()
         self.keys[slots] = RESERVED_KEY
         self.values[slots] = -1
         self.scores[slots] = 0
         self.locks[slots] = 0
-        self._size_dev -= slots.numel()
-        self._size_bound = self.size()
+        self._sizes.index_add_(0, tables, torch.full_like(tables, -1))
         return values
 
-    def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, scores) of every occupied slot, in slot order."""
-        occupied = self.keys != RESERVED_KEY
-        return self.keys[occupied], self.values[occupied], self.scores[occupied]
+    def export(self, region: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, scores) of every occupied slot of ``region`` (None: all), in slot order."""
+        keys, values, scores = self.keys, self.values, self.scores
+        if region is not None:
+            lo = self.region_start[region] * self.width
+            hi = lo + self.region_buckets[region] * self.width
+            keys, values, scores = keys[lo:hi], values[lo:hi], scores[lo:hi]
+        occupied = keys != RESERVED_KEY
+        return keys[occupied], values[occupied], scores[occupied]
 
-    def reserve(self, n: int) -> None:
-        """Grow an unbounded index by doubling until ``n`` keys stay under the load limit."""
-        if self.bounded:
-            return
-        num_buckets = self.num_buckets
-        while n > MAX_LOAD * num_buckets * self.width:
-            num_buckets *= 2
-        if num_buckets != self.num_buckets:
-            self._grow(num_buckets)
+    def reserve(self, n: int, region: int = 0) -> None:
+        """Grow an unbounded ``region`` by doubling until ``n`` keys stay under the load limit."""
+        sizes = self._sizes.tolist()
+        wanted = list(sizes)
+        wanted[region] = max(n, sizes[region])
+        self._reserve(wanted)
 
-    def _grow(self, num_buckets: int) -> None:
-        """Rehash into ``num_buckets`` (a power-of-two multiple: every old bucket splits cleanly)."""
+    def _reserve(self, wanted: list[int]) -> bool:
+        """Grow the unbounded regions where ``wanted`` keys would pass the load limit. Returns
+        whether the index was rehashed."""
+        buckets = list(self.region_buckets)
+        for r, reg in enumerate(self.regions):
+            if reg.max_slots is not None:
+                continue
+            while wanted[r] > MAX_LOAD * buckets[r] * self.width:
+                buckets[r] *= 2
+        if buckets == self.region_buckets:
+            return False
+        self._grow(buckets)
+        return True
+
+    def _grow(self, region_buckets: list[int]) -> None:
+        """Rehash into ``region_buckets`` (each a power-of-two multiple of the old: every old bucket
+        splits cleanly)."""
         self.generation += 1  # slots found before now are stale
-        occupied = self.keys != RESERVED_KEY
+        occupied = (self.keys != RESERVED_KEY).nonzero().squeeze(1)
+        tables = self.region_of_slots(occupied)
         keys, values = self.keys[occupied], self.values[occupied]
         scores, locks = self.scores[occupied], self.locks[occupied]
-        self._allocate(num_buckets)
-        bucket = self._bucket(keys)
+        self._allocate(region_buckets)
+        bucket = self._bucket(keys, tables)
         order = torch.argsort(bucket, stable=True)  # keep old relative order within a bucket
         keys, values, scores, locks, bucket = (t[order] for t in (keys, values, scores, locks, bucket))
         _, counts = torch.unique_consecutive(bucket, return_counts=True)

@@ -1,4 +1,4 @@
-"""Input checking and per-table layout of a KeyedJaggedTensor batch.
+"""Input checking and per-group layout of a KeyedJaggedTensor batch.
 
 Every check runs before any state changes, and every error names the feature and the problem.
 """
@@ -16,24 +16,28 @@ _INT_DTYPES = (torch.int64, torch.int32)
 
 
 @dataclass
-class TableBatch:
-    """One table's ids of a batch, features concatenated in the table's ``feature_names`` order.
+class GroupBatch:
+    """The ids of one table group of a batch: its tables in group order, each table's features in
+    its ``feature_names`` order, each feature's ids sample by sample.
 
-    ids: int64 (n,); lengths: int64 (F_t * B,) ids per (feature, sample); offsets: int64 (F_t*B + 1,);
-    weights: float32 (n,) or None; ids_per_feature: list of F_t ints (host).
+    ids: int64 (n,); tables: int64 (n,) position in the group of each id's table; lengths: int64
+    (F_g * B,) ids per (feature, sample); offsets: int64 (F_g*B + 1,); weights: float32 (n,) or None;
+    ids_per_feature: F_g ints (host); ids_per_table: ints (host).
     """
 
     ids: torch.Tensor
+    tables: torch.Tensor
     lengths: torch.Tensor
     offsets: torch.Tensor
     weights: torch.Tensor | None
     ids_per_feature: list[int]
+    ids_per_table: list[int]
 
 
 @dataclass
 class Batch:
     batch_size: int
-    tables: dict[str, TableBatch]
+    groups: list[GroupBatch]
 
 
 def check_tables(tables: list[TableConfig]) -> None:
@@ -117,15 +121,14 @@ def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
                          "accepts")
 
 
-def _check_all_ids(values: torch.Tensor, tables: list[TableConfig], features: list[str],
-                   counts: list[int], bounds: list[int]) -> None:
+def _check_all_ids(values: torch.Tensor, limits: torch.Tensor, counts: torch.Tensor,
+                   tables: list[TableConfig], features: list[str], bounds: list[int]) -> None:
     """Every feature's ids at once (one host sync); the failing feature is checked again alone for
-    its message. values: int64 (n,) feature-major; tables/features/counts: per feature."""
+    its message. values: int64 (n,) feature-major; limits: int64 (F,) device, num_embeddings or -1;
+    counts: int64 (F,) device, ids per feature; tables/features: per feature."""
     if values.numel() == 0:
         return
-    limits = [t.num_embeddings if t.num_embeddings is not None else -1 for t in tables]
-    limit = torch.repeat_interleave(torch.tensor(limits, device=values.device),
-                                    torch.tensor(counts, device=values.device), output_size=values.numel())
+    limit = torch.repeat_interleave(limits, counts, output_size=values.numel())
     bad = torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
@@ -133,33 +136,90 @@ def _check_all_ids(values: torch.Tensor, tables: list[TableConfig], features: li
         _check_ids(features[i], tables[i], values[bounds[i] : bounds[i + 1]])
 
 
-def layout_batch(batch: object, tables: list[TableConfig], device: torch.device,
-                 use_weights: bool) -> Batch:
-    """Check a batch against the collection's tables and cut it into per-table id lists."""
-    kjt = as_kjt(batch)
-    table_of = {f: t for t in tables for f in t.feature_names}
-    batch_size, per_feature, counts = _check_structure(kjt, list(table_of))
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + c)
-    _check_weights(kjt, bounds)
-    values = kjt.values().to(device=device, dtype=torch.int64)
-    weights = kjt.weights_or_none() if use_weights else None
-    if weights is not None:
-        weights = weights.to(device=device, dtype=torch.float32)
-    order = kjt.keys()
-    position = {f: i for i, f in enumerate(order)}
-    _check_all_ids(values, [table_of[f] for f in order], order, counts, bounds)
-    per_feature = per_feature.to(device)
-    out: dict[str, TableBatch] = {}
-    for t in tables:
-        idx = [position[f] for f in t.feature_names]
-        ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in idx])
-        lengths = torch.cat([per_feature[i] for i in idx])
-        w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in idx])
-        out[t.name] = TableBatch(ids, lengths, _offsets_from_lengths(lengths), w,
-                                 [counts[i] for i in idx])
-    return Batch(batch_size, out)
+@dataclass
+class _Order:
+    """What a batch layout needs to know about one order of the batch's features (device tensors
+    built once per order, so laying out a batch copies nothing from the host)."""
+
+    limits: torch.Tensor  # int64 (F,) per batch feature: num_embeddings or -1
+    positions: list[list[int]]  # per group: batch positions of its features, in group order
+    position_dev: list[torch.Tensor]  # the same, on the device
+    table_of_feature: list[list[int]]  # per group: the table (in the group) of each of its features
+    table_of_feature_dev: list[torch.Tensor]  # the same, on the device
+    identity: list[bool]  # per group: its features are the batch's, in the batch's order
+
+
+class Layout:
+    """Checks batches against a collection's tables and cuts them into per-group id lists.
+
+    Args: the tables, the groups (lists of table positions), the device, whether per-id weights
+    are used (``EmbeddingBagCollection``)."""
+
+    def __init__(self, tables: list[TableConfig], groups: list[list[int]], device: torch.device,
+                 use_weights: bool) -> None:
+        self.tables = tables
+        self.groups = groups
+        self.device = device
+        self.use_weights = use_weights
+        self.table_of = {f: t for t in tables for f in t.feature_names}
+        self._orders: dict[tuple[str, ...], _Order] = {}
+
+    def _order(self, keys: list[str]) -> _Order:
+        order = self._orders.get(tuple(keys))
+        if order is None:
+            position = {f: i for i, f in enumerate(keys)}
+            limits = [self.table_of[f].num_embeddings or -1 for f in keys]
+            positions, tables_of = [], []
+            for g in self.groups:
+                pos, tab = [], []
+                for local, t in enumerate(g):
+                    pos += [position[f] for f in self.tables[t].feature_names]
+                    tab += [local] * len(self.tables[t].feature_names)
+                positions.append(pos)
+                tables_of.append(tab)
+            dev = self.device
+            order = _Order(torch.tensor(limits, dtype=torch.int64, device=dev), positions,
+                           [torch.tensor(p, dtype=torch.int64, device=dev) for p in positions],
+                           tables_of, [torch.tensor(t, dtype=torch.int64, device=dev) for t in tables_of],
+                           [p == list(range(len(keys))) for p in positions])
+            self._orders[tuple(keys)] = order
+        return order
+
+    def __call__(self, batch: object) -> Batch:
+        kjt = as_kjt(batch)
+        batch_size, per_feature, counts = _check_structure(kjt, list(self.table_of))
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        _check_weights(kjt, bounds)
+        keys = kjt.keys()
+        order = self._order(keys)
+        values = kjt.values().to(device=self.device, dtype=torch.int64)
+        per_feature = per_feature.to(self.device)
+        feature_counts = per_feature.sum(dim=1)
+        _check_all_ids(values, order.limits, feature_counts, [self.table_of[f] for f in keys], keys,
+                       bounds)
+        weights = kjt.weights_or_none() if self.use_weights else None
+        if weights is not None:
+            weights = weights.to(device=self.device, dtype=torch.float32)
+        groups = []
+        for g, pos, pos_dev, local, local_dev, identity in zip(
+                self.groups, order.positions, order.position_dev, order.table_of_feature,
+                order.table_of_feature_dev, order.identity):
+            if identity:
+                ids, w = values, weights
+            else:
+                ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
+                w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
+            n = sum(counts[i] for i in pos)
+            tables = torch.repeat_interleave(local_dev, feature_counts[pos_dev], output_size=n)
+            lengths = per_feature[pos_dev].reshape(-1)
+            per_table = [0] * len(g)
+            for i, t in zip(pos, local):
+                per_table[t] += counts[i]
+            groups.append(GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w,
+                                     [counts[i] for i in pos], per_table))
+        return Batch(batch_size, groups)
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

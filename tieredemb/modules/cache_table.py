@@ -1,14 +1,16 @@
-"""One table in ``cache`` mode: a bounded device tier, write-back, over a backing store.
+"""A group of tables in ``cache`` mode: a bounded device tier, write-back, over backing stores.
 
-Prefetch does all the moving; forward and backward see row addresses like in ``hbm_direct``:
+One index (a bounded region per table: its cache rows) over one row store, as in ``TableGroup``;
+each table keeps its own backend (its namespace in RocksDB or Redis). Prefetch does all the moving;
+forward and backward see row addresses like in ``hbm_direct``:
 
-    unique keys ─► find in the cache ─┬─ hit: lock
-                                      ├─ in an earlier batch's scratch pad: share that row
-                                      └─ miss: get from the backend ─► admission (new keys only)
-                                           ─► find_or_insert: victims written down first, then the
-                                              fetched (or initial) rows written into their slots
-                                           ─► no way free in the bucket (conflict miss), or not
-                                              admitted: a scratch row for the batch
+    unique (table, key) pairs ─► find in the cache ─┬─ hit: lock
+                                 ├─ in an earlier batch's scratch pad: share that row
+                                 └─ miss: get from the table's backend ─► admission (new keys only)
+                                      ─► find_or_insert: victims written down first, then the
+                                         fetched (or initial) rows written into their slots
+                                      ─► no way free in the bucket (conflict miss), or not
+                                         admitted: a scratch row for the batch
 
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
 the backend (conflict misses; the last batch sharing a row writes it) or dropped (not admitted).
@@ -26,193 +28,232 @@ import torch
 from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import KeyIndex
-from tieredemb.modules.table import HbmTable, TablePrefetch, TableRows, TableStats
+from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.modules.table import (
+    CONFLICTS,
+    EVICTIONS,
+    HITS,
+    MISSES,
+    NOT_ADMITTED,
+    UNIQUE,
+    GroupPrefetch,
+    TableGroup,
+    TableRows,
+    TableStats,
+    unique_pairs,
+)
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
-from tieredemb.storage.backend import Backend
+from tieredemb.storage.backend import Backend, Fetched
 from tieredemb.storage.errors import BackendError
 
 
 @dataclass
-class CachePrefetch(TablePrefetch):
-    """A cache batch: besides the hbm fields, the shared scratch keys it must write down at
-    release (``write_back``: int64 (w,)) and its private scratch rows (``scratch``, dropped)."""
+class CachePrefetch(GroupPrefetch):
+    """A cache batch: besides the hbm fields, the shared scratch pairs it must write down at
+    release (``write_back``, ``write_back_tables``: int64 (w,)) and its private scratch rows
+    (``scratch``, dropped)."""
 
     write_back: torch.Tensor | None = None
+    write_back_tables: torch.Tensor | None = None
 
 
-class CacheTable(HbmTable):
-    """A device cache of ``cache_rows`` rows over ``backend``.
+class CacheGroup(TableGroup):
+    """A device cache of ``cache_rows[t]`` rows for each table t over ``backends[t]``.
 
-    Args: as ``HbmTable``, plus ``cache_rows`` (slots of the device index, whole buckets) and the
-    table's ``backend``.
+    Args: as ``TableGroup``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
+    the tables' ``backends``.
     """
 
-    def __init__(self, config: TableConfig, optimizer: EmbeddingOptimizer, seed: int,
-                 device: torch.device, kernels: TorchKernels, bucket_width: int,
-                 segment_rows: int, cache_rows: int, backend: Backend) -> None:
-        super().__init__(config, optimizer, seed, device, kernels, bucket_width,
-                         min(segment_rows, cache_rows), index_slots=cache_rows)
-        self.backend = backend
-        # keys whose rows are in a scratch pad and still owed to the backend: value = scratch
+    def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
+                 device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
+                 cache_rows: list[int], backends: list[Backend]) -> None:
+        super().__init__(configs, optimizer, seed, device, kernels, bucket_width,
+                         min(segment_rows, sum(cache_rows)), index_slots=cache_rows)
+        self.backends = backends
+        self.backend_device = backends[0].device
+        # pairs whose rows are in a scratch pad and still owed to the backend: value = scratch
         # address, lock = batches sharing it
-        self.in_flight = KeyIndex(bucket_width, "lru", device, initial_slots=256)
-        self.bytes_fetched = 0
-        self.bytes_written = 0
-        self._unwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows not yet in the backend
+        self.in_flight = KeyIndex(bucket_width, device=device, regions=[
+            Region("lru", None, 256) for _ in configs])
+        self._fetched_rows = torch.zeros(len(configs), dtype=torch.int64, device=self.backend_device)
+        self.rows_written = [0] * len(configs)
+        # (keys, tables, rows) on the backend device, not yet taken by the backends, in order
+        self._unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._write_error: Exception | None = None
 
     # --------------------------------------------------------------------------------- prefetch
-    def prefetch(self, ids: torch.Tensor, step: int, training: bool) -> TablePrefetch:
-        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        self.counters.lookups += ids.numel()
-        self.counters.unique_lookups += unique.numel()
+    def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
+                 training: bool) -> GroupPrefetch:
+        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs))
+        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         if not training:
-            return self._prefetch_eval(unique, inverse)
-        addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=self.device)
-        shared = self.in_flight.find(unique)
+            return self._prefetch_eval(unique, utab, inverse)
+        dev = self.device
+        addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        shared = self.in_flight.find(unique, utab)
         in_pad = shared >= 0
         rest = (~in_pad).nonzero().squeeze(1)
-        in_cache = self.index.find(unique[rest]) >= 0
+        in_cache = self.index.find(unique[rest], utab[rest]) >= 0
         miss = rest[~in_cache]
         with record_function("## cache.fetch ##"):
-            fetched = self._fetch(unique[miss])  # (m, W) rows: backend's, else initial. May
-            # raise: nothing has changed yet
+            fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: backend's, else
+            # initial. May raise: nothing has changed yet
         addresses[in_pad] = self.in_flight.values[shared[in_pad]]
         self.in_flight.locks[shared[in_pad]] += 1
-        store = torch.ones(rest.numel(), dtype=torch.bool, device=self.device)
-        admit = self._admit_new(unique[miss], counts[miss], fetched.found)
+        store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
+        admit = self._admit_new(unique[miss], utab[miss], counts[miss], fetched.found)
         store[(~in_cache).nonzero().squeeze(1)] = admit
         keep = rest[store]
         with record_function("## cache.insert ##"):
-            res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True)
+            res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
+                                            tables=utab[keep])
         with record_function("## cache.write_down ##"):
-            self._write_down(res.evicted_keys, res.evicted_values)
+            self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         placed = res.slots >= 0
-        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=self.device)
-        row_of[miss] = torch.arange(miss.numel(), device=self.device)
-        self._fill_inserted(unique[keep], res, fetched.rows, row_of[keep])
+        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        row_of[miss] = torch.arange(miss.numel(), device=dev)
+        self._fill_inserted(res, fetched.rows, row_of[keep])
         addresses[keep[placed]] = self._slot_rows(res)[placed]
         # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
         conflict = keep[~placed]
         dropped = rest[~store]
-        owed = self._scratch(unique[conflict], fetched.rows[row_of[conflict]], addresses, conflict)
-        private = self._scratch(unique[dropped], fetched.rows[row_of[dropped]], addresses, dropped)
-        self._register_owed(unique[conflict], owed)
-        self.counters.hits += unique.numel() - miss.numel()  # in the cache or a scratch pad
-        self._device_counts[1] += miss.numel()
-        self._device_counts[2] += conflict.numel()
-        self.counters.evictions += res.evicted_keys.numel()
-        self.counters.not_admitted += dropped.numel()
-        locked = unique[keep][placed]
-        return CachePrefetch(unique, inverse, addresses, locked, res.slots[placed],
-                             self.index.generation, private,
-                             write_back=torch.cat([unique[in_pad], unique[conflict]]))
+        owed = self._scratch(fetched.rows[row_of[conflict]], addresses, conflict)
+        private = self._scratch(fetched.rows[row_of[dropped]], addresses, dropped)
+        self._register_owed(unique[conflict], utab[conflict], owed)
+        hit = torch.ones(unique.numel(), dtype=torch.bool, device=dev)
+        hit[miss] = False  # in the cache or a scratch pad
+        self._count((UNIQUE, utab, None), (HITS, utab, hit), (MISSES, utab[miss], None),
+                    (CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
+                    (NOT_ADMITTED, utab[dropped], None))
+        return CachePrefetch(unique, utab, inverse, addresses, unique[keep][placed], utab[keep][placed],
+                             res.slots[placed], self.index.generation, private,
+                             write_back=torch.cat([unique[in_pad], unique[conflict]]),
+                             write_back_tables=torch.cat([utab[in_pad], utab[conflict]]))
 
-    def _prefetch_eval(self, unique: torch.Tensor, inverse: torch.Tensor) -> TablePrefetch:
+    def _prefetch_eval(self, unique: torch.Tensor, utab: torch.Tensor,
+                       inverse: torch.Tensor) -> GroupPrefetch:
         """Read-only: cached rows by address, others fetched into private scratch rows (keys the
         backend does not hold read as zeros). Nothing is inserted and no score moves."""
+        self._count((UNIQUE, utab, None))
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        addresses, found = self._locate(unique)
+        addresses, found = self._locate(unique, utab)
         missing = (~found).nonzero().squeeze(1)
-        got = self._get(unique[missing])
+        got = self._get(unique[missing], utab[missing])
         have = missing[got.found.to(self.device)]
         private = self.store.allocate(have.numel())
         self.kernels.scatter(self.store, private, got.rows.to(self.device)[got.found.to(self.device)])
         addresses[have] = private
-        return CachePrefetch(unique, inverse, addresses, empty, empty, self.index.generation, private,
-                             write_back=empty)
+        return CachePrefetch(unique, utab, inverse, addresses, empty, empty, empty,
+                             self.index.generation, private, write_back=empty, write_back_tables=empty)
 
-    def _locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device addresses of keys in the cache or in flight in a scratch pad (-1 elsewhere)."""
-        slots = self.index.find(keys)
+    def _locate(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device addresses of pairs in the cache or in flight in a scratch pad (-1 elsewhere)."""
+        slots = self.index.find(keys, tables)
         addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
-        shared = self.in_flight.find(keys)
+        shared = self.in_flight.find(keys, tables)
         addresses = torch.where(shared >= 0, self.in_flight.values[shared.clamp(min=0)], addresses)
         return addresses, addresses >= 0
 
-    def _get(self, keys: torch.Tensor):
-        """Backend rows of ``keys``, with the rows still waiting to be written down laid over them
+    def _by_table(self, tables: torch.Tensor):
+        """Yield (table, positions) for each table present in ``tables`` (one host sync)."""
+        if tables.numel() == 0:
+            return
+        order = torch.argsort(tables, stable=True)
+        counts = torch.bincount(tables, minlength=len(self.configs)).tolist()
+        start = 0
+        for t, n in enumerate(counts):
+            if n:
+                yield t, order[start : start + n]
+            start += n
+
+    def _get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        """Backend rows of the pairs, with the rows still waiting to be written down laid over them
         (they are newer). Raises a pending write-down failure first, before anything changes."""
         self._raise_write_failure()
-        keys = keys.to(self.backend.device)
-        got = self.backend.get(keys)
-        self.bytes_fetched += int(got.found.sum()) * self.width * 4
+        bdev = self.backend_device
+        keys, tables = keys.to(bdev), tables.to(bdev)
+        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=bdev)
+        found = torch.zeros(keys.numel(), dtype=torch.bool, device=bdev)
+        for t, pos in self._by_table(tables):
+            got = self.backends[t].get(keys[pos])
+            rows[pos] = got.rows
+            found[pos] = got.found
+            self._fetched_rows[t] += got.found.sum()
         if self._unwritten:
-            pkeys = torch.cat([k for k, _ in self._unwritten])
-            prows = torch.cat([r for _, r in self._unwritten])
-            # the last write of a key wins: scan the pending rows in order
-            match = (keys[:, None] == pkeys[None, :]).nonzero()
+            pkeys, ptabs, prows = (torch.cat(parts) for parts in zip(*self._unwritten))
+            # the last write of a pair wins: scan the pending rows in order
+            match = ((keys[:, None] == pkeys[None, :]) & (tables[:, None] == ptabs[None, :])).nonzero()
             if match.numel():
-                got.rows[match[:, 0]] = prows[match[:, 1]]
-                got.found[match[:, 0]] = True
-        return got
+                rows[match[:, 0]] = prows[match[:, 1]]
+                found[match[:, 0]] = True
+        return Fetched(rows, found)
 
-    def _fetch(self, keys: torch.Tensor):
-        """Rows of missed keys on the device: the backend's where it has them, else initial rows.
-        Returns an object with ``rows`` float32 (m, W) device and ``found`` bool (m,) device."""
-        got = self._get(keys)
+    def _fetch(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        """Rows of missed pairs on the device: the backend's where it has them, else initial rows.
+        Returns ``rows`` float32 (m, W) and ``found`` bool (m,), on the device."""
+        got = self._get(keys, tables)
         rows = got.rows.to(self.device)
         found = got.found.to(self.device)
         new = (~found).nonzero().squeeze(1)
         if new.numel():
-            rows[new] = self._initial_rows(keys[new])
-        got.rows, got.found = rows, found
-        return got
+            rows[new] = self._initial_rows(keys[new], tables[new])
+        return Fetched(rows, found)
 
-    def _admit_new(self, keys: torch.Tensor, counts: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-        """bool (m,) for missed keys: stored in the backend already, or admitted by this batch."""
+    def _admit_new(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                   found: torch.Tensor) -> torch.Tensor:
+        """bool (m,) for missed pairs: stored in the backend already, or admitted by this batch."""
         if self.admission is None:
             return torch.ones(keys.numel(), dtype=torch.bool, device=self.device)
-        return self._count_admission(keys, counts, found)
+        return self._count_admission(keys, tables, counts, found)
 
-    def _fill_inserted(self, keys: torch.Tensor, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
-        """Rows of the keys ``res`` inserted: a victim's row (already written down) or a fresh one,
-        filled with the fetched or initial row."""
+    def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
+        """Rows of the pairs ``res`` inserted: a victim's row (already written down) or a fresh
+        one, filled with the fetched or initial row."""
         if not res.any_miss:
             return
         inserted = self._give_rows(res)
         self.kernels.scatter(self.store, self._slot_rows(res)[inserted], rows[row_of[inserted]])
 
-    def _scratch(self, keys: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """Scratch rows for ``keys`` holding ``rows``; their addresses go to ``addresses[positions]``."""
-        scratch = self.store.allocate(keys.numel())
+    def _scratch(self, rows: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Scratch rows holding ``rows``; their addresses go to ``addresses[positions]``."""
+        scratch = self.store.allocate(rows.shape[0])
         self.kernels.scatter(self.store, scratch, rows)
         addresses[positions] = scratch
         return scratch
 
-    def _register_owed(self, keys: torch.Tensor, scratch: torch.Tensor) -> None:
+    def _register_owed(self, keys: torch.Tensor, tables: torch.Tensor, scratch: torch.Tensor) -> None:
         if keys.numel() == 0:
             return
-        res = self.in_flight.find_or_insert(keys, 0, lock=True)
+        res = self.in_flight.find_or_insert(keys, 0, lock=True, tables=tables)
         self.in_flight.assign(res.slots, scratch)
 
-    def _write_down(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
-        """Copy rows at ``addresses`` to the backend under ``keys``. The host copies are kept until
-        the backend has taken them: a failed write loses no row. The failure is raised at the next
-        call that needs the backend (never in the middle of a prefetch), and the rows are retried
-        then, in order."""
+    def _write_down(self, keys: torch.Tensor, tables: torch.Tensor, addresses: torch.Tensor) -> None:
+        """Copy rows at ``addresses`` to the backends under (``tables``, ``keys``). The host copies
+        are kept until the backends have taken them: a failed write loses no row. The failure is
+        raised at the next call that needs a backend (never in the middle of a prefetch), and the
+        rows are retried then, in order."""
         if keys.numel() == 0:
             return
-        bdev = self.backend.device
+        bdev = self.backend_device
         rows = self.kernels.gather(self.store, addresses, self.width)
-        self._unwritten.append((keys.to(bdev), rows.to(bdev)))
+        self._unwritten.append((keys.to(bdev), tables.to(bdev), rows.to(bdev)))
         self._try_write()
 
     def _try_write(self) -> None:
         if not self._unwritten:
             return
-        keys = torch.cat([k for k, _ in self._unwritten])
-        rows = torch.cat([r for _, r in self._unwritten])
+        keys, tables, rows = (torch.cat(parts) for parts in zip(*self._unwritten))
+        written = [0] * len(self.configs)
         try:
-            self.backend.set(keys, rows)
+            for t, pos in self._by_table(tables):  # rewriting an earlier-taken table is harmless
+                self.backends[t].set(keys[pos], rows[pos])
+                written[t] = pos.numel()
         except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
             self._write_error = e
             return
         self._unwritten.clear()
-        self.bytes_written += keys.numel() * self.width * 4
+        self.rows_written = [a + b for a, b in zip(self.rows_written, written)]
 
     def _raise_write_failure(self) -> None:
         """Retry the rows a failed write-down kept; if that fails too, raise, chained to the cause."""
@@ -222,70 +263,75 @@ class CacheTable(HbmTable):
         self._try_write()
         if self._write_error is not None:
             cause, self._write_error = self._write_error, None
-            n = sum(k.numel() for k, _ in self._unwritten)
-            raise BackendError(f"table {self.name!r}: writing {n} rows down to the backing store failed; "
-                               "they are kept and retried at the next call") from cause
+            tables = torch.cat([t for _, t, _ in self._unwritten]).unique().tolist()
+            n = sum(k.numel() for k, _, _ in self._unwritten)
+            raise BackendError(f"tables {[self.names[t] for t in tables]}: writing {n} rows down to the "
+                               "backing store failed; they are kept and retried at the next call") from cause
 
     # ---------------------------------------------------------------------------------- release
-    def release(self, pf: TablePrefetch) -> None:
+    def release(self, pf: GroupPrefetch) -> None:
         """Unlock the batch's slots; write down the scratch rows no later batch still shares; drop
         the private ones."""
-        if not self.index.unlock_slots(pf.locked_slots, pf.generation):
-            self.index.unlock(pf.locked)
-        self.store.free(pf.scratch)
-        owed = pf.write_back
+        super().release(pf)
+        owed, otab = pf.write_back, pf.write_back_tables
         if owed is None or owed.numel() == 0:
             return
-        slots = self.in_flight.find(owed)
+        slots = self.in_flight.find(owed, otab)
         self.in_flight.locks[slots] -= 1
-        done = owed[self.in_flight.locks[slots] == 0]
-        if done.numel():
-            addresses = self.in_flight.erase(done)
-            self._write_down(done, addresses)
+        done = self.in_flight.locks[slots] == 0
+        if bool(done.any()):
+            dkeys, dtab = owed[done], otab[done]
+            addresses = self.in_flight.erase(dkeys, dtab)
+            self._write_down(dkeys, dtab, addresses)
             self.store.free(addresses)
 
     # ------------------------------------------------------------------------------ row access
-    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        addresses, found = self._locate(keys)
+    def read(self, table: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables_of(table, keys)
+        addresses, found = self._locate(keys, tables)
         out = self.store.gather(addresses, self.dim)
         missing = (~found).nonzero().squeeze(1)
-        got = self._get(keys[missing])
+        got = self._get(keys[missing], tables[missing])
         out[missing] = got.rows[:, : self.dim].to(self.device)
         found[missing] = got.found.to(self.device)
         return out, found
 
-    def write(self, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
+    def write(self, table: int, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert through the cache: rows land in the cache (victims written down), or straight
         in the backend where the bucket has no room."""
+        tables = self._tables_of(table, keys)
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
-        res = self.index.find_or_insert(keys, step)
-        self._write_down(res.evicted_keys, res.evicted_values)
+        res = self.index.find_or_insert(keys, step, tables=tables)
+        self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         if res.any_miss:
             self._give_rows(res)
         placed = (res.slots >= 0).nonzero().squeeze(1)
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)
         if spill.numel():
-            self._unwritten.append((keys[spill].to(self.backend.device), rows[spill].to(self.backend.device)))
+            bdev = self.backend_device
+            self._unwritten.append((keys[spill].to(bdev), tables[spill].to(bdev), rows[spill].to(bdev)))
             self._try_write()
-        self.counters.evictions += res.evicted_keys.numel()
+        self._count((EVICTIONS, res.evicted_tables, None))
 
     def flush(self) -> None:
-        """Write every cached row down (the backend alone then holds the table) and flush it."""
+        """Write every cached row down (the backends alone then hold the tables) and flush them."""
         self._raise_write_failure()
-        keys, addresses, _ = self.index.export()
-        self._write_down(keys, addresses)
+        for t in range(len(self.configs)):
+            keys, addresses, _ = self.index.export(t)
+            self._write_down(keys, self._tables_of(t, keys), addresses)
         self._raise_write_failure()
-        self.backend.flush()
+        for b in self.backends:
+            b.flush()
 
-    def export(self) -> TableRows:
+    def export(self, table: int) -> TableRows:
         """Cached rows, and the backend's rows of keys not cached (scores of those: 0)."""
         self._raise_write_failure()
         self._try_write()
-        keys, addresses, scores = self.index.export()
+        keys, addresses, scores = self.index.export(table)
         parts = [(keys, self.store.gather(addresses), scores)]
-        for bkeys, brows in self.backend.scan():
+        for bkeys, brows in self.backends[table].scan():
             bkeys = bkeys.to(self.device)
             fresh = ~torch.isin(bkeys, keys)
             parts.append((bkeys[fresh], brows.to(self.device)[fresh],
@@ -293,12 +339,19 @@ class CacheTable(HbmTable):
         k, rows, sc = (torch.cat(p) for p in zip(*parts))
         return TableRows(k, rows[:, : self.dim], rows[:, self.dim :], sc)
 
-    def stats(self) -> TableStats:
-        out = super().stats()
-        out.rows = {"device": self.index.size(), "backend": self.backend.size()}
-        out.capacity = self.index.capacity()
-        out.bytes_moved = {"backend->device": self.bytes_fetched, "device->backend": self.bytes_written}
+    def stats(self, table: int, backend_rows: bool = True) -> TableStats:
+        """As ``TableGroup.stats``; ``backend_rows=False`` skips counting the backend's rows (a
+        scan of every key in RocksDB)."""
+        out = super().stats(table)
+        out.rows = {"device": self.index.size(table)}
+        if backend_rows:
+            out.rows["backend"] = self.backends[table].size()
+        out.capacity = self.index.capacity(table)
+        row_bytes = self.width * 4
+        out.bytes_moved = {"backend->device": int(self._fetched_rows[table]) * row_bytes,
+                           "device->backend": self.rows_written[table] * row_bytes}
         return out
 
     def close(self) -> None:
-        self.backend.close()
+        for b in self.backends:
+            b.close()

@@ -7,8 +7,10 @@ The data path of one step (DESIGN section 3):
     forward(kjt)    gather (and pool) rows by address; no hashing, no branching on storage
     backward        sum gradients per unique key, fused optimizer update of those rows, unlock
 
-Both collections share all of it; they differ only in how a table's rows are looked up (pooled bags or
-one row per id) and how the outputs are assembled.
+Tables of one embedding dim form a group (``TableGroup``): one index, one row store, so each of these
+steps is one set of kernels per group, not per table. Both collections share all of it; they differ
+only in how a group's rows are looked up (pooled bags or one row per id) and how the outputs are
+assembled.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from torch.profiler import record_function
 
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
-from tieredemb.modules.batch import Batch, TableBatch, check_keys, check_tables, layout_batch
-from tieredemb.modules.cache_table import CacheTable
-from tieredemb.modules.table import HbmTable, TablePrefetch, TableRows, TableStats
+from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
+from tieredemb.modules.cache_table import CacheGroup
+from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, TableStats
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
@@ -35,24 +37,24 @@ from tieredemb.storage.backends import HostMemory
 
 @dataclass
 class CollectionPrefetch:
-    """A batch resolved by prefetch: its layout and each table's addresses."""
+    """A batch resolved by prefetch: its layout and each group's addresses."""
 
     batch: Batch
-    tables: dict[str, TablePrefetch]
+    groups: list[GroupPrefetch]
     training: bool
     released: bool = False
     finalizer: weakref.finalize | None = field(default=None, repr=False)
 
 
 class _Lookup(torch.autograd.Function):
-    """Forward: per-table lookups by address. Backward: the fused optimizer step (returns no grads)."""
+    """Forward: per-group lookups by address. Backward: the fused optimizer step (returns no grads)."""
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, module: _Collection, state: CollectionPrefetch):
         ctx.module, ctx.state = module, state
         # forward without backward (graph dropped) must still release the batch's locks
         state.finalizer = weakref.finalize(ctx, module._release, state)
-        return tuple(module._lookup(name, state) for name in module._table_names)
+        return tuple(module._lookup(g, state) for g in range(len(module._groups)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -84,8 +86,12 @@ class _Collection(nn.Module):
         self.storage_mode = _select_mode(tables, optimizer, storage)
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
-        self._tables = _build_tables(self.storage_mode, tables, optimizer, storage, self.seed,
+        members = _group_tables(tables)
+        self._groups = _build_groups(self.storage_mode, tables, members, optimizer, storage, self.seed,
                                      self.device, self.kernels)
+        # table name -> (group, position in the group)
+        self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
+        self._layout = Layout(tables, members, self.device, self._uses_weights)
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queued: list[tuple[object, CollectionPrefetch]] = []
@@ -96,6 +102,10 @@ class _Collection(nn.Module):
         # stream waits for the previous one's event, so they happen in one order on host and GPU
         self._lock = threading.RLock()
         self._mutated: torch.cuda.Event | None = None
+        self._prepare_outputs()
+
+    def _prepare_outputs(self) -> None:
+        """Subclasses: precompute how outputs are assembled."""
 
     @contextmanager
     def _mutating(self):
@@ -119,15 +129,15 @@ class _Collection(nn.Module):
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
         with record_function("## check_batch ##"):
-            batch = layout_batch(kjt, self.table_configs, self.device, self._uses_weights)
+            batch = self._layout(kjt)
         training = self.training
         if training:
             self._clock += 1
-        tables = {}
-        for name, tb in batch.tables.items():
-            with record_function("## table.prefetch ##"):
-                tables[name] = self._tables[name].prefetch(tb.ids, self._clock, training)
-        return CollectionPrefetch(batch, tables, training)
+        groups = []
+        for group, gb in zip(self._groups, batch.groups):
+            with record_function("## group.prefetch ##"):
+                groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock, training))
+        return CollectionPrefetch(batch, groups, training)
 
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
@@ -156,7 +166,7 @@ class _Collection(nn.Module):
         if state.training and torch.is_grad_enabled():
             return state, _Lookup.apply(self._dummy, self, state)
         try:
-            return state, tuple(self._lookup(name, state) for name in self._table_names)
+            return state, tuple(self._lookup(g, state) for g in range(len(self._groups)))
         finally:
             self._release(state)  # no backward will come
 
@@ -165,14 +175,15 @@ class _Collection(nn.Module):
             raise RuntimeError("backward ran twice through one embedding lookup (retain_graph?): "
                                "the fused optimizer steps once per forward")
         self.step += 1
-        for name, grad in zip(self._table_names, grads):
+        for g, grad in enumerate(grads):
             if grad is None:
                 continue
-            table, tpf = self._tables[name], state.tables[name]
-            src, scale = self._grad_sources(state.batch.tables[name], name)
-            g = self.kernels.reduce_grads(grad.contiguous(), src, scale, tpf.inverse,
-                                          tpf.unique_keys.numel())
-            self.kernels.optimizer_update(table.store, tpf.addresses, g, self.optimizer, self.step)
+            gpf = state.groups[g]
+            src, scale = self._grad_sources(g, state.batch.groups[g])
+            reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
+                                                gpf.unique_keys.numel())
+            self.kernels.optimizer_update(self._groups[g].store, gpf.addresses, reduced, self.optimizer,
+                                          self.step)
         self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:
@@ -182,72 +193,73 @@ class _Collection(nn.Module):
             state.released = True
             if state.finalizer is not None:
                 state.finalizer.detach()
-            for name, tpf in state.tables.items():
-                self._tables[name].release(tpf)
+            for group, gpf in zip(self._groups, state.groups):
+                group.release(gpf)
 
-    # Subclasses: how one table's rows are looked up and how gradients map back to ids.
+    # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False
 
-    def _lookup(self, name: str, state: CollectionPrefetch) -> torch.Tensor:
+    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         raise NotImplementedError
 
-    def _grad_sources(self, tb: TableBatch, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------ row access
-    def _table(self, name: str) -> HbmTable:
-        if name not in self._tables:
+    def _table(self, name: str) -> tuple[TableGroup, int, TableConfig]:
+        if name not in self._where:
             raise ValueError(f"unknown table {name!r}; tables are {self._table_names}")
-        return self._tables[name]
+        g, i = self._where[name]
+        return self._groups[g], i, self._groups[g].configs[i]
 
     def read(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Current weights of ``keys`` (float32 (n, D); zeros where not stored) and ``found`` (bool
         (n,)). Inserts nothing and moves no score."""
-        t = self._table(table)
-        keys = check_keys(t.config, keys, self.device)
+        group, i, config = self._table(table)
+        keys = check_keys(config, keys, self.device)
         with self._mutating():  # a cache-mode read may fetch from the backing store
-            return t.read(keys)
+            return group.read(i, keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
         """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
         is reset to zero."""
-        t = self._table(table)
-        keys = check_keys(t.config, keys, self.device)
+        group, i, config = self._table(table)
+        keys = check_keys(config, keys, self.device)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             raise TypeError(f"table {table!r}: weights must be a float tensor")
-        if tuple(weights.shape) != (keys.numel(), t.dim):
-            raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {t.dim}), "
+        if tuple(weights.shape) != (keys.numel(), group.dim):
+            raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {group.dim}), "
                              f"got {tuple(weights.shape)}")
         if not bool(torch.isfinite(weights).all()):
             raise ValueError(f"table {table!r}: weights must be finite")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
         with self._mutating():
-            t.write(keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
+            group.write(i, keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
 
     def close(self) -> None:
         """Flush and close the backing stores (files, connections). The collection is unusable after."""
         with self._mutating():
             self.flush()
-            for t in self._tables.values():
-                t.close()
+            for group in self._groups:
+                group.close()
 
     def flush(self) -> None:
         """Write every dirty cached row down to the backing store (a no-op in ``hbm_direct``)."""
         with self._mutating():
-            for t in self._tables.values():
-                t.flush()
+            for group in self._groups:
+                group.flush()
 
     def export(self, table: str) -> TableRows:
         """Every stored row of ``table``: keys, weights, optimizer state and scores."""
-        t = self._table(table)
+        group, i, _ = self._table(table)
         with self._mutating():
-            return t.export()
+            return group.export(i)
 
     def stats(self) -> dict[str, TableStats]:
         """Per table: rows per tier, lookups, hits, misses, evictions, bytes."""
         with self._mutating():
-            return {name: t.stats() for name, t in self._tables.items()}
+            return {name: self._groups[g].stats(i) for name, (g, i) in self._where.items()}
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
@@ -259,11 +271,11 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     backward read them on ``stream``. record_stream keeps the caching allocator from handing their
     blocks to the prefetch stream again before ``stream``'s use is done (the per-batch tensors are
     small and freed at unpredictable times by autograd, which rules out an event per buffer here)."""
-    tensors = [t for tb in state.batch.tables.values()
-               for t in (tb.ids, tb.lengths, tb.offsets, tb.weights) if t is not None]
-    for tpf in state.tables.values():
-        tensors += [getattr(tpf, f.name) for f in fields(tpf)
-                    if isinstance(getattr(tpf, f.name), torch.Tensor)]
+    tensors = [t for gb in state.batch.groups
+               for t in (gb.ids, gb.tables, gb.lengths, gb.offsets, gb.weights) if t is not None]
+    for gpf in state.groups:
+        tensors += [getattr(gpf, f.name) for f in fields(gpf)
+                    if isinstance(getattr(gpf, f.name), torch.Tensor)]
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
@@ -315,25 +327,36 @@ def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budge
     return [max(1, int(budget * f) // _row_bytes(t, optimizer)) for f, t in zip(shares, tables)]
 
 
-def _build_tables(mode: str, tables: list[TableConfig], optimizer: EmbeddingOptimizer,
-                  storage: StorageConfig, seed: int, device: torch.device, kernels) -> dict:
-    """One storage object per table, of the mode's class."""
+def _group_tables(tables: list[TableConfig]) -> list[list[int]]:
+    """Tables batched together: those of one embedding dim (so one row width), in config order."""
+    groups: dict[int, list[int]] = {}
+    for t, config in enumerate(tables):
+        groups.setdefault(config.embedding_dim, []).append(t)
+    return list(groups.values())
+
+
+def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]],
+                  optimizer: EmbeddingOptimizer, storage: StorageConfig, seed: int, device: torch.device,
+                  kernels) -> list[TableGroup]:
+    """One storage object per group, of the mode's class."""
     common = dict(optimizer=optimizer, seed=seed, device=device, kernels=kernels,
                   bucket_width=storage.bucket_width, segment_rows=storage.segment_rows)
     if mode == "hbm_direct":
-        return {t.name: HbmTable(t, **common) for t in tables}
+        return [TableGroup([tables[t] for t in m], **common) for m in members]
     rows = _budget_rows(tables, optimizer, storage.hbm_budget)
     if mode == "hybrid":
-        return {t.name: HbmTable(t, **common, device_segments=max(1, r // storage.segment_rows))
-                for t, r in zip(tables, rows)}
-    out = {}
-    for t, r in zip(tables, rows):
+        return [TableGroup([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
+                for m in members]
+    for t in tables:
         if t.max_capacity is not None:
             raise NotImplementedError(f"table {t.name!r}: max_capacity in cache mode (a bound over all "
                                       "tiers) is not built yet; use hbm_direct or hybrid mode")
-        width = t.embedding_dim + optimizer.state_width(t.embedding_dim)
-        backend = storage.backing.open(t.name, width, device)
-        out[t.name] = CacheTable(t, **common, cache_rows=r, backend=backend)
+    out = []
+    for m in members:
+        width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
+        backends = [storage.backing.open(tables[t].name, width, device) for t in m]
+        out.append(CacheGroup([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
+                              backends=backends))
     return out
 
 
@@ -363,35 +386,58 @@ class EmbeddingBagCollection(_Collection):
 
     _uses_weights = True
 
+    def _prepare_outputs(self) -> None:
+        # per group: a float32 (F_g,) flag of its features under mean pooling, or None (none are)
+        self._mean = []
+        for group in self._groups:
+            flags = [float(c.pooling == "mean") for c in group.configs for _ in c.feature_names]
+            self._mean.append(torch.tensor(flags, device=self.device) if any(flags) else None)
+        # the output in runs of features that are adjacent in both the config order and a group
+        self._runs: list[tuple[int, int, int]] = []  # (group, first feature, features)
+        position = [0] * len(self._groups)
+        for t in self.table_configs:
+            g, _ = self._where[t.name]
+            for _ in t.feature_names:
+                run = self._runs[-1] if self._runs else None
+                if run is not None and run[0] == g and run[1] + run[2] == position[g]:
+                    self._runs[-1] = (g, run[1], run[2] + 1)
+                else:
+                    self._runs.append((g, position[g], 1))
+                position[g] += 1
+        self._keys = [f for t in self.table_configs for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in self.table_configs for _ in t.feature_names]
+
     def forward(self, kjt: object) -> KeyedTensor:
         state, outs = self._run(kjt)
         b = state.batch.batch_size
-        keys, dims, blocks = [], [], []
-        for t, out in zip(self.table_configs, outs):
-            # (F_t * B, D) feature-major -> F_t blocks of (B, D)
-            for i, f in enumerate(t.feature_names):
-                keys.append(f)
-                dims.append(t.embedding_dim)
-                blocks.append(out[i * b : (i + 1) * b])
-        return KeyedTensor(keys, dims, torch.cat(blocks, dim=1))
+        blocks = []
+        for g, first, count in self._runs:
+            # (F_g * B, D) feature-major -> (B, count * D) for features first .. first + count - 1
+            dim = self._groups[g].dim
+            block = outs[g][first * b : (first + count) * b].view(count, b, dim)
+            blocks.append(block.transpose(0, 1).reshape(b, count * dim))
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        return KeyedTensor(self._keys, self._dims, values)
 
-    def _lookup(self, name: str, state: CollectionPrefetch) -> torch.Tensor:
-        tb, tpf = state.batch.tables[name], state.tables[name]
-        scale = self._scale(tb, name)
-        return self.kernels.gather_pool(self._tables[name].store, tpf.addresses[tpf.inverse],
-                                        tb.offsets, scale, self._tables[name].dim)
+    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+        gb, gpf = state.batch.groups[g], state.groups[g]
+        return self.kernels.gather_pool(self._groups[g].store, gpf.addresses[gpf.inverse], gb.offsets,
+                                        self._scale(g, gb), self._groups[g].dim)
 
-    def _scale(self, tb: TableBatch, name: str) -> torch.Tensor | None:
+    def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
         """float32 (n,) per-id factor: weight, divided by the bag length for mean pooling."""
-        scale = tb.weights
-        if self._tables[name].config.pooling == "mean":
-            bag = bag_ids(tb.offsets, tb.ids.numel())
-            inv_len = 1.0 / tb.lengths.clamp(min=1).to(torch.float32)
-            scale = inv_len[bag] if scale is None else scale * inv_len[bag]
+        scale = gb.weights
+        mean = self._mean[g]
+        if mean is not None:
+            bags = gb.lengths.numel()
+            bag = bag_ids(gb.offsets, gb.ids.numel())
+            per_bag = mean.repeat_interleave(bags // mean.numel())  # features are bag-major blocks
+            factor = torch.where(per_bag > 0, 1.0 / gb.lengths.clamp(min=1).to(torch.float32), 1.0)
+            scale = factor[bag] if scale is None else scale * factor[bag]
         return scale
 
-    def _grad_sources(self, tb: TableBatch, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return bag_ids(tb.offsets, tb.ids.numel()), self._scale(tb, name)
+    def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return bag_ids(gb.offsets, gb.ids.numel()), self._scale(g, gb)
 
 
 class EmbeddingCollection(_Collection):
@@ -406,18 +452,17 @@ class EmbeddingCollection(_Collection):
         state, outs = self._run(kjt)
         b = state.batch.batch_size
         result: dict[str, JaggedTensor] = {}
-        for t, out in zip(self.table_configs, outs):
-            tb = state.batch.tables[t.name]
+        for group, gb, out in zip(self._groups, state.batch.groups, outs):
+            features = [f for c in group.configs for f in c.feature_names]
             start = 0
-            for i, (f, n) in enumerate(zip(t.feature_names, tb.ids_per_feature)):
-                result[f] = JaggedTensor(out[start : start + n], tb.lengths[i * b : (i + 1) * b])
+            for i, (f, n) in enumerate(zip(features, gb.ids_per_feature)):
+                result[f] = JaggedTensor(out[start : start + n], gb.lengths[i * b : (i + 1) * b])
                 start += n
-        return result
+        return {f: result[f] for t in self.table_configs for f in t.feature_names}
 
-    def _lookup(self, name: str, state: CollectionPrefetch) -> torch.Tensor:
-        tpf = state.tables[name]
-        return self.kernels.gather(self._tables[name].store, tpf.addresses[tpf.inverse],
-                                   self._tables[name].dim)
+    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+        gpf = state.groups[g]
+        return self.kernels.gather(self._groups[g].store, gpf.addresses[gpf.inverse], self._groups[g].dim)
 
-    def _grad_sources(self, tb: TableBatch, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.arange(tb.ids.numel(), device=self.device), None
+    def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.arange(gb.ids.numel(), device=self.device), None

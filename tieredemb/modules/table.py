@@ -1,9 +1,15 @@
-"""One table's storage in ``hbm_direct`` mode: a KeyIndex over a RowStore on the compute device.
+"""A group of tables in ``hbm_direct`` (or ``hybrid``) mode: one KeyIndex over one RowStore.
 
-Prefetch resolves: it turns the unique keys of a batch into row addresses (inserting, initializing,
-admitting, locking). Forward and backward only use those addresses. A key that gets no stored row
-(not admitted yet, or a conflict miss in a bounded table whose bucket is all locked) gets a scratch
-row for the batch from the same RowStore; it is freed when the batch is released.
+Tables of one row width are batched into a group (FBGEMM's table-batched embedding does the same):
+one index with a region per table, one row store, so a step runs one dedup, one probe, one gather,
+one gradient reduction and one optimizer update for the whole group instead of one per table. The
+identity of a row is (table, key); a table's region gives it its own buckets, eviction policy and
+bound, so batching changes no result.
+
+Prefetch resolves: it turns the unique (table, key) pairs of a batch into row addresses (inserting,
+initializing, admitting, locking). Forward and backward only use those addresses. A key that gets no
+stored row (not admitted yet, or a conflict miss in a bounded table whose bucket is all locked) gets
+a scratch row for the batch from the same RowStore; it is freed when the batch is released.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import InsertResult
+from tieredemb.index.key_index import InsertResult, Region
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
@@ -37,7 +43,7 @@ class TableStats:
     """Counters of one table since construction.
 
     ``rows``: tier -> rows stored there; ``bytes_moved``: "src->dst" -> bytes copied between tiers;
-    ``memory_bytes``: tier -> bytes allocated for rows (weights and optimizer state).
+    ``memory_bytes``: tier -> bytes of the table's stored rows (weights and optimizer state).
     """
 
     rows: dict[str, int]
@@ -54,123 +60,162 @@ class TableStats:
 
 
 @dataclass
-class TablePrefetch:
-    """What prefetch resolved for one table of one batch.
+class GroupPrefetch:
+    """What prefetch resolved for one group of one batch.
 
-    unique_keys: int64 (u,); inverse: int64 (n,) id -> unique position; counts: int64 (u,) occurrences;
-    addresses: int64 (u,) row address per unique key (-1: read as zeros, never updated: eval misses);
-    locked: int64 (l,) keys whose slots this batch locked, at ``locked_slots`` while the index is at
-    rehash ``generation``; scratch: int64 (s,) addresses to free.
+    unique_keys, unique_tables: int64 (u,) the batch's distinct (table, key) pairs; inverse: int64
+    (n,) id -> unique position; addresses: int64 (u,) row address per pair (-1: read as zeros, never
+    updated: eval misses); locked, locked_tables: (l,) pairs whose slots this batch locked, at
+    ``locked_slots`` while the index is at rehash ``generation``; scratch: int64 (s,) addresses to free.
     """
 
     unique_keys: torch.Tensor
+    unique_tables: torch.Tensor
     inverse: torch.Tensor
     addresses: torch.Tensor
     locked: torch.Tensor
+    locked_tables: torch.Tensor
     locked_slots: torch.Tensor
     generation: int
     scratch: torch.Tensor
 
 
-@dataclass
-class _Counters:
-    """Counters known on the host; hits, misses and conflict misses are counted on the device."""
-
-    lookups: int = 0
-    unique_lookups: int = 0
-    hits: int = 0  # batches with no miss count here; the others on the device
-    evictions: int = 0
-    not_admitted: int = 0
+# columns of the per-table device counters
+UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-class HbmTable:
-    """A table whose rows all live on the compute device (CPU or CUDA).
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int):
+    """Distinct (table, key) pairs of ``ids`` (int64 (n,), grouped by table as a batch lays them
+    out) -> keys (u,), tables (u,), inverse (n,), counts (u,). One host sync (the count)."""
+    if num_tables == 1:
+        keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        return keys, torch.zeros_like(keys), inverse, counts
+    # a stable sort by key keeps the input's table order among equal keys: pairs end up adjacent
+    skeys, order = torch.sort(ids, stable=True)
+    stables = tables[order]
+    head = torch.ones_like(skeys, dtype=torch.bool)
+    head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
+    pair = torch.cumsum(head, 0) - 1
+    inverse = torch.empty_like(pair)
+    inverse[order] = pair
+    starts = head.nonzero().squeeze(1)
+    counts = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
+    return skeys[starts], stables[starts], inverse, counts
+
+
+class TableGroup:
+    """Tables of one row width whose rows all live on the compute device (CPU or CUDA), or on
+    the device first and in host memory after (hybrid).
 
     Args:
-        config: the table.
-        optimizer: its fused optimizer (sets the row width D + state).
+        configs: the tables (same ``embedding_dim``).
+        optimizer: their fused optimizer (sets the row width D + state).
         seed: seed of the initial rows.
         device: compute device.
         kernels: the kernel set (its ``index_class`` builds the index).
         bucket_width, segment_rows: layout (StorageConfig).
-        index_slots: bound of the index (default: the table's ``max_capacity``).
-        device_segments: row segments on the device before the next go to host memory (hybrid).
+        index_slots: per table, the bound of its region (default: the table's ``max_capacity``).
+        device_rows: rows on the device before the next go to host memory (hybrid); None: all.
     """
 
-    def __init__(self, config: TableConfig, optimizer: EmbeddingOptimizer, seed: int,
-                 device: torch.device, kernels: TorchKernels, bucket_width: int,
-                 segment_rows: int, index_slots: int | None = None,
-                 device_segments: int | None = None) -> None:
-        self.config = config
-        self.name = config.name
-        self.dim = config.embedding_dim
+    def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
+                 device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
+                 index_slots: list[int | None] | None = None, device_rows: int | None = None) -> None:
+        self.configs = configs
+        self.names = [c.name for c in configs]
+        self.dim = configs[0].embedding_dim
         self.width = self.dim + optimizer.state_width(self.dim)
         self.seed = seed
         self.device = device
         self.kernels = kernels
-        index_slots = config.max_capacity if index_slots is None else index_slots
-        initial = min(config.bounded_rows or 4096, 1 << 16)
-        self.index = kernels.index_class(bucket_width, config.eviction, device,
-                                         max_slots=index_slots, initial_slots=2 * initial)
-        # a table that can never fill a whole segment gets one of its own size
-        self.store = RowStore(self.width, min(segment_rows, config.bounded_rows or segment_rows), device,
-                              device_segments=device_segments)
+        if index_slots is None:
+            index_slots = [c.max_capacity for c in configs]
+        self.index = kernels.index_class(bucket_width, device=device, regions=[
+            Region(c.eviction, slots, 2 * min(c.bounded_rows or 4096, 1 << 16))
+            for c, slots in zip(configs, index_slots)])
+        bounded = [s if s is not None else c.bounded_rows for c, s in zip(configs, index_slots)]
+        if all(b is not None for b in bounded):  # a group that can never fill a whole segment
+            segment_rows = min(segment_rows, max(1, sum(bounded)))
+        device_segments = None if device_rows is None else max(1, device_rows // segment_rows)
+        self.store = RowStore(self.width, segment_rows, device, device_segments=device_segments)
         self.admission = None
-        if config.admission is not None:
-            self.admission = kernels.index_class(bucket_width, "lfu", device, initial_slots=1024)
-        self.counters = _Counters()
-        self._device_counts = torch.zeros(3, dtype=torch.int64, device=device)  # hits, misses, conflicts
+        if any(c.admission is not None for c in configs):
+            self.admission = kernels.index_class(bucket_width, device=device, regions=[
+                Region("lfu", None, 1024) for _ in configs])
+            self._threshold = torch.tensor(
+                [c.admission.threshold if c.admission is not None else 0 for c in configs],
+                dtype=torch.int64, device=device)
+            self._admits = torch.tensor([c.admission is not None for c in configs], device=device)
+        # initializers: one call per distinct initializer, over the tables that use it
+        inits: dict[object, list[int]] = {}
+        for t, c in enumerate(configs):
+            inits.setdefault(c.initializer, []).append(t)
+        self._inits = [(init, None if len(inits) == 1 else torch.tensor(ts, device=device))
+                       for init, ts in inits.items()]
+        self.lookups = [0] * len(configs)  # ids looked up, per table (known on the host)
+        self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
+
+    def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
+        """Per entry (column, tables, mask or None): add one to the table's counter in that column
+        for each key (where ``mask``). One launch, no host sync."""
+        idx = torch.cat([t * 6 + col for col, t, _ in entries])
+        ones = torch.cat([torch.ones_like(t) if m is None else m.to(torch.int64) for _, t, m in entries])
+        self._counts.view(-1).index_add_(0, idx, ones)
 
     # --------------------------------------------------------------------------------- prefetch
-    def prefetch(self, ids: torch.Tensor, step: int, training: bool) -> TablePrefetch:
-        """Resolve ids (int64 (n,)) of one batch to row addresses."""
-        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        c = self.counters
-        c.lookups += ids.numel()
-        c.unique_lookups += unique.numel()
+    def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
+                 training: bool) -> GroupPrefetch:
+        """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses."""
+        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs))
+        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not training:
-            slots = self.index.find(unique)
+            self._count((UNIQUE, utab, None))
+            slots = self.index.find(unique, utab)
             addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
-            return TablePrefetch(unique, inverse, addresses, empty, empty, self.index.generation, empty)
-        store = self._admit(unique, counts)  # bool (u,), or None: every key is stored
-        keys = unique if store is None else unique[store]
-        res = self.index.find_or_insert(keys, step, counts if store is None else counts[store],
-                                        lock=True)
-        addresses = self._place_new(keys, res)  # (k,), -1 for conflict misses
+            return GroupPrefetch(unique, utab, inverse, addresses, empty, empty, empty,
+                                 self.index.generation, empty)
+        store = self._admit(unique, utab, counts)  # bool (u,), or None: every key is stored
+        if store is None:
+            keys, ktab, kcounts = unique, utab, counts
+        else:
+            keys, ktab, kcounts = unique[store], utab[store], counts[store]
+        res = self.index.find_or_insert(keys, step, kcounts, lock=True, tables=ktab)
+        addresses = self._place_new(keys, ktab, res)  # (k,), -1 for conflict misses
         placed = res.slots >= 0
         if res.any_miss:
-            self._device_counts += torch.stack([res.found.sum(), (~res.found).sum(), (~placed).sum()])
+            self._count((UNIQUE, utab, None), (HITS, ktab, res.found), (MISSES, ktab, ~res.found),
+                        (CONFLICTS, ktab, ~placed), (EVICTIONS, res.evicted_tables, None))
         else:
-            c.hits += keys.numel()
-        c.evictions += res.evicted_keys.numel()
+            self._count((UNIQUE, utab, None), (HITS, ktab, None))
         generation = self.index.generation
         if store is None and not self.index.bounded:  # every key got a row: no scratch
-            return TablePrefetch(unique, inverse, addresses, keys, res.slots, generation, empty)
+            return GroupPrefetch(unique, utab, inverse, addresses, keys, ktab, res.slots, generation,
+                                 empty)
         # scratch rows for the batch: keys not admitted, conflict misses of a bounded table
         all_addr = torch.empty(unique.numel(), dtype=torch.int64, device=self.device)
         stored_pos = torch.arange(unique.numel(), device=self.device)
         if store is not None:
             stored_pos = store.nonzero().squeeze(1)
-            c.not_admitted += unique.numel() - stored_pos.numel()
+            self._count((NOT_ADMITTED, utab, ~store))
         all_addr[stored_pos] = addresses
         scratch_pos = stored_pos[~placed]
         if store is not None:
             scratch_pos = torch.cat([(~store).nonzero().squeeze(1), scratch_pos])
         scratch = self.store.allocate(scratch_pos.numel())
         all_addr[scratch_pos] = scratch
-        self._initialize(unique[scratch_pos], scratch)
-        return TablePrefetch(unique, inverse, all_addr, keys[placed], res.slots[placed], generation,
-                             scratch)
+        self._initialize(unique[scratch_pos], utab[scratch_pos], scratch)
+        return GroupPrefetch(unique, utab, inverse, all_addr, keys[placed], ktab[placed],
+                             res.slots[placed], generation, scratch)
 
-    def _place_new(self, keys: torch.Tensor, res: InsertResult) -> torch.Tensor:
+    def _place_new(self, keys: torch.Tensor, tables: torch.Tensor, res: InsertResult) -> torch.Tensor:
         """Rows for the keys ``res`` inserted (a victim's row when one was evicted, else a fresh
         one), initialized. Returns int64 (k,) the row address of each key, -1 where not placed."""
         if not res.any_miss:
             return res.values
         inserted = self._give_rows(res)
         addresses = self._slot_rows(res)
-        self._initialize(keys[inserted], addresses[inserted])
+        self._initialize(keys[inserted], tables[inserted], addresses[inserted])
         return addresses
 
     def _give_rows(self, res: InsertResult) -> torch.Tensor:
@@ -178,8 +223,7 @@ class HbmTable:
         owner's row already written elsewhere by the caller), else a fresh row, assigned in the
         index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
         inserted = res.inserted.nonzero().squeeze(1)
-        # an unbounded index never evicts: every inserted key needs a fresh row
-        need = inserted[res.values[inserted] < 0] if self.index.bounded else inserted
+        need = inserted[res.values[inserted] < 0]  # -1: an empty slot, no victim's row to reuse
         self.index.assign(res.slots[need], self.store.allocate(need.numel()))
         return inserted
 
@@ -188,76 +232,90 @@ class HbmTable:
         safe = res.slots.clamp(min=0)
         return torch.where(res.slots >= 0, self.index.values[safe], -1)
 
-    def _admit(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    def _admit(self, unique: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """bool (u,): keys to store (already stored, or admitted by this batch's occurrences);
-        None when the table has no admission policy (every key is stored)."""
+        None when no table of the group has an admission policy (every key is stored)."""
         if self.admission is None:
             return None
-        return self._count_admission(unique, counts, self.index.find(unique) >= 0)
+        return self._count_admission(unique, tables, counts, self.index.find(unique, tables) >= 0)
 
-    def _count_admission(self, keys: torch.Tensor, counts: torch.Tensor,
+    def _count_admission(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                          stored: torch.Tensor) -> torch.Tensor:
-        """Count the occurrences of the keys not ``stored`` (bool (n,)); bool (n,): stored already,
-        or brought to the admission threshold by this batch (their counters are then dropped)."""
-        cand = ~stored
-        res = self.admission.find_or_insert(keys[cand], 0, counts[cand])
-        admitted = self.admission.scores[res.slots] >= self.config.admission.threshold
-        self.admission.erase(keys[cand][admitted])
-        out = stored.clone()
+        """Count the occurrences of the keys not ``stored`` (bool (n,)) of tables with an admission
+        policy; bool (n,): stored already, of a table without admission, or brought to the
+        threshold by this batch (their counters are then dropped)."""
+        cand = ~stored & self._admits[tables]
+        ck, ct = keys[cand], tables[cand]
+        res = self.admission.find_or_insert(ck, 0, counts[cand], tables=ct)
+        admitted = self.admission.scores[res.slots] >= self._threshold[ct]
+        self.admission.erase(ck[admitted], ct[admitted])
+        out = ~cand
         out[cand] = admitted
         return out
 
-    def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """float32 (n, W): weights from the initializer, optimizer state zero."""
+    def _initial_rows(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """float32 (n, W): weights from each key's table's initializer, optimizer state zero."""
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
-        rows[:, : self.dim] = self.config.initializer.rows(self.seed, self.name, keys, self.dim)
+        for init, members in self._inits:
+            if members is None:
+                rows[:, : self.dim] = init.rows(self.seed, self.names, keys, self.dim, tables)
+            else:
+                pos = torch.isin(tables, members).nonzero().squeeze(1)
+                rows[pos, : self.dim] = init.rows(self.seed, self.names, keys[pos], self.dim, tables[pos])
         return rows
 
-    def _initialize(self, keys: torch.Tensor, addresses: torch.Tensor) -> None:
+    def _initialize(self, keys: torch.Tensor, tables: torch.Tensor, addresses: torch.Tensor) -> None:
         """Initial rows at ``addresses``."""
         if keys.numel():
-            self.kernels.scatter(self.store, addresses, self._initial_rows(keys))
+            self.kernels.scatter(self.store, addresses, self._initial_rows(keys, tables))
 
-    def release(self, pf: TablePrefetch) -> None:
+    def release(self, pf: GroupPrefetch) -> None:
         """Unlock the batch's slots and free its scratch rows."""
         if not self.index.unlock_slots(pf.locked_slots, pf.generation):
-            self.index.unlock(pf.locked)  # the index was rehashed since: find the keys again
+            self.index.unlock(pf.locked, pf.locked_tables)  # rehashed since: find the keys again
         self.store.free(pf.scratch)
 
     # ------------------------------------------------------------------------------ row access
-    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.index.find(keys)
+    def _tables_of(self, table: int, keys: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(keys, table)
+
+    def read(self, table: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.index.find(keys, self._tables_of(table, keys))
         found = slots >= 0
         addresses = torch.where(found, self.index.values[slots.clamp(min=0)], -1)
         return self.store.gather(addresses, self.dim), found
 
-    def write(self, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
+    def write(self, table: int, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert rows; their optimizer state is reset to zero."""
-        res = self.index.find_or_insert(keys, step)
-        addresses = self._place_new(keys, res)
+        tables = self._tables_of(table, keys)
+        res = self.index.find_or_insert(keys, step, tables=tables)
+        addresses = self._place_new(keys, tables, res)
         if bool((res.slots < 0).any()):
-            raise RuntimeError(f"table {self.name!r}: no room for {int((res.slots < 0).sum())} keys "
-                               "(their buckets are full of rows locked by in-flight batches)")
+            raise RuntimeError(f"table {self.names[table]!r}: no room for {int((res.slots < 0).sum())} "
+                               "keys (their buckets are full of rows locked by in-flight batches)")
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
         self.kernels.scatter(self.store, addresses, rows)
-        self.counters.evictions += res.evicted_keys.numel()
+        self._count((EVICTIONS, res.evicted_tables, None))
 
-    def export(self) -> TableRows:
-        keys, addresses, scores = self.index.export()
+    def export(self, table: int) -> TableRows:
+        keys, addresses, scores = self.index.export(table)
         rows = self.store.gather(addresses)
         return TableRows(keys, rows[:, : self.dim], rows[:, self.dim :], scores)
 
-    def stats(self) -> TableStats:
-        c = self.counters
-        hits, misses, conflicts = self._device_counts.tolist()
-        hits += c.hits
+    def stats(self, table: int) -> TableStats:
+        unique, hits, misses, conflicts, evictions, not_admitted = self._counts[table].tolist()
+        _, addresses, _ = self.index.export(table)
+        per_segment = torch.bincount(addresses // self.store.segment_rows,
+                                     minlength=len(self.store.segments)).tolist()
+        rows = {"device": 0}
+        for placement, n in zip(self.store.placement, per_segment):
+            rows[placement] = rows.get(placement, 0) + n
         return TableStats(
-            rows={"device": self.index.size()}, capacity=self.config.max_capacity,
-            lookups=c.lookups, unique_lookups=c.unique_lookups, hits=hits, misses=misses,
-            conflict_misses=conflicts, evictions=c.evictions, not_admitted=c.not_admitted,
-            bytes_moved={}, memory_bytes={k: v * self.width * 4
-                                          for k, v in self.store.rows_by_placement().items()},
+            rows=rows, capacity=self.configs[table].max_capacity,
+            lookups=self.lookups[table], unique_lookups=unique, hits=hits, misses=misses,
+            conflict_misses=conflicts, evictions=evictions, not_admitted=not_admitted,
+            bytes_moved={}, memory_bytes={k: v * self.width * 4 for k, v in rows.items()},
         )
 
     def flush(self) -> None:

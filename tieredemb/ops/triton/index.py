@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tieredemb.config import RESERVED_KEY
-from tieredemb.index.key_index import KeyIndex, bucket_of
+from tieredemb.index.key_index import KeyIndex
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
@@ -42,14 +42,21 @@ def _bucket_of(keys, num_buckets):
 
 @triton.jit
 def _find_kernel(
-    keys, table_keys, out_slots, n, num_buckets, width, RESERVED: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr
+    keys, tables, region_start, region_buckets, table_keys, out_slots, n, num_buckets, width,
+    RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
 ):
-    # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1
+    # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1.
+    # REGIONS: keys carry their region in ``tables``; else one region of ``num_buckets``.
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
     k = tl.load(keys + i, mask=in_range, other=0)
-    base = _bucket_of(k, num_buckets) * width  # (BLOCK_K,) first slot of the bucket
+    if REGIONS:
+        r = tl.load(tables + i, mask=in_range, other=0)
+        start = tl.load(region_start + r, mask=in_range, other=0)
+        nb = tl.load(region_buckets + r, mask=in_range, other=1).to(tl.uint64)
+        base = (start + _bucket_of(k, nb)) * width  # (BLOCK_K,) first slot of the bucket
+    else:
+        base = _bucket_of(k, num_buckets) * width
     ways = tl.arange(0, BLOCK_W)
     wmask = in_range[:, None] & (ways[None, :] < width)
     stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
@@ -69,6 +76,7 @@ def _insert_kernel(
     table_values,
     table_scores,
     table_locks,
+    bucket_evictable,
     ev_flag,
     ev_keys,
     ev_values,
@@ -77,7 +85,6 @@ def _insert_kernel(
     num_buckets,
     width,
     RESERVED: tl.constexpr,
-    BOUNDED: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     # grid: (n,). Position p of the (bucket, key) order; sorted_bucket[p] == num_buckets for keys
@@ -94,7 +101,7 @@ def _insert_kernel(
         sc = tl.load(table_scores + first_slot + ways, mask=wmask, other=0)
         lk = tl.load(table_locks + first_slot + ways, mask=wmask, other=1)
         is_empty = k == RESERVED
-        evictable = (~is_empty) & (lk == 0) & BOUNDED
+        evictable = (~is_empty) & (lk == 0) & (tl.load(bucket_evictable + b) != 0)
         prio = tl.where(is_empty, -1, sc)
         avail = wmask & (is_empty | evictable) & (prio < 9223372036854775807)
         # rank of each available way in (prio, way) order: the claim order of the reference
@@ -133,7 +140,7 @@ def _insert_kernel(
 class TritonKeyIndex(KeyIndex):
     """``KeyIndex`` with Triton ``find`` and ``_insert``; identical results. Same arguments."""
 
-    def find(self, keys: torch.Tensor) -> torch.Tensor:
+    def find(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """keys: int64 (n,) -> slots: int64 (n,), -1 where absent. Scores and locks unchanged."""
         n = keys.numel()
         out = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -141,34 +148,40 @@ class TritonKeyIndex(KeyIndex):
             return out
         block_w = triton.next_power_of_2(self.width)
         block_k = max(1, _FIND_TILE // block_w)
+        regions = len(self.regions) > 1
+        keys = keys.to(torch.int64).contiguous()
         _find_kernel[(triton.cdiv(n, block_k),)](
-            keys.to(torch.int64).contiguous(),
+            keys,
+            tables.contiguous() if regions else keys,
+            self._start_dev,
+            self._nb_dev,
             self.keys,
             out,
             n,
             self.num_buckets,
             self.width,
             RESERVED=RESERVED_KEY,
+            REGIONS=regions,
             BLOCK_K=block_k,
             BLOCK_W=block_w,
             num_warps=4,
         )
         return out
 
-    def _insert(self, keys: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
+    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
 
-        Returns the evicted (keys, values, scores), in the reference's order.
+        Returns the evicted (keys, values, scores, tables), in the reference's order.
         """
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if n == 0:
-            return empty, empty, empty
+            return empty, empty, empty, empty
         keys = keys.to(torch.int64).contiguous()
         slots.masked_fill_(todo, -1)  # a miss that finds no way stays -1
         out_slots = slots if slots.is_contiguous() else slots.contiguous()
         # (bucket, key) order of the misses; the rest sort last under bucket = num_buckets
-        bucket = torch.where(todo, bucket_of(keys, self.num_buckets), self.num_buckets)
+        bucket = torch.where(todo, self._bucket(keys, tables), self.num_buckets)
         order = torch.argsort(keys, stable=True)
         order = order[torch.argsort(bucket[order], stable=True)]
         sorted_bucket = bucket[order]
@@ -186,6 +199,7 @@ class TritonKeyIndex(KeyIndex):
             self.values,
             self.scores,
             self.locks,
+            self.bucket_evictable,
             ev_flag,
             ev_keys,
             ev_values,
@@ -194,11 +208,10 @@ class TritonKeyIndex(KeyIndex):
             self.num_buckets,
             self.width,
             RESERVED=RESERVED_KEY,
-            BOUNDED=self.bounded,
             BLOCK_W=block_w,
             num_warps=4,  # H200, 100k keys: best at width 32, within 20% of best at 128
         )
         if out_slots is not slots:
             slots.copy_(out_slots)
         victim = ev_flag.bool()
-        return ev_keys[victim], ev_values[victim], ev_scores[victim]
+        return ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order][victim]
