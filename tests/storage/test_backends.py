@@ -291,3 +291,36 @@ def test_specs_stay_plain_configuration():
     a, b = te.storage.RocksDB("/tmp/x"), te.storage.RocksDB("/tmp/x")
     assert a == b and hash(a) == hash(b) and "_open" not in repr(a)
     assert "secret" not in repr(te.storage.Redis(password="secret"))
+
+
+def test_host_memory_keeps_several_tables_apart() -> None:
+    """One host-memory store for a table group: the same keys in different tables are different
+    rows; every verb answers as one DictBackend per table would."""
+    from tieredemb.storage.backend import DictBackend
+    from tieredemb.storage.host import HostMemoryBackend
+
+    group = te.storage.HostMemory(segment_rows=8).open_group(["a", "b", "c"], 3, torch.device("cpu"))
+    assert isinstance(group.rows, HostMemoryBackend)
+    refs = [DictBackend(3) for _ in range(3)]
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(6):
+        keys = torch.randint(-20, 20, (40,), generator=gen)  # repeats: the last row of a pair wins
+        tables = torch.randint(0, 3, (40,), generator=gen)
+        rows = torch.randn(40, 3, generator=gen)
+        group.set(keys, tables, rows)
+        for t, ref in enumerate(refs):
+            ref.set(keys[tables == t], rows[tables == t])
+        gone = torch.randint(-20, 20, (5,), generator=gen)
+        group.table(1).delete(gone)
+        refs[1].delete(gone)
+        probe = torch.arange(-22, 22).repeat(3)
+        ptables = torch.arange(3).repeat_interleave(44)
+        got = group.get(probe, ptables)
+        for t, ref in enumerate(refs):
+            want = ref.get(probe[ptables == t])
+            assert torch.equal(got.found[ptables == t], want.found)
+            assert torch.equal(got.rows[ptables == t], want.rows)
+            assert group.table(t).size() == ref.size()
+            scanned = list(group.table(t).scan(7))
+            assert torch.equal(torch.cat([k for k, _ in scanned]), next(ref.scan(10**6))[0])
+            assert torch.equal(torch.cat([r for _, r in scanned]), next(ref.scan(10**6))[1])

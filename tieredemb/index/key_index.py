@@ -210,8 +210,10 @@ class KeyIndex:
         # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
         self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
         evicted = self._insert(keys, tables, slots, miss)
-        failed = miss & (slots < 0) & ~self._region_bounded(tables)
-        grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
+        grow = []
+        if not all(r.max_slots is not None for r in self.regions):
+            failed = miss & (slots < 0) & ~self._region_bounded(tables)
+            grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
         while any(grow):  # a full bucket in an unbounded region: double it, place the rest
             self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
             slots = torch.where(slots >= 0, self.find(keys, tables), slots)

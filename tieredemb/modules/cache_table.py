@@ -28,7 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.index.key_index import Region
 from tieredemb.modules.table import (
     CONFLICTS,
     EVICTIONS,
@@ -44,7 +44,7 @@ from tieredemb.modules.table import (
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
-from tieredemb.storage.backend import Backend, Fetched
+from tieredemb.storage.backend import Fetched, GroupStore
 from tieredemb.storage.errors import BackendError
 
 
@@ -59,25 +59,25 @@ class CachePrefetch(GroupPrefetch):
 
 
 class CacheGroup(TableGroup):
-    """A device cache of ``cache_rows[t]`` rows for each table t over ``backends[t]``.
+    """A device cache of ``cache_rows[t]`` rows for each table t over the group's backing store.
 
     Args: as ``TableGroup``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
-    the tables' ``backends``.
+    ``below``, the tables' backing store (``GroupStore``: one call for all tables where it can).
     """
 
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
-                 cache_rows: list[int], backends: list[Backend]) -> None:
+                 cache_rows: list[int], below: GroupStore) -> None:
         super().__init__(configs, optimizer, seed, device, kernels, bucket_width,
                          min(segment_rows, sum(cache_rows)), index_slots=cache_rows)
-        self.backends = backends
-        self.backend_device = backends[0].device
+        self.below = below
+        self.backend_device = below.device
         # pairs whose rows are in a scratch pad and still owed to the backend: value = scratch
         # address, lock = batches sharing it
-        self.in_flight = KeyIndex(bucket_width, device=device, regions=[
+        self.in_flight = kernels.index_class(bucket_width, device=device, regions=[
             Region("lru", None, 256) for _ in configs])
-        self._fetched_rows = torch.zeros(len(configs), dtype=torch.int64, device=self.backend_device)
-        self.rows_written = [0] * len(configs)
+        # rows moved per table: fetched from / written to the backing store
+        self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         # (keys, tables, rows) on the backend device, not yet taken by the backends, in order
         self._unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._write_error: Exception | None = None
@@ -155,31 +155,15 @@ class CacheGroup(TableGroup):
         addresses = torch.where(shared >= 0, self.in_flight.values[shared.clamp(min=0)], addresses)
         return addresses, addresses >= 0
 
-    def _by_table(self, tables: torch.Tensor):
-        """Yield (table, positions) for each table present in ``tables`` (one host sync)."""
-        if tables.numel() == 0:
-            return
-        order = torch.argsort(tables, stable=True)
-        counts = torch.bincount(tables, minlength=len(self.configs)).tolist()
-        start = 0
-        for t, n in enumerate(counts):
-            if n:
-                yield t, order[start : start + n]
-            start += n
-
     def _get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         """Backend rows of the pairs, with the rows still waiting to be written down laid over them
         (they are newer). Raises a pending write-down failure first, before anything changes."""
         self._raise_write_failure()
         bdev = self.backend_device
         keys, tables = keys.to(bdev), tables.to(bdev)
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=bdev)
-        found = torch.zeros(keys.numel(), dtype=torch.bool, device=bdev)
-        for t, pos in self._by_table(tables):
-            got = self.backends[t].get(keys[pos])
-            rows[pos] = got.rows
-            found[pos] = got.found
-            self._fetched_rows[t] += got.found.sum()
+        got = self.below.get(keys, tables)
+        rows, found = got.rows, got.found
+        self._moved[0].index_add_(0, tables, found.to(torch.int64))
         if self._unwritten:
             pkeys, ptabs, prows = (torch.cat(parts) for parts in zip(*self._unwritten))
             # the last write of a pair wins: scan the pending rows in order
@@ -244,16 +228,13 @@ class CacheGroup(TableGroup):
         if not self._unwritten:
             return
         keys, tables, rows = (torch.cat(parts) for parts in zip(*self._unwritten))
-        written = [0] * len(self.configs)
         try:
-            for t, pos in self._by_table(tables):  # rewriting an earlier-taken table is harmless
-                self.backends[t].set(keys[pos], rows[pos])
-                written[t] = pos.numel()
+            self.below.set(keys, tables, rows)  # a retry rewrites rows some tables took: harmless
         except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
             self._write_error = e
             return
         self._unwritten.clear()
-        self.rows_written = [a + b for a, b in zip(self.rows_written, written)]
+        self._moved[1].index_add_(0, tables, torch.ones_like(tables))
 
     def _raise_write_failure(self) -> None:
         """Retry the rows a failed write-down kept; if that fails too, raise, chained to the cause."""
@@ -322,8 +303,7 @@ class CacheGroup(TableGroup):
             keys, addresses, _ = self.index.export(t)
             self._write_down(keys, self._tables_of(t, keys), addresses)
         self._raise_write_failure()
-        for b in self.backends:
-            b.flush()
+        self.below.flush()
 
     def export(self, table: int) -> TableRows:
         """Cached rows, and the backend's rows of keys not cached (scores of those: 0)."""
@@ -331,7 +311,7 @@ class CacheGroup(TableGroup):
         self._try_write()
         keys, addresses, scores = self.index.export(table)
         parts = [(keys, self.store.gather(addresses), scores)]
-        for bkeys, brows in self.backends[table].scan():
+        for bkeys, brows in self.below.table(table).scan():
             bkeys = bkeys.to(self.device)
             fresh = ~torch.isin(bkeys, keys)
             parts.append((bkeys[fresh], brows.to(self.device)[fresh],
@@ -345,13 +325,11 @@ class CacheGroup(TableGroup):
         out = super().stats(table)
         out.rows = {"device": self.index.size(table)}
         if backend_rows:
-            out.rows["backend"] = self.backends[table].size()
+            out.rows["backend"] = self.below.table(table).size()
         out.capacity = self.index.capacity(table)
-        row_bytes = self.width * 4
-        out.bytes_moved = {"backend->device": int(self._fetched_rows[table]) * row_bytes,
-                           "device->backend": self.rows_written[table] * row_bytes}
+        fetched, written = (self._moved[:, table] * self.width * 4).tolist()
+        out.bytes_moved = {"backend->device": fetched, "device->backend": written}
         return out
 
     def close(self) -> None:
-        for b in self.backends:
-            b.close()
+        self.below.close()

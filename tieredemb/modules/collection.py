@@ -354,9 +354,9 @@ def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]]
     out = []
     for m in members:
         width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
-        backends = [storage.backing.open(tables[t].name, width, device) for t in m]
+        below = storage.backing.open_group([tables[t].name for t in m], width, device)
         out.append(CacheGroup([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
-                              backends=backends))
+                              below=below))
     return out
 
 

@@ -61,6 +61,58 @@ class Backend(ABC):
         """Release files, connections and memory."""
 
 
+class GroupStore:
+    """The backing store of a table group: several tables' rows, addressed by (table, key).
+
+    ``get(keys, tables)`` / ``set(keys, tables, rows)`` take the position of each key's table in the
+    group; ``table(t)`` is table t's own ``Backend`` (``scan``, ``size``, ``delete``). This one calls
+    each table's backend in turn (one host sync to split a call by table); a store that can answer
+    for all tables in one call (``HostMemory``) provides its own.
+    """
+
+    def __init__(self, backends: list[Backend]) -> None:
+        self.backends = backends
+        self.device = backends[0].device
+        self.width = backends[0].width
+
+    def _by_table(self, tables: torch.Tensor):
+        """Yield (table, positions) for each table present in ``tables``."""
+        if tables.numel() == 0:
+            return
+        order = torch.argsort(tables, stable=True)
+        start = 0
+        for t, n in enumerate(torch.bincount(tables, minlength=len(self.backends)).tolist()):
+            if n:
+                yield t, order[start : start + n]
+            start += n
+
+    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+        for t, pos in self._by_table(tables):
+            got = self.backends[t].get(keys[pos])
+            rows[pos] = got.rows.to(self.device)
+            found[pos] = got.found.to(self.device)
+        return Fetched(rows, found)
+
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """Upsert. On failure some tables may have taken their rows: calling again with the same
+        rows is safe (an upsert of equal rows)."""
+        for t, pos in self._by_table(tables):
+            self.backends[t].set(keys[pos], rows[pos])
+
+    def table(self, t: int) -> Backend:
+        return self.backends[t]
+
+    def flush(self) -> None:
+        for b in self.backends:
+            b.flush()
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+
 class DictBackend(Backend):
     """The simplest backend: a Python dict of key -> row. The reference the others are tested
     against, and the storage of the equivalence tests (DynamicEmb's test storage does the same)."""

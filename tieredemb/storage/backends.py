@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tieredemb.storage.backend import Backend
+from tieredemb.storage.backend import Backend, GroupStore
 
 _EXISTING = ("error", "reuse", "clear")
 
@@ -28,6 +28,10 @@ class BackendSpec:
     def open(self, table: str, width: int, device: torch.device) -> Backend:
         """The backend holding ``table``'s rows of ``width`` float32 for a collection on ``device``."""
         raise NotImplementedError
+
+    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
+        """The store of a table group (tables of one row width): by default each table's ``open``."""
+        return GroupStore([self.open(t, width, device) for t in tables])
 
 
 def _pinned(device: torch.device | str) -> bool:
@@ -78,6 +82,15 @@ class HostMemory(BackendSpec):
 
         return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
                                  device=device if _pinned(device) else None)
+
+    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
+        """One host-memory store for all the group's tables (a region each in one index), so a
+        fetch or write-down is one call whatever the number of tables."""
+        from tieredemb.storage.host import HostMemoryBackend, HostMemoryGroup
+
+        rows = HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
+                                 device=device if _pinned(device) else None, tables=len(tables))
+        return HostMemoryGroup(rows)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import torch
 
 from tieredemb.config import RESERVED_KEY
-from tieredemb.index.key_index import KeyIndex
-from tieredemb.storage.backend import Backend, Fetched
+from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.row_store import RowStore
 
 _CPU = torch.device("cpu")
@@ -34,15 +34,17 @@ class _PinnedRowStore(RowStore):
         self._pointers = None
 
 
-def last_of_duplicates(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys int64 (n,) -> (unique keys (u,), position in ``keys`` of each one's last occurrence (u,)).
-
-    An upsert with a key twice keeps the later row, as a sequence of single sets would.
-    """
-    uniq, inverse = torch.unique(keys, return_inverse=True)
-    last = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=keys.device)
+def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
+    """Position of the last occurrence of each distinct key (of each distinct (table, key) pair
+    with ``tables``): int64 (u,). An upsert with a key twice keeps the later row, as a sequence of
+    single sets would."""
+    if tables is None:
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+    else:
+        uniq, inverse = torch.unique(torch.stack([keys, tables]), dim=1, return_inverse=True)
+    last = torch.full((uniq.shape[-1],), -1, dtype=torch.int64, device=keys.device)
     last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), reduce="amax")
-    return uniq, last
+    return last
 
 
 class HostMemoryBackend(Backend):
@@ -55,6 +57,10 @@ class HostMemoryBackend(Backend):
             recently used row of a full bucket making room for a new one (a cache).
         segment_rows: rows per host segment (the unit of growth).
         bucket_width: slots per index bucket.
+        device: where the index lives and keys and rows come and go (a CUDA device: the index on
+            the GPU, rows pinned and reached through UVA); default the CPU.
+        tables: rows of this many tables (a region of the index each; the verbs then take
+            ``tables``, the table of each key). ``capacity`` applies per table.
 
     Example::
 
@@ -65,23 +71,24 @@ class HostMemoryBackend(Backend):
 
     def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
                  segment_rows: int = 65536, bucket_width: int = 16,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, tables: int = 1) -> None:
         self.width = width
         self.capacity = capacity
         if capacity is not None:
             segment_rows = min(segment_rows, max(capacity, 1))
         self.device = torch.device(device) if device is not None else _CPU
+        self._regions = [Region("lru", capacity) for _ in range(tables)]
         if self.device.type == "cuda":
             # the index on the GPU, the rows in pinned host segments that the kernels read and
             # write in place through UVA: no host work and no staging copy per call
             from tieredemb.ops import select_kernels
 
             self._kernels = select_kernels("auto", self.device)
-            self._index = self._kernels.index_class(bucket_width, "lru", self.device, max_slots=capacity)
+            self._index = self._kernels.index_class(bucket_width, device=self.device, regions=self._regions)
             self._store = RowStore(width, segment_rows, self.device, device_segments=0)
         else:
             self._kernels = None
-            self._index = KeyIndex(bucket_width, "lru", _CPU, max_slots=capacity)
+            self._index = KeyIndex(bucket_width, device=_CPU, regions=self._regions)
             store_cls = _PinnedRowStore if pinned else RowStore
             self._store = store_cls(width, segment_rows, _CPU)
         self._step = 0  # LRU clock: one tick per call
@@ -98,31 +105,36 @@ class HostMemoryBackend(Backend):
             self._kernels.scatter(self._store, addresses, rows)
 
     # ------------------------------------------------------------------------------------ verbs
-    def get(self, keys: torch.Tensor) -> Fetched:
+    def _keys(self, keys: torch.Tensor, tables: torch.Tensor | None):
+        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
+        return keys, None if tables is None else tables.reshape(-1).to(device=self.device)
+
+    def get(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> Fetched:
         """keys int64 (n,) -> rows float32 (n, W) (zeros where absent), found bool (n,), on
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
-        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
-        slots = self._index.find(keys)  # (n,) -1 where absent
+        keys, tables = self._keys(keys, tables)
+        slots = self._index.find(keys, tables)  # (n,) -1 where absent
         found = slots >= 0
         addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
         rows = self._gather(addresses)  # address -1 reads zeros
         if self.capacity is not None and bool(found.any()):
-            self._touch(keys[found])
+            self._touch(keys[found], None if tables is None else tables[found])
         return Fetched(rows, found)
 
-    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+    def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
 
         Bounded: a key whose bucket has no room in this call (more new keys than ways) is skipped.
         """
-        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
+        keys, tables = self._keys(keys, tables)
         if keys.numel() == 0:
             return
         if bool((keys == RESERVED_KEY).any()):
             raise ValueError(f"key {RESERVED_KEY} (te.RESERVED_KEY) cannot be stored")
-        uniq, last = last_of_duplicates(keys)
+        last = last_of_duplicates(keys, tables)
         self._step += 1
-        res = self._index.find_or_insert(uniq, self._step)
+        res = self._index.find_or_insert(keys[last], self._step,
+                                         tables=None if tables is None else tables[last])
         placed = res.slots >= 0
         addresses = res.values.clone()  # victims' rows are reused; -1 for slots that were empty
         new = placed & (addresses < 0)
@@ -133,41 +145,89 @@ class HostMemoryBackend(Backend):
         src = rows.to(device=self.device, dtype=torch.float32)[last[placed]]
         self._scatter(addresses[placed], src)
 
-    def delete(self, keys: torch.Tensor) -> None:
+    def delete(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Remove keys int64 (n,) (absent ones ignored)."""
-        keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
+        keys, tables = self._keys(keys, tables)
         if keys.numel() == 0:
             return
-        self._store.free(self._index.erase(torch.unique(keys)))
+        last = last_of_duplicates(keys, tables)
+        self._store.free(self._index.erase(keys[last], None if tables is None else tables[last]))
 
-    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def scan(self, chunk_rows: int = 65536, table: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every stored row once, by ascending key: (keys int64 (m,), rows float32 (m, W)) chunks.
 
         The keys are a snapshot taken at the first chunk; rows are read as each chunk is yielded.
         Do not ``set`` or ``delete`` while scanning (a freed row may be reused).
         """
-        keys, addresses, _ = self._index.export()
+        keys, addresses, _ = self._index.export(table)
         order = torch.argsort(keys)
         keys, addresses = keys[order], addresses[order]
         for start in range(0, keys.numel(), chunk_rows):
             part = slice(start, start + chunk_rows)
             yield keys[part].clone(), self._gather(addresses[part])
 
-    def size(self) -> int:
-        return self._index.size()
+    def size(self, table: int | None = None) -> int:
+        return self._index.size(table)
 
     def close(self) -> None:
-        self._index = KeyIndex(self._index.width, "lru", self.device, max_slots=self.capacity)
+        self._index = KeyIndex(self._index.width, device=self.device, regions=self._regions)
         self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0)
 
     def nbytes(self) -> int:
         """Host bytes held by rows (allocated segments)."""
         return self._store.nbytes()
 
-    def _touch(self, keys: torch.Tensor) -> None:
+    def _touch(self, keys: torch.Tensor, tables: torch.Tensor | None) -> None:
         """Refresh the LRU score of present keys (a cache hit)."""
         self._step += 1
-        self._index.find_or_insert(torch.unique(keys), self._step)
+        last = last_of_duplicates(keys, tables)
+        self._index.find_or_insert(keys[last], self._step, tables=None if tables is None else tables[last])
+
+
+class _TableView(Backend):
+    """Table ``t`` of a several-table ``HostMemoryBackend``, as a one-table backend."""
+
+    def __init__(self, rows: HostMemoryBackend, t: int) -> None:
+        self.rows, self.t = rows, t
+        self.width, self.device = rows.width, rows.device
+
+    def _tables(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.full((keys.numel(),), self.t, dtype=torch.int64, device=self.device)
+
+    def get(self, keys: torch.Tensor) -> Fetched:
+        return self.rows.get(keys, self._tables(keys))
+
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        self.rows.set(keys, rows, self._tables(keys))
+
+    def delete(self, keys: torch.Tensor) -> None:
+        self.rows.delete(keys, self._tables(keys))
+
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.rows.scan(chunk_rows, self.t)
+
+    def size(self) -> int:
+        return self.rows.size(self.t)
+
+
+class HostMemoryGroup(GroupStore):
+    """A table group's rows in one ``HostMemoryBackend`` (a region per table): every call is one
+    call, whatever the number of tables."""
+
+    def __init__(self, rows: HostMemoryBackend) -> None:
+        self.rows = rows
+        self.device = rows.device
+        self.width = rows.width
+        self.backends = [_TableView(rows, t) for t in range(len(rows._regions))]
+
+    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        return self.rows.get(keys, tables)
+
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        self.rows.set(keys, rows, tables)
+
+    def close(self) -> None:
+        self.rows.close()
 
 
 class CachedBackend(Backend):
