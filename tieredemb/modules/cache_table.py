@@ -90,34 +90,44 @@ class CacheGroup(TableGroup):
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
         dev = self.device
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
         addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        # positions are computed once (one host sync each) and reused by index, not by mask
         shared = self.in_flight.find(unique, utab)
-        in_pad = shared >= 0
-        rest = (~in_pad).nonzero().squeeze(1)
+        in_pad = (shared >= 0).nonzero().squeeze(1)
+        rest = (shared < 0).nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest], utab[rest]) >= 0
-        miss = rest[~in_cache]
+        miss_of_rest = (~in_cache).nonzero().squeeze(1)
+        miss = rest[miss_of_rest]
         with record_function("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: backend's, else
             # initial. May raise: nothing has changed yet
-        addresses[in_pad] = self.in_flight.values[shared[in_pad]]
-        self.in_flight.locks[shared[in_pad]] += 1
-        store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
-        admit = self._admit_new(unique[miss], utab[miss], counts[miss], fetched.found)
-        store[(~in_cache).nonzero().squeeze(1)] = admit
-        keep = rest[store]
+        if in_pad.numel():
+            pad_slots = shared[in_pad]
+            addresses[in_pad] = self.in_flight.values[pad_slots]
+            self.in_flight.locks[pad_slots] += 1
+        keep, dropped = rest, empty
+        if self.admission is not None:
+            store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
+            store[miss_of_rest] = self._count_admission(unique[miss], utab[miss], counts[miss],
+                                                        fetched.found)
+            keep, dropped = rest[store], rest[~store]
         with record_function("## cache.insert ##"):
             res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
                                             tables=utab[keep])
         with record_function("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        placed = res.slots >= 0
+        placed = (res.slots >= 0).nonzero().squeeze(1)
         row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
         row_of[miss] = torch.arange(miss.numel(), device=dev)
         self._fill_inserted(res, fetched.rows, row_of[keep])
-        addresses[keep[placed]] = self._slot_rows(res)[placed]
+        if placed.numel() == keep.numel():  # no conflict miss: every kept key got a cache row
+            placed_keys, conflict = keep, empty
+            addresses[keep] = self._slot_rows(res)
+        else:
+            placed_keys, conflict = keep[placed], keep[(res.slots < 0).nonzero().squeeze(1)]
+            addresses[placed_keys] = self._slot_rows(res)[placed]
         # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
-        conflict = keep[~placed]
-        dropped = rest[~store]
         owed = self._scratch(fetched.rows[row_of[conflict]], addresses, conflict)
         private = self._scratch(fetched.rows[row_of[dropped]], addresses, dropped)
         self._register_owed(unique[conflict], utab[conflict], owed)
@@ -126,10 +136,10 @@ class CacheGroup(TableGroup):
         self._count((UNIQUE, utab, None), (HITS, utab, hit), (MISSES, utab[miss], None),
                     (CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
                     (NOT_ADMITTED, utab[dropped], None))
-        return CachePrefetch(unique, utab, inverse, addresses, unique[keep][placed], utab[keep][placed],
-                             res.slots[placed], self.index.generation, private,
-                             write_back=torch.cat([unique[in_pad], unique[conflict]]),
-                             write_back_tables=torch.cat([utab[in_pad], utab[conflict]]))
+        owed_pos = torch.cat([in_pad, conflict])
+        return CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
+                             res.slots[placed] if conflict.numel() else res.slots, self.index.generation,
+                             private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos])
 
     def _prefetch_eval(self, unique: torch.Tensor, utab: torch.Tensor,
                        inverse: torch.Tensor) -> GroupPrefetch:
@@ -184,13 +194,6 @@ class CacheGroup(TableGroup):
             rows[new] = self._initial_rows(keys[new], tables[new])
         return Fetched(rows, found)
 
-    def _admit_new(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                   found: torch.Tensor) -> torch.Tensor:
-        """bool (m,) for missed pairs: stored in the backend already, or admitted by this batch."""
-        if self.admission is None:
-            return torch.ones(keys.numel(), dtype=torch.bool, device=self.device)
-        return self._count_admission(keys, tables, counts, found)
-
     def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
         """Rows of the pairs ``res`` inserted: a victim's row (already written down) or a fresh
         one, filled with the fetched or initial row."""
@@ -227,9 +230,10 @@ class CacheGroup(TableGroup):
     def _try_write(self) -> None:
         if not self._unwritten:
             return
+        distinct = len(self._unwritten) == 1  # one write-down: distinct pairs (a retry may repeat)
         keys, tables, rows = (torch.cat(parts) for parts in zip(*self._unwritten))
         try:
-            self.below.set(keys, tables, rows)  # a retry rewrites rows some tables took: harmless
+            self.below.set(keys, tables, rows, distinct)  # a retry rewrites rows some tables took
         except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
             self._write_error = e
             return

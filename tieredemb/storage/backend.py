@@ -95,9 +95,10 @@ class GroupStore:
             found[pos] = got.found.to(self.device)
         return Fetched(rows, found)
 
-    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
-        """Upsert. On failure some tables may have taken their rows: calling again with the same
-        rows is safe (an upsert of equal rows)."""
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+            distinct: bool = False) -> None:
+        """Upsert (``distinct``: the caller knows the pairs are distinct and valid). On failure some
+        tables may have taken their rows: calling again with the same rows is safe."""
         for t, pos in self._by_table(tables):
             self.backends[t].set(keys[pos], rows[pos])
 

@@ -132,18 +132,27 @@ class HostMemoryBackend(Backend):
         if bool((keys == RESERVED_KEY).any()):
             raise ValueError(f"key {RESERVED_KEY} (te.RESERVED_KEY) cannot be stored")
         last = last_of_duplicates(keys, tables)
+        self.set_distinct(keys[last], rows[last], None if tables is None else tables[last])
+
+    def set_distinct(self, keys: torch.Tensor, rows: torch.Tensor,
+                     tables: torch.Tensor | None = None) -> None:
+        """``set`` of keys the caller knows are distinct (distinct pairs with ``tables``) and valid,
+        on ``self.device``: the write-down path of a cache, without the checks."""
         self._step += 1
-        res = self._index.find_or_insert(keys[last], self._step,
-                                         tables=None if tables is None else tables[last])
-        placed = res.slots >= 0
-        addresses = res.values.clone()  # victims' rows are reused; -1 for slots that were empty
-        new = placed & (addresses < 0)
-        if bool(new.any()):
-            fresh = self._store.allocate(int(new.sum()))
+        res = self._index.find_or_insert(keys, self._step, tables=tables)
+        if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
+            addresses = res.values.clone()
+            new = ((res.slots >= 0) & (addresses < 0)).nonzero().squeeze(1)
+            fresh = self._store.allocate(new.numel())
             addresses[new] = fresh
             self._index.assign(res.slots[new], fresh)
-        src = rows.to(device=self.device, dtype=torch.float32)[last[placed]]
-        self._scatter(addresses[placed], src)
+        else:
+            addresses = res.values
+        rows = rows.to(device=self.device, dtype=torch.float32)
+        if self.capacity is not None:  # a full bucket of a bounded store skips the key
+            placed = (res.slots >= 0).nonzero().squeeze(1)
+            addresses, rows = addresses[placed], rows[placed]
+        self._scatter(addresses, rows)
 
     def delete(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Remove keys int64 (n,) (absent ones ignored)."""
@@ -223,8 +232,12 @@ class HostMemoryGroup(GroupStore):
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         return self.rows.get(keys, tables)
 
-    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
-        self.rows.set(keys, rows, tables)
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+            distinct: bool = False) -> None:
+        if distinct:
+            self.rows.set_distinct(keys, rows, tables)
+        else:
+            self.rows.set(keys, rows, tables)
 
     def close(self) -> None:
         self.rows.close()

@@ -213,5 +213,5 @@ class TritonKeyIndex(KeyIndex):
         )
         if out_slots is not slots:
             slots.copy_(out_slots)
-        victim = ev_flag.bool()
-        return ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order][victim]
+        victim = ev_flag.nonzero().squeeze(1)  # one host sync for the four selections
+        return ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]
