@@ -189,3 +189,17 @@ def test_mean_of_empty_bag_is_zero_like_torch():
     want = F.embedding_bag(torch.tensor([0, 2]), w, torch.tensor([0, 0, 2]), mode="mean")
     torch.testing.assert_close(out.detach(), want)
     assert torch.count_nonzero(out[0]) == 0 and torch.count_nonzero(out[2]) == 0
+
+
+def test_run_ids_matches_repeat_interleave() -> None:
+    """The run index of each position, empty runs included (a bag with no ids, a feature without
+    any), as torch.repeat_interleave computes it."""
+    from tieredemb.ops.reference import run_ids
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        lengths = torch.randint(0, 4, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+        lengths[torch.rand(lengths.numel(), generator=gen) < 0.3] = 0
+        n = int(lengths.sum())
+        want = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        assert torch.equal(run_ids(torch.cumsum(lengths, 0), n), want), lengths.tolist()

@@ -11,6 +11,7 @@ import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.jagged import KeyedJaggedTensor, _offsets_from_lengths, as_kjt
+from tieredemb.ops.reference import run_ids
 
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -128,8 +129,11 @@ def _check_all_ids(values: torch.Tensor, limits: torch.Tensor, counts: torch.Ten
     counts: int64 (F,) device, ids per feature; tables/features: per feature."""
     if values.numel() == 0:
         return
-    limit = torch.repeat_interleave(limits, counts, output_size=values.numel())
-    bad = torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
+    if any(t.num_embeddings is not None for t in tables):
+        limit = limits[run_ids(torch.cumsum(counts, 0), values.numel())]
+        bad = torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
+    else:  # raw ids only: the reserved key is the one bad value
+        bad = values == RESERVED_KEY
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
         i = sum(1 for b in bounds[1:] if b <= pos)
@@ -212,7 +216,7 @@ class Layout:
                 ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
                 w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
             n = sum(counts[i] for i in pos)
-            tables = torch.repeat_interleave(local_dev, feature_counts[pos_dev], output_size=n)
+            tables = local_dev[run_ids(torch.cumsum(feature_counts[pos_dev], 0), n)]
             lengths = per_feature[pos_dev].reshape(-1)
             per_table = [0] * len(g)
             for i, t in zip(pos, local):

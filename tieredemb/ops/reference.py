@@ -62,6 +62,13 @@ class TorchKernels:
 
 def bag_ids(offsets: torch.Tensor, n: int) -> torch.Tensor:
     """int64 (n,) bag of each id, from offsets (b+1,)."""
-    lengths = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
-                                   output_size=n)
+    return run_ids(offsets[1:], n)
+
+
+def run_ids(ends: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 (n,) the run of each position, for runs ending (exclusive) at ``ends`` (int64 (r,),
+    non-decreasing, last == n): ``repeat_interleave(arange(r), lengths)`` in three flat passes (a
+    mark where each run ends, a prefix sum), without a data-dependent output size."""
+    marks = torch.zeros(n + 1, dtype=torch.int64, device=ends.device)
+    marks.index_add_(0, ends, torch.ones_like(ends))
+    return torch.cumsum(marks[:n], 0)
