@@ -7,6 +7,8 @@ against in tests/storage)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -259,6 +261,30 @@ def test_cache_over_real_backends_matches_hbm_direct(backend, cache_buckets, evi
         reopened.close()
 
 
+def test_write_downs_go_to_the_io_worker_and_fetches_wait_for_them() -> None:
+    """A store doing host I/O takes write-downs on its I/O worker while the prefetch goes on; a row
+    evicted and needed again by the next batch is fetched only after its slow write-down landed."""
+    threads: set[str] = set()
+
+    class SlowStore(BackendSpec):
+        def open(self, table: str, width: int, device: torch.device) -> DictBackend:
+            class Slow(DictBackend):
+                def set(self, keys, rows):
+                    threads.add(threading.current_thread().name)
+                    time.sleep(0.005)  # still queued when the next batch fetches
+                    super().set(keys, rows)
+
+            return Slow(width)
+
+    optimizer = te.optim.Adagrad(lr=0.2)
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 2 * 4, backing=SlowStore(), bucket_width=4,
+                               segment_rows=8)
+    cached = make(storage, "lru", None, optimizer)
+    plain = make(None, "lru", None, optimizer)
+    trains_alike(cached, plain, zipf_batches(15, 5, seed=8), pipelined=True)
+    assert threads and all(name.startswith("tieredemb-io") for name in threads), threads
+
+
 class FlakyStore(BackendSpec):
     """Dict backends whose ``set`` / ``get`` fail while ``failing`` says so (an injected fault)."""
 
@@ -294,22 +320,28 @@ def test_backend_faults_surface_chained_and_lose_no_row() -> None:
     for kjt in batches[:4]:
         for ebc in (cached, plain):
             ebc(kjt).values().sum().backward()
-    # write-downs fail: the batches still train (the evicted rows wait on the host) ...
-    store.failing["set"] = True
-    ebc_error = None
+    # write-downs fail (the evicted rows wait on the host): the next call raises on this thread,
+    # chained to the store's own exception, and keeps raising until the store takes the rows; the
+    # call that raised changed nothing, so once the store is back it is simply made again
+    errors = []
     for kjt in batches[4:8]:
         plain(kjt).values().sum().backward()
-        try:
-            cached(kjt).values().sum().backward()
-        except te.storage.BackendError as e:
-            ebc_error = e
-            cached(kjt).values().sum().backward()  # the call that raised changed nothing: redo it
-    # ... and the failure surfaced on this thread, chained to the backend's own exception
-    assert ebc_error is not None and isinstance(ebc_error.__cause__, OSError)
+        store.failing["set"] = True
+        for attempt in range(3):
+            try:
+                cached(kjt).values().sum().backward()
+                break
+            except te.storage.BackendError as e:
+                errors.append(e)
+                store.failing["set"] = attempt == 0  # down for two calls, then back
+        store.failing["set"] = False
+    assert errors and all(isinstance(e.__cause__, OSError) for e in errors)
+    assert len(errors) >= 2  # it kept raising while the store was down
     store.failing["set"] = False
     store.failing["get"] = True  # a fetch fails before anything changes
-    with pytest.raises(ConnectionError):
+    with pytest.raises(te.storage.BackendError) as info:  # raised on the store's I/O thread
         cached(batches[8])
+    assert isinstance(info.value.__cause__, ConnectionError)
     store.failing["get"] = False
     for kjt in batches[8:]:
         for ebc in (cached, plain):

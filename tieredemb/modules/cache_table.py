@@ -14,10 +14,11 @@ forward and backward see row addresses like in ``hbm_direct``:
 
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
 the backend (conflict misses; the last batch sharing a row writes it) or dropped (not admitted).
-Evicted rows are always written down: the cache never loses a row. Backend calls run in order on the
-caller's thread (one FIFO), so a fetch always sees every earlier write-back; rows whose write-down
-failed are kept on the host, read in their place, retried at the next call, and the failure raised
-there, chained to the backend's exception.
+Evicted rows are always written down: the cache never loses a row. Write-downs to a store doing host
+I/O (RocksDB, Redis) go to its I/O worker and the prefetch goes on; every fetch first waits for the
+earlier write-downs (one FIFO), so it reads the newest rows. Rows whose write-down failed are kept on
+the host and retried at the next call that needs the store; until the store takes them that call
+raises ``BackendError`` chained to the store's exception, before anything changes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.backend import Fetched, GroupStore
 from tieredemb.storage.errors import BackendError
+from tieredemb.storage.io_worker import IOHandle, IOWorker
+
+
+@dataclass(eq=False)
+class _Pending:
+    """Rows written down and not yet confirmed taken by the backing store (distinct pairs), with
+    the I/O worker's handle while they are in its queue."""
+
+    keys: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor
+    handle: IOHandle | None = None
 
 
 @dataclass
@@ -79,8 +92,11 @@ class CacheGroup(TableGroup):
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         # (keys, tables, rows) on the backend device, not yet taken by the backends, in order
-        self._unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # rows written down but not yet confirmed taken by the backing store, in order
+        self._unwritten: list[_Pending] = []
         self._write_error: Exception | None = None
+        # stores doing host I/O (RocksDB, Redis) take write-downs on their own thread, in order
+        self.io = IOWorker(name=f"{'+'.join(self.names)}/backing") if below.io_bound else None
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
@@ -166,22 +182,18 @@ class CacheGroup(TableGroup):
         return addresses, addresses >= 0
 
     def _get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
-        """Backend rows of the pairs, with the rows still waiting to be written down laid over them
-        (they are newer). Raises a pending write-down failure first, before anything changes."""
-        self._raise_write_failure()
+        """Backing-store rows of the pairs. Every earlier write-down is taken first (the store then
+        answers with the newest rows); a write-down that failed is retried, and raised if it fails
+        again, before anything changes."""
+        self._drain()
         bdev = self.backend_device
         keys, tables = keys.to(bdev), tables.to(bdev)
-        got = self.below.get(keys, tables)
-        rows, found = got.rows, got.found
-        self._moved[0].index_add_(0, tables, found.to(torch.int64))
-        if self._unwritten:
-            pkeys, ptabs, prows = (torch.cat(parts) for parts in zip(*self._unwritten))
-            # the last write of a pair wins: scan the pending rows in order
-            match = ((keys[:, None] == pkeys[None, :]) & (tables[:, None] == ptabs[None, :])).nonzero()
-            if match.numel():
-                rows[match[:, 0]] = prows[match[:, 1]]
-                found[match[:, 0]] = True
-        return Fetched(rows, found)
+        if self.io is None:
+            got = self.below.get(keys, tables)
+        else:
+            got = self.io.submit(self.below.get, keys, tables).result()
+        self._moved[0].index_add_(0, tables, got.found.to(torch.int64))
+        return got
 
     def _fetch(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         """Rows of missed pairs on the device: the backend's where it has them, else initial rows.
@@ -222,34 +234,67 @@ class CacheGroup(TableGroup):
         rows are retried then, in order."""
         if keys.numel() == 0:
             return
-        bdev = self.backend_device
         rows = self.kernels.gather(self.store, addresses, self.width)
-        self._unwritten.append((keys.to(bdev), tables.to(bdev), rows.to(bdev)))
-        self._try_write()
+        self._keep(keys, tables, rows)
 
-    def _try_write(self) -> None:
-        if not self._unwritten:
-            return
-        distinct = len(self._unwritten) == 1  # one write-down: distinct pairs (a retry may repeat)
-        keys, tables, rows = (torch.cat(parts) for parts in zip(*self._unwritten))
+    def _keep(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """Hold distinct pairs' rows until the backing store has taken them, and hand them to it."""
+        bdev = self.backend_device
+        pending = _Pending(keys.to(bdev), tables.to(bdev), rows.to(bdev))
+        self._unwritten.append(pending)
+        if self._write_error is None:  # after a failure, later rows wait for it: order matters
+            self._send(pending)
+
+    def _send(self, pending: _Pending) -> None:
+        """Write ``pending`` down: on the I/O worker (returns at once), or here. Never raises: a
+        failure is kept for the next call."""
         try:
-            self.below.set(keys, tables, rows, distinct)  # a retry rewrites rows some tables took
+            if self.io is not None:
+                pending.handle = self.io.submit(self.below.set, pending.keys, pending.tables,
+                                                pending.rows, True)
+                return
+            self.below.set(pending.keys, pending.tables, pending.rows, True)
         except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
-            self._write_error = e
+            self._write_error = self._write_error or e
             return
-        self._unwritten.clear()
-        self._moved[1].index_add_(0, tables, torch.ones_like(tables))
+        self._taken(pending)
 
-    def _raise_write_failure(self) -> None:
-        """Retry the rows a failed write-down kept; if that fails too, raise, chained to the cause."""
-        if self._write_error is None:
+    def _taken(self, pending: _Pending) -> None:
+        self._unwritten.remove(pending)
+        self._moved[1].index_add_(0, pending.tables, torch.ones_like(pending.tables))
+
+    def _settle(self) -> None:
+        """Wait for the write-downs on the I/O worker; keep the ones that failed (or were refused
+        behind a failure) for a retry."""
+        for pending in list(self._unwritten):
+            if pending.handle is None:
+                continue
+            handle, pending.handle = pending.handle, None
+            try:
+                handle.result()
+            except BackendError as e:
+                self._write_error = self._write_error or e.__cause__ or e
+                continue
+            self._taken(pending)
+
+    def _drain(self) -> None:
+        """Every row written down so far is in the backing store when this returns. Rows of a
+        failed write-down are retried, in order; if that fails too, ``BackendError`` chained to the
+        cause (the rows are still kept, and retried at the next call)."""
+        self._settle()
+        if not self._unwritten:
+            self._write_error = None
             return
         self._write_error = None
-        self._try_write()
+        for pending in list(self._unwritten):
+            self._send(pending)
+            if self._write_error is not None:
+                break
+        self._settle()
         if self._write_error is not None:
             cause, self._write_error = self._write_error, None
-            tables = torch.cat([t for _, t, _ in self._unwritten]).unique().tolist()
-            n = sum(k.numel() for k, _, _ in self._unwritten)
+            tables = torch.cat([p.tables for p in self._unwritten]).unique().tolist()
+            n = sum(p.keys.numel() for p in self._unwritten)
             raise BackendError(f"tables {[self.names[t] for t in tables]}: writing {n} rows down to the "
                                "backing store failed; they are kept and retried at the next call") from cause
 
@@ -295,24 +340,21 @@ class CacheGroup(TableGroup):
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)
         if spill.numel():
-            bdev = self.backend_device
-            self._unwritten.append((keys[spill].to(bdev), tables[spill].to(bdev), rows[spill].to(bdev)))
-            self._try_write()
+            self._keep(keys[spill], tables[spill], rows[spill])
         self._count((EVICTIONS, res.evicted_tables, None))
 
     def flush(self) -> None:
         """Write every cached row down (the backends alone then hold the tables) and flush them."""
-        self._raise_write_failure()
+        self._drain()
         for t in range(len(self.configs)):
             keys, addresses, _ = self.index.export(t)
             self._write_down(keys, self._tables_of(t, keys), addresses)
-        self._raise_write_failure()
+        self._drain()
         self.below.flush()
 
     def export(self, table: int) -> TableRows:
         """Cached rows, and the backend's rows of keys not cached (scores of those: 0)."""
-        self._raise_write_failure()
-        self._try_write()
+        self._drain()
         keys, addresses, scores = self.index.export(table)
         parts = [(keys, self.store.gather(addresses), scores)]
         for bkeys, brows in self.below.table(table).scan():
@@ -329,6 +371,7 @@ class CacheGroup(TableGroup):
         out = super().stats(table)
         out.rows = {"device": self.index.size(table)}
         if backend_rows:
+            self._drain()
             out.rows["backend"] = self.below.table(table).size()
         out.capacity = self.index.capacity(table)
         fetched, written = (self._moved[:, table] * self.width * 4).tolist()
@@ -336,4 +379,8 @@ class CacheGroup(TableGroup):
         return out
 
     def close(self) -> None:
-        self.below.close()
+        try:
+            if self.io is not None:
+                self.io.close()
+        finally:
+            self.below.close()

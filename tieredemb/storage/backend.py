@@ -70,6 +70,8 @@ class GroupStore:
     for all tables in one call (``HostMemory``) provides its own.
     """
 
+    io_bound = True  # its calls do host I/O: the cache hands its write-downs to an I/O worker
+
     def __init__(self, backends: list[Backend]) -> None:
         self.backends = backends
         self.device = backends[0].device

@@ -221,7 +221,10 @@ class _TableView(Backend):
 
 class HostMemoryGroup(GroupStore):
     """A table group's rows in one ``HostMemoryBackend`` (a region per table): every call is one
-    call, whatever the number of tables."""
+    call, whatever the number of tables. Its calls are device (or memory) work, not I/O: they run on
+    the caller's thread and stream."""
+
+    io_bound = False
 
     def __init__(self, rows: HostMemoryBackend) -> None:
         self.rows = rows
