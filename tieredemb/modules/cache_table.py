@@ -100,8 +100,9 @@ class CacheGroup(TableGroup):
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
-                 training: bool) -> GroupPrefetch:
-        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs))
+                 training: bool, occurrences: torch.Tensor | None = None,
+                 grouped: bool = True) -> GroupPrefetch:
+        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs), occurrences, grouped)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         if not training:
             return self._prefetch_eval(unique, utab, inverse)

@@ -15,35 +15,57 @@ assembled.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
 from tieredemb.config import StorageConfig, TableConfig
+from tieredemb.distributed import exchange, exchange_splits, owner_of, per_rank_backing, table_salts
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
-from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, TableStats
+from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, TableStats, unique_pairs
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.storage.backends import HostMemory
+from tieredemb.storage.host import last_of_duplicates
+from tieredemb.storage.row_store import RowStore
+
+
+@dataclass
+class ShardedPrefetch:
+    """A group of a batch after input dist. Requester side: this rank's distinct pairs
+    (``unique_keys`` (u,)), ``inverse`` (n,) id -> pair, ``send_order`` (u,) the pairs in owner
+    order, the split sizes of the exchange; owner side: ``served``, what this rank resolved for the
+    pairs it received (its ``inverse`` maps each received pair to the owner's distinct pairs)."""
+
+    unique_keys: torch.Tensor
+    inverse: torch.Tensor
+    send_order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    served: GroupPrefetch
 
 
 @dataclass
 class CollectionPrefetch:
-    """A batch resolved by prefetch: its layout and each group's addresses."""
+    """A batch resolved by prefetch: its layout and each group's addresses (or, sharded, what the
+    input dist resolved)."""
 
     batch: Batch
-    groups: list[GroupPrefetch]
+    groups: list[GroupPrefetch | ShardedPrefetch]
     training: bool
     released: bool = False
     finalizer: weakref.finalize | None = field(default=None, repr=False)
+    out_rows: list[int] = field(default_factory=list)  # rows of each group's output (forward)
 
 
 class _Lookup(torch.autograd.Function):
@@ -54,7 +76,9 @@ class _Lookup(torch.autograd.Function):
         ctx.module, ctx.state = module, state
         # forward without backward (graph dropped) must still release the batch's locks
         state.finalizer = weakref.finalize(ctx, module._release, state)
-        return tuple(module._lookup(g, state) for g in range(len(module._groups)))
+        outs = tuple(module._lookup(g, state) for g in range(len(module._groups)))
+        state.out_rows = [o.shape[0] for o in outs]
+        return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -75,20 +99,24 @@ class _Collection(nn.Module):
         if not isinstance(optimizer, EmbeddingOptimizer):
             raise TypeError(f"optimizer must be one of te.optim's, got {type(optimizer).__name__}")
         storage = StorageConfig() if storage is None else storage
+        self.process_group = process_group
+        self.world, self.rank = 1, 0
         if process_group is not None:
-            raise NotImplementedError("process_group: row-wise sharding arrives with the sharding "
-                                      "issue (#5, 'Row-wise sharding over torch.distributed')")
+            self.world = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+            storage = dataclasses.replace(storage, backing=per_rank_backing(storage.backing, self.rank))
         self.device = torch.device(device if device is not None else "cpu")
         self.table_configs = tables
         self.optimizer = optimizer
         self.storage = storage
         self.seed = int(seed)
-        self.storage_mode = _select_mode(tables, optimizer, storage)
+        self.storage_mode = _select_mode(tables, optimizer, storage, self.world)
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
         members = _group_tables(tables)
         self._groups = _build_groups(self.storage_mode, tables, members, optimizer, storage, self.seed,
-                                     self.device, self.kernels)
+                                     self.device, self.kernels, self.world)
+        self._salts = [table_salts(g.names, self.device) for g in self._groups]
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights)
@@ -134,10 +162,46 @@ class _Collection(nn.Module):
         if training:
             self._clock += 1
         groups = []
-        for group, gb in zip(self._groups, batch.groups):
+        for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
             with record_function("## group.prefetch ##"):
-                groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock, training))
+                if self.process_group is None:
+                    groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock,
+                                                 training))
+                else:
+                    groups.append(self._prefetch_sharded(g, gb, training))
         return CollectionPrefetch(batch, groups, training)
+
+    def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
+        """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
+        (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
+        group = self._groups[g]
+        keys, tables, inverse, counts = unique_pairs(gb.ids, gb.tables, len(group.configs))
+        owner = owner_of(keys, self._salts[g][tables], self.world)
+        send_order = torch.argsort(owner, stable=True)
+        split_counts = torch.bincount(owner, minlength=self.world)
+        recv_splits = exchange_splits(split_counts, self.process_group)
+        send_splits = split_counts.tolist()
+        pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
+        got = exchange(pairs, send_splits, recv_splits, self.process_group)
+        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
+        lookups = torch.zeros(len(group.configs), dtype=torch.int64, device=self.device)
+        served = group.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(),
+                                self._clock, training, occurrences=rcounts, grouped=False)
+        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served)
+
+    def _addressed(self, g: int, state: CollectionPrefetch) -> tuple[RowStore, torch.Tensor]:
+        """Where the rows of group g's ids are: a row store and an address per id. Sharded: output
+        dist first (the owners send the rows of this rank's distinct keys back)."""
+        gpf = state.groups[g]
+        group = self._groups[g]
+        if isinstance(gpf, GroupPrefetch):
+            return group.store, gpf.addresses[gpf.inverse]
+        served = gpf.served
+        rows = self.kernels.gather(group.store, served.addresses[served.inverse], group.dim)
+        back = exchange(rows, gpf.recv_splits, gpf.send_splits, self.process_group)
+        mine = torch.empty_like(back)
+        mine[gpf.send_order] = back
+        return RowStore.over(mine), gpf.inverse
 
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
@@ -176,14 +240,22 @@ class _Collection(nn.Module):
                                "the fused optimizer steps once per forward")
         self.step += 1
         for g, grad in enumerate(grads):
+            gpf, group = state.groups[g], self._groups[g]
+            sharded = isinstance(gpf, ShardedPrefetch)
             if grad is None:
-                continue
-            gpf = state.groups[g]
+                if not sharded:
+                    continue
+                grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
             src, scale = self._grad_sources(g, state.batch.groups[g])
             reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
                                                 gpf.unique_keys.numel())
-            self.kernels.optimizer_update(self._groups[g].store, gpf.addresses, reduced, self.optimizer,
-                                          self.step)
+            if sharded:  # gradients of this rank's distinct keys to their owners, summed there
+                got = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits,
+                               self.process_group)
+                gpf = gpf.served
+                reduced = self.kernels.reduce_grads(got, torch.arange(got.shape[0], device=self.device),
+                                                    None, gpf.inverse, gpf.unique_keys.numel())
+            self.kernels.optimizer_update(group.store, gpf.addresses, reduced, self.optimizer, self.step)
         self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:
@@ -194,7 +266,7 @@ class _Collection(nn.Module):
             if state.finalizer is not None:
                 state.finalizer.detach()
             for group, gpf in zip(self._groups, state.groups):
-                group.release(gpf)
+                group.release(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
 
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False
@@ -218,7 +290,15 @@ class _Collection(nn.Module):
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         with self._mutating():  # a cache-mode read may fetch from the backing store
-            return group.read(i, keys)
+            if self.process_group is None:
+                return group.read(i, keys)
+            order, send, recv, rkeys = self._route(table, keys)
+            weights, found = group.read(i, rkeys)
+            back = exchange(torch.cat([weights, found[:, None].to(weights.dtype)], 1), recv, send,
+                            self.process_group)
+            out = torch.empty_like(back)
+            out[order] = back
+            return out[:, :-1], out[:, -1] > 0.5
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
         """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
@@ -234,8 +314,25 @@ class _Collection(nn.Module):
             raise ValueError(f"table {table!r}: weights must be finite")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
+        weights = weights.to(device=self.device, dtype=torch.float32)
         with self._mutating():
-            group.write(i, keys, weights.to(device=self.device, dtype=torch.float32), self._clock)
+            if self.process_group is not None:  # to the owners; a key two ranks write: the later rank's
+                order, send, recv, keys = self._route(table, keys)
+                weights = exchange(weights[order], send, recv, self.process_group)
+                last = last_of_duplicates(keys)
+                keys, weights = keys[last], weights[last]
+            group.write(i, keys, weights, self._clock)
+
+    def _route(self, table: str, keys: torch.Tensor):
+        """Send ``keys`` of ``table`` to their owners (a collective: every rank calls it). Returns
+        (order: the keys by owner, send and receive split sizes, the keys this rank received)."""
+        g, i = self._where[table]
+        owner = owner_of(keys, self._salts[g][i].expand(keys.numel()), self.world)
+        order = torch.argsort(owner, stable=True)
+        split_counts = torch.bincount(owner, minlength=self.world)
+        recv = exchange_splits(split_counts, self.process_group)
+        send = split_counts.tolist()
+        return order, send, recv, exchange(keys[order], send, recv, self.process_group)
 
     def close(self) -> None:
         """Flush and close the backing stores (files, connections). The collection is unusable after."""
@@ -273,9 +370,10 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     small and freed at unpredictable times by autograd, which rules out an event per buffer here)."""
     tensors = [t for gb in state.batch.groups
                for t in (gb.ids, gb.tables, gb.lengths, gb.offsets, gb.weights) if t is not None]
-    for gpf in state.groups:
-        tensors += [getattr(gpf, f.name) for f in fields(gpf)
-                    if isinstance(getattr(gpf, f.name), torch.Tensor)]
+    parts = list(state.groups) + [g.served for g in state.groups if isinstance(g, ShardedPrefetch)]
+    for part in parts:
+        tensors += [getattr(part, f.name) for f in fields(part)
+                    if isinstance(getattr(part, f.name), torch.Tensor)]
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
@@ -299,14 +397,22 @@ def _row_bytes(t: TableConfig, optimizer: EmbeddingOptimizer) -> int:
     return (t.embedding_dim + optimizer.state_width(t.embedding_dim)) * 4
 
 
-def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer,
-                 storage: StorageConfig) -> str:
-    """``hbm_direct`` when there is no budget or the footprint fits it; over it, ``cache`` or
-    ``hybrid`` by ``storage.caching`` (DESIGN section 3)."""
+def _shard_rows(t: TableConfig, world: int) -> int | None:
+    """Rows one rank's shard of ``t`` can hold: ``max_capacity`` (a bound per shard), else its share
+    of ``num_embeddings``, else None (unbounded)."""
+    if t.max_capacity is not None:
+        return t.max_capacity
+    return None if t.num_embeddings is None else -(-t.num_embeddings // world)
+
+
+def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer, storage: StorageConfig,
+                 world: int = 1) -> str:
+    """``hbm_direct`` when there is no budget or the footprint (of one rank's shard) fits it; over
+    it, ``cache`` or ``hybrid`` by ``storage.caching`` (DESIGN section 3)."""
     if storage.hbm_budget is None:
         return "hbm_direct"
-    footprint = sum(float("inf") if t.bounded_rows is None else t.bounded_rows * _row_bytes(t, optimizer)
-                    for t in tables)
+    rows = [_shard_rows(t, world) for t in tables]
+    footprint = sum(float("inf") if r is None else r * _row_bytes(t, optimizer) for r, t in zip(rows, tables))
     if footprint <= storage.hbm_budget:
         return "hbm_direct"
     if not storage.caching and not isinstance(storage.backing, HostMemory):
@@ -315,10 +421,11 @@ def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer,
     return "cache" if storage.caching else "hybrid"
 
 
-def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budget: int) -> list[int]:
+def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budget: int,
+                 world: int = 1) -> list[int]:
     """Rows of each table on the device under ``budget`` bytes: shared in proportion to the tables'
-    footprints when every table is bounded, else in equal bytes."""
-    sizes = [t.bounded_rows for t in tables]
+    (shards') footprints when every table is bounded, else in equal bytes."""
+    sizes = [_shard_rows(t, world) for t in tables]
     if all(s is not None for s in sizes):
         total = sum(s * _row_bytes(t, optimizer) for s, t in zip(sizes, tables))
         shares = [s * _row_bytes(t, optimizer) / total for s, t in zip(sizes, tables)]
@@ -337,13 +444,13 @@ def _group_tables(tables: list[TableConfig]) -> list[list[int]]:
 
 def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]],
                   optimizer: EmbeddingOptimizer, storage: StorageConfig, seed: int, device: torch.device,
-                  kernels) -> list[TableGroup]:
+                  kernels, world: int = 1) -> list[TableGroup]:
     """One storage object per group, of the mode's class."""
     common = dict(optimizer=optimizer, seed=seed, device=device, kernels=kernels,
                   bucket_width=storage.bucket_width, segment_rows=storage.segment_rows)
     if mode == "hbm_direct":
         return [TableGroup([tables[t] for t in m], **common) for m in members]
-    rows = _budget_rows(tables, optimizer, storage.hbm_budget)
+    rows = _budget_rows(tables, optimizer, storage.hbm_budget, world)
     if mode == "hybrid":
         return [TableGroup([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
                 for m in members]
@@ -420,9 +527,9 @@ class EmbeddingBagCollection(_Collection):
         return KeyedTensor(self._keys, self._dims, values)
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
-        gb, gpf = state.batch.groups[g], state.groups[g]
-        return self.kernels.gather_pool(self._groups[g].store, gpf.addresses[gpf.inverse], gb.offsets,
-                                        self._scale(g, gb), self._groups[g].dim)
+        gb = state.batch.groups[g]
+        store, addresses = self._addressed(g, state)
+        return self.kernels.gather_pool(store, addresses, gb.offsets, self._scale(g, gb), self._groups[g].dim)
 
     def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
         """float32 (n,) per-id factor: weight, divided by the bag length for mean pooling."""
@@ -461,8 +568,8 @@ class EmbeddingCollection(_Collection):
         return {f: result[f] for t in self.table_configs for f in t.feature_names}
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
-        gpf = state.groups[g]
-        return self.kernels.gather(self._groups[g].store, gpf.addresses[gpf.inverse], self._groups[g].dim)
+        store, addresses = self._addressed(g, state)
+        return self.kernels.gather(store, addresses, self._groups[g].dim)
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.arange(gb.ids.numel(), device=self.device), None

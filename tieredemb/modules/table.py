@@ -84,14 +84,22 @@ class GroupPrefetch:
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int):
-    """Distinct (table, key) pairs of ``ids`` (int64 (n,), grouped by table as a batch lays them
-    out) -> keys (u,), tables (u,), inverse (n,), counts (u,). One host sync (the count)."""
-    if num_tables == 1:
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
+                 occurrences: torch.Tensor | None = None, grouped: bool = True):
+    """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
+    counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
+    counts of their own). ``grouped``: ids come grouped by table, as a batch lays them out (one
+    sort instead of two). One host sync (the count)."""
+    if num_tables == 1 and occurrences is None:
         keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         return keys, torch.zeros_like(keys), inverse, counts
-    # a stable sort by key keeps the input's table order among equal keys: pairs end up adjacent
-    skeys, order = torch.sort(ids, stable=True)
+    # a stable sort by key keeps the table order among equal keys: pairs end up adjacent
+    if grouped:
+        skeys, order = torch.sort(ids, stable=True)
+    else:
+        by_table = torch.argsort(tables, stable=True)
+        skeys, by_key = torch.sort(ids[by_table], stable=True)
+        order = by_table[by_key]
     stables = tables[order]
     head = torch.ones_like(skeys, dtype=torch.bool)
     head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
@@ -99,7 +107,11 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int):
     inverse = torch.empty_like(pair)
     inverse[order] = pair
     starts = head.nonzero().squeeze(1)
-    counts = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
+    if occurrences is None:
+        counts = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
+    else:
+        counts = torch.zeros(starts.numel(), dtype=torch.int64, device=ids.device)
+        counts.index_add_(0, inverse, occurrences)
     return skeys[starts], stables[starts], inverse, counts
 
 
@@ -164,9 +176,12 @@ class TableGroup:
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
-                 training: bool) -> GroupPrefetch:
-        """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses."""
-        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs))
+                 training: bool, occurrences: torch.Tensor | None = None,
+                 grouped: bool = True) -> GroupPrefetch:
+        """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
+        ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
+        each requester's distinct ids with their counts); ``grouped``: see ``unique_pairs``."""
+        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs), occurrences, grouped)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not training:

@@ -39,6 +39,14 @@ class RowStore:
         self._free_count = 0
         self._pointers: torch.Tensor | None = None
 
+    @classmethod
+    def over(cls, rows: torch.Tensor) -> RowStore:
+        """A read-only view of ``rows`` (float32 (n, W), contiguous) as one segment: address i is
+        row i. Lets the row kernels pool rows that came from elsewhere (a shard owner)."""
+        store = cls(rows.shape[1], max(1, rows.shape[0]), rows.device)
+        store.segments, store.placement = [rows.contiguous()], ["device"]
+        return store
+
     # ------------------------------------------------------------------------------- allocation
     def allocate(self, n: int) -> torch.Tensor:
         """int64 (n,) addresses of rows now owned by the caller (contents undefined)."""

@@ -1,0 +1,71 @@
+"""Row-wise sharding over ``torch.distributed``: who owns a key, and the all-to-all exchanges.
+
+Every table is sharded row-wise over the collection's process group: the owner of (table, key) is
+a hash of both, so a table's rows spread evenly over the ranks whatever the id pattern (sequential,
+strided, all even ...: DynamicEmb had to move from modulo to hash routing for that reason). A step:
+
+    input dist   each rank dedups its batch, sends each distinct (table, key) with its count to the
+                 owner (an all-to-all of split sizes, then of the pairs); the owner resolves what it
+                 received like a local batch (insert, fetch, lock)
+    output dist  the owner gathers the rows and sends them back (one all-to-all); the requester
+                 pools or gathers them for its ids
+    backward     the requester sums its gradients per distinct key and sends them to the owners (one
+                 all-to-all); each owner sums what it received per key and applies the fused update
+
+Each rank's shard is an ordinary local store (any storage mode and backend). The communication runs
+on the group's backend: NCCL for CUDA tensors, gloo for CPU ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from tieredemb.init import _shr, splitmix64, stable_name_hash
+
+
+def table_salts(names: list[str], device: torch.device) -> torch.Tensor:
+    """int64 (t,): the routing salt of each table (a stable hash of its name)."""
+    return torch.tensor([stable_name_hash("route:" + n) for n in names], dtype=torch.int64, device=device)
+
+
+def owner_of(keys: torch.Tensor, salts: torch.Tensor, world: int) -> torch.Tensor:
+    """int64 (n,) rank owning each key, ``salts`` int64 (n,) its table's salt: a multiply-shift of
+    the low half of splitmix64(key ^ salt), independent of the index's buckets (the high half)."""
+    low = splitmix64(keys ^ salts) & 0xFFFFFFFF
+    return _shr(low * world, 32)
+
+
+def exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of ``send``'s rows: ``send_splits[r]`` consecutive rows go to rank r; returns the
+    rows received, ``recv_splits[r]`` from rank r, in rank order."""
+    out = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    if dist.get_world_size(group) == 1:
+        out.copy_(send)
+        return out
+    dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def exchange_splits(send_splits: torch.Tensor, group) -> list[int]:
+    """Every rank learns how many rows each other rank will send it: int64 (world,) -> list."""
+    recv = torch.empty_like(send_splits)
+    dist.all_to_all_single(recv, send_splits, group=group)
+    return recv.tolist()
+
+
+def per_rank_backing(backing, rank: int):
+    """The backing-store spec of one rank's shard: its own RocksDB directory or Redis namespace (two
+    ranks never share a store); other stores are per process already."""
+    from tieredemb.storage.backends import Redis, RocksDB
+
+    if isinstance(backing, RocksDB):
+        return dataclasses.replace(backing, path=f"{backing.path.rstrip('/')}/rank-{rank}")
+    if isinstance(backing, Redis):
+        return dataclasses.replace(backing, namespace=f"{backing.namespace}:rank-{rank}")
+    return backing
+
+
+__all__ = ["exchange", "exchange_splits", "owner_of", "per_rank_backing", "table_salts"]
