@@ -26,7 +26,8 @@ OPTIMIZERS = {
     "rowwise": lambda: te.optim.RowWiseAdagrad(lr=0.1),
     "adam": lambda: te.optim.Adam(lr=0.05),
 }
-MODES = ("hbm_direct", "cache", "cache+prefetch")  # +prefetch: prefetch(i+1) before backward(i)
+# +prefetch: prefetch(i+1) before backward(i); +pipeline: te.TrainPipeline with the prefetch thread
+MODES = ("hbm_direct", "cache", "cache+prefetch", "cache+pipeline")
 
 
 def tables(pooled: bool) -> list[te.TableConfig]:
@@ -99,6 +100,31 @@ def outputs(out) -> list[torch.Tensor]:
     return [out[f].values().detach() for f in features()]
 
 
+class StepLoss(torch.nn.Module):
+    """A model for the pipeline: the collection's outputs times the step's upstream gradient."""
+
+    def __init__(self, collection, rank: int) -> None:
+        super().__init__()
+        self.collection, self.rank, self.outs = collection, rank, []
+
+    def forward(self, batch):
+        out = self.collection(batch["kjt"])
+        self.outs.append(outputs(out))
+        return step_losses(type(self.collection), out, int(batch["step"]), self.rank)
+
+
+def train_pipelined(ebc, rank: int) -> list[list[torch.Tensor]]:
+    model = StepLoss(ebc, rank)
+    pipeline = te.TrainPipeline(model, None, prefetch_in_thread=True)
+    it = iter([{"kjt": local_batch(step, rank)[0], "step": torch.tensor(step)} for step in range(STEPS)])
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+    return model.outs
+
+
 def _worker(rank: int, world: int, port: int, module_name: str, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     module = getattr(te, module_name)
@@ -108,11 +134,11 @@ def _worker(rank: int, world: int, port: int, module_name: str, tmp: str) -> Non
             for mode in MODES:
                 ebc = build(module, optimizer, mode, os.path.join(tmp, f"{optimizer}-{mode}"),
                             dist.group.WORLD)
-                outs = []
+                outs = train_pipelined(ebc, rank) if mode.endswith("+pipeline") else []
                 ahead = mode.endswith("+prefetch")
                 if ahead:
                     ebc.prefetch(local_batch(0, rank)[0])
-                for step in range(STEPS):
+                for step in range(0 if outs else STEPS):
                     kjt, _ = local_batch(step, rank)
                     out = ebc(kjt)
                     outs.append(outputs(out))

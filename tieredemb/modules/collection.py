@@ -105,6 +105,10 @@ class _Collection(nn.Module):
             self.world = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
             storage = dataclasses.replace(storage, backing=per_rank_backing(storage.backing, self.rank))
+            # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
+            # races the forward's and backward's exchanges on one group (each group's collectives
+            # keep one order on every rank). Every process of the default group takes part here.
+            self._input_group = dist.new_group(dist.get_process_group_ranks(process_group))
         self.device = torch.device(device if device is not None else "cpu")
         self.table_configs = tables
         self.optimizer = optimizer
@@ -179,10 +183,10 @@ class _Collection(nn.Module):
         owner = owner_of(keys, self._salts[g][tables], self.world)
         send_order = torch.argsort(owner, stable=True)
         split_counts = torch.bincount(owner, minlength=self.world)
-        recv_splits = exchange_splits(split_counts, self.process_group)
+        recv_splits = exchange_splits(split_counts, self._input_group)
         send_splits = split_counts.tolist()
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
-        got = exchange(pairs, send_splits, recv_splits, self.process_group)
+        got = exchange(pairs, send_splits, recv_splits, self._input_group)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
         lookups = torch.zeros(len(group.configs), dtype=torch.int64, device=self.device)
         served = group.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(),
