@@ -153,3 +153,23 @@ def test_cli_bench_missing_is_a_clear_error(monkeypatch, capsys, module) -> None
     monkeypatch.setitem(sys.modules, "tieredemb.bench", module)  # None: import fails
     assert cli.main(["bench"]) == 2
     assert "bench not available" in capsys.readouterr().err
+
+
+def _summary(out: str) -> tuple[float, float]:
+    """(final loss, eval AUC) from the printed summary."""
+    values = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines()
+              if line.strip().startswith(("final loss", "eval AUC"))}
+    return values["final"], values["eval"]
+
+
+@pytest.mark.parametrize("nproc, pipeline", [(2, True), (3, False)])
+def test_ranks_train_like_one_process(nproc: int, pipeline: bool) -> None:
+    """``tieredemb train --nproc N`` (gloo ranks, tables sharded, dense layers under DDP, each rank a
+    slice of the global batch) ends with the loss and AUC of the one-process run."""
+    args = ["--steps", "12", "--batch-size", "240", "--eval-every", "0", "--eval-size", "1024",
+            "--no-progress", *(["--pipeline"] if pipeline else [])]
+    runs = [subprocess.run([sys.executable, "-m", "tieredemb.cli", "train", *args, *extra],
+                           capture_output=True, text=True, timeout=300, check=True).stdout
+            for extra in ([], ["--nproc", str(nproc)])]
+    (loss1, auc1), (loss_n, auc_n) = (_summary(out) for out in runs)
+    assert loss_n == pytest.approx(loss1, abs=2e-4) and auc_n == pytest.approx(auc1, abs=2e-4), runs

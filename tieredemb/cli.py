@@ -73,6 +73,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train through te.TrainPipeline: the next batches' copy and prefetch beside the step",
     )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes to spawn on this machine (tables sharded over them, dense layers under DDP; "
+        "--batch-size is the global batch): gloo on cpu, NCCL with one GPU each on cuda. Under "
+        "torchrun leave it at 1: the job joins torchrun's group (default %(default)s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
@@ -147,14 +155,60 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bar = tqdm(total=config.steps, desc="train", unit="step", disable=args.no_progress, dynamic_ncols=True)
+    if args.nproc < 1 or (args.nproc > 1 and config.batch_size % args.nproc):
+        print(f"error: --nproc {args.nproc} must be >= 1 and divide --batch-size {config.batch_size}",
+              file=sys.stderr)
+        return 2
+    if args.nproc > 1:
+        if config.device.startswith("cuda") and torch.cuda.device_count() < args.nproc:
+            print(f"error: --nproc {args.nproc} needs as many GPUs, torch sees {torch.cuda.device_count()}",
+                  file=sys.stderr)
+            return 2
+        import torch.multiprocessing as mp
+
+        mp.spawn(_train_rank, args=(args.nproc, _free_port(), config, args.no_progress), nprocs=args.nproc)
+        return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: join its group
+        return _train_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, config,
+                           args.no_progress)
+    return _train_and_report(config, args.no_progress)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_rank(rank: int, world: int, port: int | None, config: TrainConfig, no_progress: bool) -> int:
+    """One rank of a distributed run: join the group (spawned: on ``port`` here; under torchrun:
+    from its environment), train, and report on rank 0."""
+    import torch.distributed as dist
+
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        config = replace(config, device=f"cuda:{local}")
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        return _train_and_report(config, no_progress or rank != 0, report=rank == 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_and_report(config: TrainConfig, no_progress: bool, report: bool = True) -> int:
+    bar = tqdm(total=config.steps, desc="train", unit="step", disable=no_progress, dynamic_ncols=True)
 
     def on_event(event: TrainEvent) -> None:
         if event.kind == "step":
             bar.update(1)
             if event.step % 10 == 0:
                 bar.set_postfix(loss=f"{event.loss:.4f}", refresh=False)
-        else:
+        elif report:
             tqdm.write(
                 f"step {event.step:>6}: loss {event.loss:.4f}  eval loss {event.eval_loss:.4f}  "
                 f"eval AUC {event.auc:.4f}"
@@ -164,7 +218,8 @@ def run_train(args: argparse.Namespace) -> int:
         result = train(config, callback=on_event)
     finally:
         bar.close()
-    _print_summary(result)
+    if report:
+        _print_summary(result)
     return 0
 
 

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import tieredemb as te
 from tieredemb.data import SPARSE_FEATURES, ClickBatch, ClickSource
@@ -55,6 +57,11 @@ class TrainConfig:
         target_fraction: the share of the achievable AUC lift over 0.5 the job must recover.
         pipeline: train through ``te.TrainPipeline`` (the next batches' copy and prefetch overlapped
             with the step); the same result as the plain loop.
+
+    Run inside an initialized ``torch.distributed`` default group (``torchrun``, or ``tieredemb
+    train --nproc N``), ``train`` shards the embedding tables over the ranks, wraps the dense layers
+    in DistributedDataParallel, and gives each rank its slice of every batch (``batch_size`` is the
+    global batch): the same function as one process, up to summation order.
     """
 
     steps: int = 250
@@ -145,11 +152,13 @@ def make_source(config: TrainConfig) -> ClickSource:
     return CriteoClicks(config.data, eval_fraction=config.eval_fraction, max_rows=config.max_rows)
 
 
-def make_model(config: TrainConfig, device: torch.device) -> DLRM:
-    """The DLRM with its EmbeddingBagCollection and fused embedding optimizer on ``device``."""
+def make_model(config: TrainConfig, device: torch.device, process_group=None) -> DLRM:
+    """The DLRM with its EmbeddingBagCollection and fused embedding optimizer on ``device`` (its
+    tables sharded over ``process_group`` when one is given)."""
     tables = make_tables(SPARSE_FEATURES, config.model.embedding_dim)
     optimizer = EMB_OPTIMIZERS[config.emb_optimizer](lr=config.emb_lr)
-    ebc = te.EmbeddingBagCollection(tables, optimizer=optimizer, device=device, seed=config.seed)
+    ebc = te.EmbeddingBagCollection(tables, optimizer=optimizer, device=device, seed=config.seed,
+                                    process_group=process_group)
     with torch.random.fork_rng(devices=[]):  # seed the MLPs without touching the caller's RNG
         torch.manual_seed(config.seed)
         return DLRM(config.model, ebc, SPARSE_FEATURES, device=device)
@@ -184,11 +193,19 @@ def _batches(source: ClickSource, steps: int, batch_size: int) -> Iterator[Click
             yield batch
 
 
-def train_step(model: DLRM, dense_opt: torch.optim.Optimizer, batch: ClickBatch) -> float:
+def click_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:
+    """Mean BCE over the global batch: this rank's summed loss divided by ``global_batch`` (the
+    ranks' losses then add up to the one-process loss; default: this batch alone)."""
+    total = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    return total / (labels.shape[0] if global_batch is None else global_batch)
+
+
+def train_step(model: nn.Module, dense_opt: torch.optim.Optimizer, batch: ClickBatch,
+               global_batch: int | None = None) -> float:
     """One step: forward, BCE loss, backward (the embeddings' fused optimizer updates their rows in
     there), then the dense optimizer's step. Returns the loss."""
     logits = model(batch.dense, batch.kjt())
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss = click_loss(logits, batch.labels, global_batch)
     dense_opt.zero_grad(set_to_none=True)
     loss.backward()
     dense_opt.step()
@@ -198,25 +215,44 @@ def train_step(model: DLRM, dense_opt: torch.optim.Optimizer, batch: ClickBatch)
 class DLRMLoss(nn.Module):
     """``model(batch) -> loss`` for ``TrainPipeline``: batch is ``{"dense", "sparse", "labels"}``."""
 
-    def __init__(self, dlrm: DLRM) -> None:
+    def __init__(self, dlrm: nn.Module, global_batch: int | None = None) -> None:
         super().__init__()
         self.dlrm = dlrm
+        self.global_batch = global_batch
 
     def forward(self, batch: dict[str, object]) -> torch.Tensor:
         logits = self.dlrm(batch["dense"], batch["sparse"])
-        return nn.functional.binary_cross_entropy_with_logits(logits, batch["labels"])
+        return click_loss(logits, batch["labels"], self.global_batch)
+
+
+def _sum_gradients(_state, bucket):
+    """DDP communication hook: sum the ranks' dense gradients (their losses are already divided by
+    the global batch; DDP's default would divide by the world size once more)."""
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _distributed(config: TrainConfig, device: torch.device):
+    """(process group or None, rank, world) of this process; checks the batch splits evenly."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, 0, 1
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if config.batch_size % world:
+        raise ValueError(f"batch_size {config.batch_size} does not split over {world} ranks")
+    return dist.group.WORLD, rank, world
 
 
 def _pipelined_losses(
-    model: DLRM,
+    model: nn.Module,
     dense_opt: torch.optim.Optimizer,
     batches: Iterator[ClickBatch],
     device: torch.device,
     segment: int,
+    global_batch: int | None = None,
 ) -> Iterator[float]:
     """The losses of ``TrainPipeline`` steps over ``batches``. The pipeline drains every ``segment``
     steps (0: never), so an evaluation between them finds no batch prefetched ahead."""
-    pipeline = TrainPipeline(DLRMLoss(model), dense_opt, device=device)
+    pipeline = TrainPipeline(DLRMLoss(model, global_batch), dense_opt, device=device)
     # the KJT is built once per batch: the pipeline prefetches that object and the model uses it
     inputs = ({"dense": b.dense, "sparse": b.kjt(), "labels": b.labels} for b in batches)
     while True:
@@ -231,6 +267,13 @@ def _pipelined_losses(
             yield loss.item()
         if steps == 0:
             return
+
+
+def _summed(loss: float, device: torch.device) -> float:
+    """The global batch's loss: the ranks' losses added up."""
+    t = torch.tensor([loss], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t)
 
 
 def _ground_truth(eval_set: ClickBatch, fraction: float) -> tuple[float | None, float | None]:
@@ -248,15 +291,25 @@ def train(config: TrainConfig, callback: Callable[[TrainEvent], None] | None = N
     source = make_source(config)
     eval_set = source.eval_set()
     auc_best, target = _ground_truth(eval_set, config.target_fraction)
-    model = make_model(config, device)
+    group, rank, world = _distributed(config, device)
+    model = make_model(config, device, group)
     dense_opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     history: list[TrainEvent] = []
     train_seconds, auc, loss = 0.0, 0.5, float("nan")
     batches = _batches(source, config.steps, config.batch_size)
+    trained: nn.Module = model
+    if group is not None:  # this rank's slice of each batch; dense gradients summed over the ranks
+        local = config.batch_size // world
+        batches = (b.slice(rank * local, (rank + 1) * local) for b in batches)
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        trained.register_comm_hook(None, _sum_gradients)
+    global_batch = config.batch_size
     if config.pipeline:
-        losses = _pipelined_losses(model, dense_opt, batches, device, config.eval_every)
+        losses = _pipelined_losses(trained, dense_opt, batches, device, config.eval_every, global_batch)
     else:
-        losses = (train_step(model, dense_opt, batch.to(device)) for batch in batches)
+        losses = (train_step(trained, dense_opt, batch.to(device), global_batch) for batch in batches)
+    if group is not None:
+        losses = (_summed(x, device) for x in losses)
     step_start = time.perf_counter()
     for step, loss in enumerate(losses, start=1):
         if callback is not None:
@@ -292,6 +345,7 @@ __all__ = [
     "TrainConfig",
     "TrainEvent",
     "TrainResult",
+    "click_loss",
     "evaluate",
     "make_model",
     "make_source",

@@ -290,7 +290,8 @@ class _Collection(nn.Module):
 
     def read(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Current weights of ``keys`` (float32 (n, D); zeros where not stored) and ``found`` (bool
-        (n,)). Inserts nothing and moves no score."""
+        (n,)). Inserts nothing and moves no score. Sharded: a collective (every rank calls it, each
+        with its own keys), answered by the keys' owners."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         with self._mutating():  # a cache-mode read may fetch from the backing store
@@ -306,7 +307,8 @@ class _Collection(nn.Module):
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
         """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
-        is reset to zero."""
+        is reset to zero. Sharded: a collective; the rows go to their owners (a key written by two
+        ranks keeps the higher rank's row)."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
@@ -352,13 +354,15 @@ class _Collection(nn.Module):
                 group.flush()
 
     def export(self, table: str) -> TableRows:
-        """Every stored row of ``table``: keys, weights, optimizer state and scores."""
+        """Every stored row of ``table``: keys, weights, optimizer state and scores. Sharded: the
+        rows this rank owns (the ranks' exports together hold each row once)."""
         group, i, _ = self._table(table)
         with self._mutating():
             return group.export(i)
 
     def stats(self) -> dict[str, TableStats]:
-        """Per table: rows per tier, lookups, hits, misses, evictions, bytes."""
+        """Per table: rows per tier, lookups, hits, misses, evictions, bytes. Sharded: this rank's
+        shard, i.e. its load (lookups it served, rows it holds, bytes it moved)."""
         with self._mutating():
             return {name: self._groups[g].stats(i) for name, (g, i) in self._where.items()}
 
@@ -480,7 +484,8 @@ class EmbeddingBagCollection(_Collection):
         storage: ``te.StorageConfig``; default: everything on ``device``.
         device: compute device (``"cpu"`` or ``"cuda"``); the same code and results on both.
         seed: seed of the initial rows (a pure function of seed, table name and key).
-        process_group: ``torch.distributed`` group to shard the tables over (sharding issue).
+        process_group: a ``torch.distributed`` group: every table is sharded row-wise over its ranks
+            (``docs/distributed.md``). Every rank runs the same steps; each trains on its own batch.
         kernels: ``"auto"`` (Triton on CUDA), ``"torch"`` (the reference) or ``"triton"``.
 
     ``forward(kjt)`` returns a ``te.KeyedTensor`` of shape (B, sum of dims), features in table-config
