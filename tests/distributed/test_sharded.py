@@ -77,27 +77,28 @@ def upstream(step: int, rank: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=gen)
 
 
-def build(module: type, optimizer: str, mode: str, store: str | None, group=None):
+def build(module: type, optimizer: str, mode: str, store: str | None, group=None, device="cpu"):
     storage = None
     if mode.startswith("cache"):
         storage = te.StorageConfig(hbm_budget=3 * 4 * 12 * 4, bucket_width=4, segment_rows=8,
                                    backing=te.storage.RocksDB(store, shards=2))
     return module(tables(module is te.EmbeddingBagCollection), optimizer=OPTIMIZERS[optimizer](),
-                  storage=storage, seed=5, process_group=group)
+                  storage=storage, seed=5, process_group=group, device=device)
 
 
 def step_losses(module, out, step: int, rank: int) -> torch.Tensor:
     """The loss whose gradient the step applies: outputs times a fixed random upstream gradient."""
     if isinstance(out, te.KeyedTensor):
-        return (out.values() * upstream(step, rank, tuple(out.values().shape))).sum()
-    return sum((out[f].values() * upstream(step, rank * 10 + i, tuple(out[f].values().shape))).sum()
-               for i, f in enumerate(features()))
+        v = out.values()
+        return (v * upstream(step, rank, tuple(v.shape)).to(v.device)).sum()
+    return sum((out[f].values() * upstream(step, rank * 10 + i, tuple(out[f].values().shape))
+                .to(out[f].values().device)).sum() for i, f in enumerate(features()))
 
 
 def outputs(out) -> list[torch.Tensor]:
     if isinstance(out, te.KeyedTensor):
-        return [out.values().detach()]
-    return [out[f].values().detach() for f in features()]
+        return [out.values().detach().cpu()]
+    return [out[f].values().detach().cpu() for f in features()]
 
 
 class StepLoss(torch.nn.Module):
@@ -125,15 +126,19 @@ def train_pipelined(ebc, rank: int) -> list[list[torch.Tensor]]:
     return model.outs
 
 
-def _worker(rank: int, world: int, port: int, module_name: str, tmp: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, port: int, module_name: str, tmp: str, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                           rank=rank, world_size=world)
     module = getattr(te, module_name)
     result = {}
     try:
         for optimizer in OPTIMIZERS:
             for mode in MODES:
                 ebc = build(module, optimizer, mode, os.path.join(tmp, f"{optimizer}-{mode}"),
-                            dist.group.WORLD)
+                            dist.group.WORLD, device)
                 outs = train_pipelined(ebc, rank) if mode.endswith("+pipeline") else []
                 ahead = mode.endswith("+prefetch")
                 if ahead:
@@ -148,8 +153,8 @@ def _worker(rank: int, world: int, port: int, module_name: str, tmp: str) -> Non
                 ebc.flush()
                 rows = {t: ebc.export(t) for t in ("t0", "t1", "t2")}
                 read = ebc.read("t0", torch.tensor(POOL[rank::world]))  # a collective read
-                result[(optimizer, mode)] = (outs, {t: (r.keys, r.weights, r.optimizer_state)
-                                                    for t, r in rows.items()}, read)
+                shard = {t: (r.keys.cpu(), r.weights.cpu(), r.optimizer_state.cpu()) for t, r in rows.items()}
+                result[(optimizer, mode)] = (outs, shard, tuple(x.cpu() for x in read))
                 ebc.close()
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
@@ -167,10 +172,14 @@ def _sorted(keys, weights, state):
     return keys[order], torch.cat([weights, state], 1)[order]
 
 
+# gloo on CPU everywhere; NCCL on GPUs where the machine has enough of them (scripts/gpu_check.sh)
+DEVICES = [("cpu", w) for w in (2, 3)] + [("cuda", w) for w in (2, 4) if torch.cuda.device_count() >= w]
+
+
 @pytest.mark.parametrize("module_name", ["EmbeddingBagCollection", "EmbeddingCollection"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_training_equals_one_process_on_the_concatenated_batch(world, module_name, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), module_name, str(tmp_path)), nprocs=world, join=True)
+@pytest.mark.parametrize("device, world", DEVICES)
+def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, world, module_name, tmp_path):
+    mp.spawn(_worker, args=(world, _free_port(), module_name, str(tmp_path), device), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     module = getattr(te, module_name)
     for optimizer in OPTIMIZERS:

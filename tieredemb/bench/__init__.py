@@ -16,6 +16,10 @@ ours trained the same rows as the peer.
 runs the cache-mode workloads (``tieredemb.bench.cache``): 10 tables x 10M rows in a device cache of
 10% of the footprint over host memory (``cache``) or RocksDB on local disk (``ssd``), against the same
 tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-ssd.json``) and ``.txt``.
+
+    tieredemb bench dist [--gpus 1,2,4] [--scale S] [--steps N] [--optimizer adam] [--out DIR]
+
+weak scaling of ``hbm`` row-wise sharded over several GPUs (``tieredemb.bench.dist``; CUDA only).
 """
 
 from __future__ import annotations
@@ -80,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--shards", type=int, default=8, help="RocksDB shards (= threads)")
             p.add_argument("--raw-rows", type=int, default=None,
                            help="rows of the raw rocksdict baseline (default: 1M x scale)")
+    d = sub.add_parser("dist", help="weak scaling of hbm, row-wise sharded over 1, 2, 4 ... GPUs (NCCL)")
+    d.add_argument("--gpus", default="1,2,4", help="comma-separated world sizes (default %(default)s)")
+    d.add_argument("--scale", type=float, default=1.0, help="multiplies rows and the per-GPU batch")
+    d.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    d.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    d.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    d.set_defaults(device="cuda")  # NCCL across GPUs: nothing to run on a CPU-only machine
     return parser
 
 
@@ -97,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.workload in ("cache", "ssd"):
         return _main_cache(args, argv, device)
+    if args.workload == "dist":
+        from tieredemb.bench.dist import run
+
+        return run([int(g) for g in _split(args.gpus)], HbmShape().scaled(args.scale), args.optimizer,
+                   args.steps, args.warmup, args.seed, args.out, argv)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             print(f"tieredemb bench: unknown kernels {k!r} (auto, torch or triton)", file=sys.stderr)

@@ -1,0 +1,117 @@
+"""``tieredemb bench dist``: weak scaling of the ``hbm`` workload, row-wise sharded over 1, 2, 4 ... GPUs.
+
+Every rank trains its own batch of the workload's size (a fixed per-GPU batch) on tables sharded over
+all ranks (NCCL); the tables keep their size, so each GPU holds 1/N of the rows. Reported per world
+size: the step time (the slowest rank's median), lookups per second per GPU, and the per-GPU
+throughput as a fraction of the one-GPU run (the issue's bar: at least 85% at 4 GPUs).
+
+    tieredemb bench dist [--gpus 1,2,4] [--scale S] [--steps N] [--warmup N] [--optimizer adam]
+                         [--out DIR]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tieredemb as te
+from tieredemb.bench.hbm import OPTIMIZERS, time_ms, upstream_grad
+from tieredemb.bench.report import machine_info, report_path, write_report
+from tieredemb.bench.workloads import HbmBatches, HbmShape, scramble
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _preinsert(ebc: te.EmbeddingBagCollection, shape: HbmShape, rank: int, world: int, seed: int) -> None:
+    """Every key of every table stored with its initial row (a steady state): rank r writes an r-th
+    of them, the collective ``write`` routes each to its owner."""
+    chunk = 1 << 18
+    for t, config in enumerate(shape.table_configs()):
+        for lo in range(0, shape.rows, chunk * world):
+            mine = lo + rank * chunk
+            ranks = torch.arange(mine, min(mine + chunk, shape.rows), device=ebc.device)
+            keys = scramble(ranks, t)
+            ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
+
+
+def _rank(rank: int, world: int, port: int, shape: HbmShape, optimizer: str, steps: int, warmup: int,
+          seed: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    dev = torch.device(f"cuda:{rank}")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
+                                        device=dev, seed=seed, process_group=dist.group.WORLD)
+        _preinsert(ebc, shape, rank, world, seed)
+        batches = HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
+        grad = upstream_grad(shape, dev, seed)
+
+        def step(batch) -> None:
+            ebc.prefetch(batch.kjt)
+            ebc(batch.kjt).values().backward(grad)
+
+        times = []
+        for i in range(warmup + steps):
+            batch = batches.batch(i)
+            dist.barrier()
+            ms = time_ms(lambda b=batch: step(b), dev)
+            if i >= warmup:
+                times.append(ms)
+        rows = sum(s.rows["device"] for s in ebc.stats().values())
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"median_ms": statistics.median(times), "times_ms": times, "rows": rows}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
+        out_dir: str, argv: list[str]) -> int:
+    import torch.multiprocessing as mp
+
+    available = torch.cuda.device_count()
+    if not gpus or max(gpus) > available:
+        print(f"tieredemb bench dist: asked for {gpus} GPUs, torch sees {available}")
+        return 2
+    results = []
+    for world in gpus:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_rank, args=(world, _free_port(), shape, optimizer, steps, warmup, seed, tmp),
+                     nprocs=world, join=True)
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+        step_ms = max(r["median_ms"] for r in ranks)
+        results.append({"gpus": world, "step_ms": step_ms, "rank_median_ms": [r["median_ms"] for r in ranks],
+                        "rows_per_rank": [r["rows"] for r in ranks],
+                        "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3)})
+        print(f"{world} GPU(s): step {step_ms:.3f} ms (ranks {[round(r['median_ms'], 3) for r in ranks]}), "
+              f"rows per rank {[r['rows'] for r in ranks]}", flush=True)
+    base = results[0]["lookups_per_s_per_gpu"]
+    lines = [f"dist: hbm workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
+             f"{optimizer}, per-GPU batch {shape.batch_size} x {shape.bag_size} ids a table; "
+             f"median of {steps} steps, the slowest rank",
+             "GPUs | step ms | lookups/s per GPU | per-GPU throughput vs 1st",
+             "-----+---------+-------------------+--------------------------"]
+    for r in results:
+        r["efficiency"] = r["lookups_per_s_per_gpu"] / base
+        lines.append(f"{r['gpus']:>4} | {r['step_ms']:7.3f} | {r['lookups_per_s_per_gpu']:17.3e} | "
+                     f"{r['efficiency']:.2f}")
+    table = "\n".join(lines)
+    print(table)
+    path = report_path(out_dir, "dist", datetime.now())
+    write_report(path, {"machine": machine_info(torch.device("cuda")), "argv": argv,
+                        "shape": dataclasses.asdict(shape), "optimizer": optimizer, "results": results},
+                 table)
+    print(f"report: {path}")
+    return 0
