@@ -184,10 +184,12 @@ def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, w
     mp.spawn(_worker, args=(world, _free_port(), module_name, str(tmp_path), device), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     module = getattr(te, module_name)
+    # the reference runs on the ranks' kind of device: what is compared is sharding, not CPU vs GPU
+    ref_device = "cpu" if device == "cpu" else "cuda:0"
     for optimizer in OPTIMIZERS:
         for mode in MODES:
             msg = f"{module_name} world={world} {optimizer} {mode}"
-            ref = build(module, optimizer, "hbm_direct", None)
+            ref = build(module, optimizer, "hbm_direct", None, device=ref_device)
             for step in range(STEPS):
                 local = [local_batch(step, r) for r in range(world)]
                 out = ref(concat([k for k, _ in local]))
@@ -200,27 +202,31 @@ def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, w
                         torch.testing.assert_close(got[r][0], want[0][bounds[r] : bounds[r + 1]],
                                                    rtol=1e-5, atol=1e-6, msg=f"{msg} step {step} rank {r}")
                     loss = sum((out.values()[bounds[r] : bounds[r + 1]]
-                                * upstream(step, r, tuple(got[r][0].shape))).sum() for r in range(world))
+                                * upstream(step, r, tuple(got[r][0].shape)).to(ref_device)).sum()
+                               for r in range(world))
                 else:
                     loss = 0
                     for i, f in enumerate(features()):
                         sizes = [g[i].shape[0] for g in got]
                         parts = torch.split(out[f].values(), sizes)
                         for r in range(world):
-                            torch.testing.assert_close(got[r][i], parts[r].detach(), rtol=1e-5, atol=1e-6,
-                                                       msg=f"{msg} step {step} rank {r} feature {f}")
-                            loss = loss + (parts[r] * upstream(step, r * 10 + i, tuple(parts[r].shape))).sum()
+                            where = f"{msg} step {step} rank {r} feature {f}"
+                            torch.testing.assert_close(got[r][i], parts[r].detach().cpu(), rtol=1e-5,
+                                                       atol=1e-6, msg=where)
+                            up = upstream(step, r * 10 + i, tuple(parts[r].shape)).to(ref_device)
+                            loss = loss + (parts[r] * up).sum()
                 loss.backward()
             for t in ("t0", "t1", "t2"):
                 shards = [results[r][(optimizer, mode)][1][t] for r in range(world)]
                 keys, rows = _sorted(*(torch.cat(parts) for parts in zip(*shards)))
                 want = ref.export(t)
-                want_keys, want_rows = _sorted(want.keys, want.weights, want.optimizer_state)
+                want_keys, want_rows = _sorted(*(x.cpu() for x in (want.keys, want.weights,
+                                                                    want.optimizer_state)))
                 assert torch.equal(keys, want_keys), f"{msg} table {t}: keys (each owned by one rank)"
                 torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6, msg=f"{msg} table {t}")
                 assert all(s[0].numel() for s in shards) or t == "t2", f"{msg}: a rank owns no {t} row"
             for r in range(world):
                 w, found = results[r][(optimizer, mode)][2]
                 ww, wf = ref.read("t0", torch.tensor(POOL[r::world]))
-                assert torch.equal(found, wf)
-                torch.testing.assert_close(w, ww, rtol=1e-5, atol=1e-6)
+                assert torch.equal(found, wf.cpu())
+                torch.testing.assert_close(w, ww.cpu(), rtol=1e-5, atol=1e-6)
