@@ -41,7 +41,7 @@ def _preinsert(ebc: te.EmbeddingBagCollection, shape: HbmShape, rank: int, world
     chunk = 1 << 18
     for t, config in enumerate(shape.table_configs()):
         for lo in range(0, shape.rows, chunk * world):
-            mine = lo + rank * chunk
+            mine = min(lo + rank * chunk, shape.rows)  # past the end: an empty share (still a collective)
             ranks = torch.arange(mine, min(mine + chunk, shape.rows), device=ebc.device)
             keys = scramble(ranks, t)
             ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
