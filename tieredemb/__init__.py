@@ -3,7 +3,7 @@
 See ``README.md`` for the quick start and ``DESIGN.md`` (shared) for the contract.
 """
 
-from tieredemb import init, optim, storage
+from tieredemb import checkpoint, init, optim, storage
 from tieredemb.config import RESERVED_KEY, FrequencyAdmission, StorageConfig, TableConfig
 from tieredemb.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from tieredemb.modules import (
@@ -29,6 +29,7 @@ __all__ = [
     "TableRows",
     "TableStats",
     "TrainPipeline",
+    "checkpoint",
     "init",
     "optim",
     "storage",

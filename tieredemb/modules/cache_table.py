@@ -366,6 +366,32 @@ class CacheGroup(TableGroup):
         k, rows, sc = (torch.cat(p) for p in zip(*parts))
         return TableRows(k, rows[:, : self.dim], rows[:, self.dim :], sc)
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def export_chunks(self, table: int, rows: int):
+        """Cached rows (with their scores), then the backing store's other rows (scores 0), in
+        chunks of at most ``rows``: the store is scanned, never loaded whole."""
+        self._drain()
+        cached = None
+        for keys, full, scores in super().export_chunks(table, rows):
+            cached = keys if cached is None else torch.cat([cached, keys])
+            yield keys, full, scores
+        for bkeys, brows in self.below.table(table).scan(rows):
+            if cached is not None:
+                fresh = ~torch.isin(bkeys, cached.to(bkeys.device))
+                bkeys, brows = bkeys[fresh], brows[fresh]
+            if bkeys.numel():
+                yield bkeys, brows, torch.zeros(bkeys.numel(), dtype=torch.int64, device=bkeys.device)
+
+    def import_rows(self, table: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """Whole rows straight into the backing store (the cache fills as training asks)."""
+        if keys.numel():
+            self._keep(keys, self._tables_of(table, keys), rows)
+            self._drain()
+
+    def is_empty(self) -> bool:
+        self._drain()
+        return self.index.size() == 0 and all(b.size() == 0 for b in self.below.backends)
+
     def stats(self, table: int, backend_rows: bool = True) -> TableStats:
         """As ``TableGroup.stats``; ``backend_rows=False`` skips counting the backend's rows (a
         scan of every key in RocksDB)."""

@@ -329,6 +329,49 @@ class _Collection(nn.Module):
                 keys, weights = keys[last], weights[last]
             group.write(i, keys, weights, self._clock)
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def _checkpoint_meta(self) -> dict:
+        """What a checkpoint records of the collection besides its rows."""
+        return {"step": self.step, "clock": self._clock, "seed": self.seed,
+                "optimizer": type(self.optimizer).__name__,
+                "tables": {t.name: {"dim": t.embedding_dim,
+                                    "width": t.embedding_dim + self.optimizer.state_width(t.embedding_dim)}
+                           for t in self.table_configs}}
+
+    def _checkpoint_chunks(self, table: str, rows: int):
+        """This rank's rows of ``table`` in chunks: (keys, full rows, scores) on the CPU."""
+        group, i, _ = self._table(table)
+        with self._mutating():
+            for keys, full, scores in group.export_chunks(i, rows):
+                yield keys.cpu(), full.cpu(), scores.cpu()
+
+    def _checkpoint_admission(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        group, i, _ = self._table(table)
+        with self._mutating():
+            keys, counts = group.admission_counts(i)
+            return keys.cpu(), counts.cpu()
+
+    def _restore_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                      admission: bool = False) -> None:
+        """Store saved rows (or, ``admission``, admission counts in ``scores``); sharded: a
+        collective, each row sent to its owner under this process group."""
+        group, i, _ = self._table(table)
+        keys = keys.to(self.device)
+        rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
+        with self._mutating():
+            if self.process_group is not None:
+                order, send, recv, keys = self._route(table, keys)
+                rows = exchange(rows[order], send, recv, self.process_group)
+                scores = exchange(scores[order], send, recv, self.process_group)
+            if admission:
+                group.import_admission(i, keys, scores)
+            else:
+                group.import_rows(i, keys, rows, scores)
+
+    def _is_empty(self) -> bool:
+        with self._mutating():
+            return all(group.is_empty() for group in self._groups)
+
     def _route(self, table: str, keys: torch.Tensor):
         """Send ``keys`` of ``table`` to their owners (a collective: every rank calls it). Returns
         (order: the keys by owner, send and receive split sizes, the keys this rank received)."""

@@ -318,6 +318,43 @@ class TableGroup:
         rows = self.store.gather(addresses)
         return TableRows(keys, rows[:, : self.dim], rows[:, self.dim :], scores)
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def export_chunks(self, table: int, rows: int):
+        """Every stored row of ``table`` in chunks of at most ``rows``: (keys, full rows [weights |
+        state], scores). Only one chunk of rows is materialized at a time."""
+        keys, addresses, scores = self.index.export(table)
+        for start in range(0, keys.numel(), rows):
+            part = slice(start, start + rows)
+            yield keys[part], self.store.gather(addresses[part]), scores[part]
+
+    def import_rows(self, table: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """Store whole rows (weights and optimizer state) with their scores, as saved. A bounded
+        table smaller than the saved one keeps what its buckets hold (rows past it are dropped,
+        as its bound drops rows)."""
+        if keys.numel() == 0:
+            return
+        tables = self._tables_of(table, keys)
+        res = self.index.find_or_insert(keys, 0, tables=tables)
+        addresses = self._place_new(keys, tables, res)
+        placed = (res.slots >= 0).nonzero().squeeze(1)
+        self.kernels.scatter(self.store, addresses[placed], rows[placed].to(self.device))
+        self.index.scores[res.slots[placed]] = scores[placed].to(self.device)
+
+    def admission_counts(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, occurrences) of the keys counted toward admission and not admitted yet."""
+        if self.admission is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty
+        keys, _, counts = self.admission.export(table)
+        return keys, counts
+
+    def import_admission(self, table: int, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.admission is not None and keys.numel():
+            self.admission.find_or_insert(keys, 0, counts, tables=self._tables_of(table, keys))
+
+    def is_empty(self) -> bool:
+        return self.index.size() == 0
+
     def stats(self, table: int) -> TableStats:
         unique, hits, misses, conflicts, evictions, not_admitted = self._counts[table].tolist()
         _, addresses, _ = self.index.export(table)

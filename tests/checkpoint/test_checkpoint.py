@@ -1,0 +1,188 @@
+"""te.checkpoint: train N steps, save, load into a fresh model on another storage layout, train M
+more: the same as an uninterrupted N+M run. Corrupted, truncated and half-written checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import tieredemb as te
+from tests.storage.conftest import redis_factory, redis_server  # noqa: F401 (fixtures)
+
+DIM = 4
+ROWS = 200
+
+
+def tables(bounded: bool) -> list[te.TableConfig]:
+    """Admission, LFU, mean pooling, two groups; ``bounded``: "w" holds at most 32 rows (evicting by
+    LRU score, so a resume must restore the scores exactly; hbm_direct and hybrid only)."""
+    return [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS, admission=te.FrequencyAdmission(2),
+                           initializer=te.init.Normal(0.0, 0.1)),
+            te.TableConfig("u", DIM, ["c"], eviction="lfu", pooling="mean"),
+            te.TableConfig("w", 3, ["d"], max_capacity=32 if bounded else None)]
+
+
+class Model(nn.Module):
+    def __init__(self, storage: te.StorageConfig | None, bounded: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ebc = te.EmbeddingBagCollection(tables(bounded), optimizer=te.optim.Adam(lr=0.05),
+                                             storage=storage, seed=7)
+        self.top = nn.Linear(3 * DIM + 3, 1)
+
+    def forward(self, kjt: te.KeyedJaggedTensor) -> torch.Tensor:
+        return self.top(self.ebc(kjt).values()).square().mean()
+
+
+def batch(step: int) -> te.KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (4 * 5,), generator=gen)
+    n = int(lengths.sum())
+    weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** 1.1
+    ids = torch.multinomial(weights, n, replacement=True, generator=gen) * 7 % ROWS
+    return te.KeyedJaggedTensor(["a", "b", "c", "d"], ids, lengths)
+
+
+def train(model: Model, steps: range) -> list[float]:
+    opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    losses = []
+    for step in steps:
+        loss = model(batch(step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def storages(tmp_path, request) -> dict[str, te.StorageConfig | None]:
+    row = (DIM + 2 * DIM) * 4
+    return {
+        "hbm": None,
+        "cache-rocksdb": te.StorageConfig(hbm_budget=3 * 4 * row, bucket_width=4, segment_rows=8,
+                                          backing=te.storage.RocksDB(str(tmp_path / "db"), shards=2)),
+        "cache-redis": te.StorageConfig(hbm_budget=5 * 4 * row, bucket_width=4, segment_rows=8,
+                                        backing=te.storage.Redis(request.getfixturevalue("redis_server"))),
+        "hybrid": te.StorageConfig(hbm_budget=24 * row, caching=False, segment_rows=8),
+    }
+
+
+def rows_of(model: Model, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+    r = model.ebc.export(table)
+    order = torch.argsort(r.keys)
+    return r.keys[order], torch.cat([r.weights, r.optimizer_state], 1)[order]
+
+
+@pytest.mark.parametrize("before, after", [("hbm", "cache-rocksdb"), ("cache-rocksdb", "cache-redis"),
+                                           ("cache-redis", "hbm"), ("hbm", "hybrid"), ("hybrid", "hbm")])
+def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, after, tmp_path, request):
+    configs = storages(tmp_path, request)
+    bounded = "cache" not in before + after  # a bound over every tier exists in hbm_direct and hybrid
+    whole = Model(None, bounded)
+    want = train(whole, range(12))
+    first = Model(configs[before], bounded)
+    got = train(first, range(6))
+    te.checkpoint.save(first, tmp_path / "ckpt", buffer_bytes=200)  # a few rows a chunk
+    saved = {t: first.ebc.export(t) for t in ("t", "u", "w")}
+    first.ebc.close()
+    second = Model(configs[after], bounded)
+    te.checkpoint.load(second, tmp_path / "ckpt")
+    assert second.ebc.step == 6
+    if bounded:  # the device tiers keep scores (LRU clock, LFU counts): restored exactly
+        for t, rows in saved.items():
+            back = second.ebc.export(t)
+            assert dict(zip(back.keys.tolist(), back.scores.tolist())) == dict(
+                zip(rows.keys.tolist(), rows.scores.tolist())), t
+    got += train(second, range(6, 12))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for t in ("t", "u", "w"):
+        k, r = rows_of(second, t)
+        wk, wr = rows_of(whole, t)
+        assert torch.equal(k, wk), t
+        torch.testing.assert_close(r, wr, rtol=1e-5, atol=1e-6)
+
+
+def test_a_flipped_byte_and_a_truncated_file_are_refused(tmp_path) -> None:
+    model = Model(None)
+    train(model, range(3))
+    out = te.checkpoint.save(model, tmp_path / "ckpt", buffer_bytes=64)
+    chunk = sorted(out.glob("ebc/t/*.safetensors"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(te.checkpoint.CheckpointError, match="corrupted") as info:
+        te.checkpoint.load(Model(None), tmp_path / "ckpt")
+    assert chunk.name in str(info.value)
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data[:-10]))
+    with pytest.raises(te.checkpoint.CheckpointError, match="truncated") as info:
+        te.checkpoint.load(Model(None), tmp_path / "ckpt")
+    assert chunk.name in str(info.value)
+
+
+def test_load_refuses_another_model_or_a_collection_with_rows(tmp_path) -> None:
+    model = Model(None)
+    train(model, range(2))
+    te.checkpoint.save(model, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="already holds rows"):
+        te.checkpoint.load(model, tmp_path / "ckpt")
+    other = nn.Module()
+    other.ebc = te.EmbeddingBagCollection([te.TableConfig("t", 8, ["a"])], optimizer=te.optim.Adam())
+    with pytest.raises(te.checkpoint.CheckpointError, match="tables"):
+        te.checkpoint.load(other, tmp_path / "ckpt")
+    with pytest.raises(te.checkpoint.CheckpointError, match="not a checkpoint"):
+        te.checkpoint.load(Model(None), tmp_path / "nothing")
+
+
+SAVER = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {root!r})
+    from tests.checkpoint.test_checkpoint import Model, train
+    import tieredemb as te
+    model = Model(None)
+    train(model, range(int(sys.argv[2])))
+    if sys.argv[3] == "hang":  # stop inside the save: after the first chunk file is written
+        import tieredemb.checkpoint as ck
+        real = ck._write
+        def slow(path, data):
+            out = real(path, data)
+            print("written", flush=True)
+            import time; time.sleep(60)
+            return out
+        ck._write = slow
+    te.checkpoint.save(model, sys.argv[1], buffer_bytes=64)
+    print("saved", flush=True)
+""")
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path) -> None:
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(root=os.getcwd()))
+    ckpt = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, str(script), str(ckpt), "3", "ok"], capture_output=True,
+                          text=True, timeout=120)
+    assert "saved" in done.stdout, done.stderr
+    proc = subprocess.Popen([sys.executable, str(script), str(ckpt), "5", "hang"], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "written"  # the second save is under way ...
+    proc.send_signal(signal.SIGKILL)  # ... and dies
+    proc.wait(timeout=30)
+    restored = Model(None)
+    te.checkpoint.load(restored, ckpt)
+    assert restored.ebc.step == 3  # the first save, whole
+    reference = Model(None)
+    train(reference, range(3))
+    for t in ("t", "u", "w"):
+        k, r = rows_of(restored, t)
+        wk, wr = rows_of(reference, t)
+        assert torch.equal(k, wk)
+        torch.testing.assert_close(r, wr)
+    te.checkpoint.save(restored, ckpt)  # the next save cleans up the dead one's directory
+    assert sorted(p.name for p in ckpt.glob("v-*")) == [(ckpt / "LATEST").read_text()]
