@@ -186,3 +186,41 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path) 
         torch.testing.assert_close(r, wr)
     te.checkpoint.save(restored, ckpt)  # the next save cleans up the dead one's directory
     assert sorted(p.name for p in ckpt.glob("v-*")) == [(ckpt / "LATEST").read_text()]
+
+
+RSS_PROBE = textwrap.dedent("""
+    import sys, threading, time, torch
+    sys.path.insert(0, {root!r})
+    import tieredemb as te
+    page = 4096
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+    buffer = 8 << 20
+    rows = 10 * buffer // ((64 + 2 * 64) * 4)  # a table 10x the buffer
+    ebc = te.EmbeddingBagCollection([te.TableConfig("big", 64, ["x"])], optimizer=te.optim.Adam())
+    model = torch.nn.Module(); model.ebc = ebc
+    for lo in range(0, rows, 1 << 16):
+        keys = torch.arange(lo, min(lo + (1 << 16), rows))
+        ebc.write("big", keys, torch.randn(keys.numel(), 64))
+    before, peak, done = rss(), [0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+    t = threading.Thread(target=sample); t.start()
+    te.checkpoint.save(model, sys.argv[1], buffer_bytes=buffer)
+    done.set(); t.join()
+    print(rows * (64 + 2 * 64) * 4, buffer, peak[0] - before)
+""")
+
+
+def test_saving_a_table_ten_times_the_buffer_stays_within_twice_the_buffer(tmp_path) -> None:
+    """Peak RSS growth of the process during the save (sampled every 0.5 ms), in a fresh process."""
+    script = tmp_path / "probe.py"
+    script.write_text(RSS_PROBE.format(root=os.getcwd()))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    table, buffer, growth = (int(x) for x in out.split())
+    assert table >= 10 * buffer - 4096 * 1000
+    assert growth < 2 * buffer, f"peak RSS grew by {growth / 2**20:.1f} MiB saving a " \
+                                f"{table / 2**20:.0f} MiB table with a {buffer / 2**20:.0f} MiB buffer"

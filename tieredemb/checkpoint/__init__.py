@@ -15,7 +15,8 @@ Layout of ``path`` (a directory)::
         <collection>/<table>/r<rank>-admission.safetensors  keys and counts toward admission
 
 Files are safetensors (no pickle anywhere: loading a checkpoint runs no code). Rows are written one
-chunk at a time (``buffer_bytes`` of rows, 256 MiB by default, whatever the table size). A save goes
+chunk at a time: a chunk and its serialized copy fit in ``buffer_bytes`` (256 MiB by default),
+whatever the table size. A save goes
 into a new version directory, every file fsynced, and only then does ``LATEST`` move to it (write,
 fsync, ``os.replace``): a crash at any point leaves the previous version loadable. The previous
 version is removed after. A file whose size or SHA-256 differs from the manifest is refused with
@@ -131,7 +132,8 @@ def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer
     for cname, collection in collections.items():
         collection.flush()
         for table, meta in collection._checkpoint_meta()["tables"].items():
-            rows_per_chunk = max(1, buffer_bytes // (4 * meta["width"] + 16))
+            # a chunk and its serialized copy are alive at once: half the buffer each
+            rows_per_chunk = max(1, buffer_bytes // (2 * (4 * meta["width"] + 16)))
             entries = files.setdefault(f"{cname}/{table}", [])
             for c, (keys, rows, scores) in enumerate(collection._checkpoint_chunks(table, rows_per_chunk)):
                 rel = f"{cname}/{table}/r{rank}-c{c:05d}.safetensors"
