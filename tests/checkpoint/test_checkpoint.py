@@ -224,3 +224,43 @@ def test_saving_a_table_ten_times_the_buffer_stays_within_twice_the_buffer(tmp_p
     assert table >= 10 * buffer - 4096 * 1000
     assert growth < 2 * buffer, f"peak RSS grew by {growth / 2**20:.1f} MiB saving a " \
                                 f"{table / 2**20:.0f} MiB table with a {buffer / 2**20:.0f} MiB buffer"
+
+
+@pytest.mark.parametrize("caching", [None, True], ids=["hbm", "cache"])
+def test_save_in_the_middle_of_a_pipelined_run(caching, tmp_path) -> None:
+    """A save between TrainPipeline steps (the next batch already prefetched, its slots locked)
+    holds the rows of the steps taken so far: a fresh model loaded from it and trained on the rest
+    ends where an uninterrupted run does."""
+    from tests.pipeline.test_train_pipeline import Model as ClickModel
+    from tests.pipeline.test_train_pipeline import make_batches, make_tables, plain_loop
+
+    storage = None if caching is None else te.StorageConfig(hbm_budget=8 * 12 * 4, bucket_width=4,
+                                                            segment_rows=4)
+
+    def build():
+        torch.manual_seed(0)
+        ebc = te.EmbeddingBagCollection(make_tables("sparse", limited=False),
+                                        optimizer=te.optim.Adam(lr=0.01), storage=storage, seed=0)
+        model = ClickModel([("sparse", ebc)])
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)  # stateless: not in the checkpoint
+
+    batches = make_batches(12)
+    want_model, want_opt = build()
+    plain_loop(want_model, want_opt, batches)
+    model, opt = build()
+    pipeline = te.TrainPipeline(model, opt)
+    it = iter(batches)
+    for _ in range(6):
+        pipeline.progress(it)  # batch 6 is now prefetched
+    te.checkpoint.save(model, tmp_path / "ckpt")
+    resumed, resumed_opt = build()
+    te.checkpoint.load(resumed, tmp_path / "ckpt")
+    plain_loop(resumed, resumed_opt, batches[6:])
+    for got_p, want_p in zip(resumed.parameters(), want_model.parameters()):
+        torch.testing.assert_close(got_p, want_p)
+    for t in ("sparse_a", "sparse_b"):
+        got, want = resumed.collections[0].export(t), want_model.collections[0].export(t)
+        go, wo = torch.argsort(got.keys), torch.argsort(want.keys)
+        assert torch.equal(got.keys[go], want.keys[wo]), t
+        torch.testing.assert_close(got.weights[go], want.weights[wo])
+        torch.testing.assert_close(got.optimizer_state[go], want.optimizer_state[wo])

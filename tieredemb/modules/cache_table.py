@@ -354,30 +354,34 @@ class CacheGroup(TableGroup):
         self.below.flush()
 
     def export(self, table: int) -> TableRows:
-        """Cached rows, and the backend's rows of keys not cached (scores of those: 0)."""
-        self._drain()
-        keys, addresses, scores = self.index.export(table)
-        parts = [(keys, self.store.gather(addresses), scores)]
-        for bkeys, brows in self.below.table(table).scan():
-            bkeys = bkeys.to(self.device)
-            fresh = ~torch.isin(bkeys, keys)
-            parts.append((bkeys[fresh], brows.to(self.device)[fresh],
-                          torch.zeros(int(fresh.sum()), dtype=torch.int64, device=self.device)))
+        """Every row of the table, wherever it is (``export_chunks``, in one piece)."""
+        parts = [(k.to(self.device), r.to(self.device), sc.to(self.device))
+                 for k, r, sc in self.export_chunks(table, 1 << 16)]
+        if not parts:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            parts = [(empty, torch.empty(0, self.width, device=self.device), empty)]
         k, rows, sc = (torch.cat(p) for p in zip(*parts))
         return TableRows(k, rows[:, : self.dim], rows[:, self.dim :], sc)
 
     # ------------------------------------------------------------------------------ checkpoints
     def export_chunks(self, table: int, rows: int):
-        """Cached rows (with their scores), then the backing store's other rows (scores 0), in
+        """Cached rows (with their scores), rows still owed by a batch in flight (a conflict miss's
+        scratch row, newer than the store's), then the backing store's other rows (scores 0), in
         chunks of at most ``rows``: the store is scanned, never loaded whole."""
         self._drain()
-        cached = None
+        seen = []
         for keys, full, scores in super().export_chunks(table, rows):
-            cached = keys if cached is None else torch.cat([cached, keys])
+            seen.append(keys)
             yield keys, full, scores
+        keys, addresses, _ = self.in_flight.export(table)
+        for start in range(0, keys.numel(), rows):
+            part = slice(start, start + rows)
+            seen.append(keys[part])
+            yield keys[part], self.store.gather(addresses[part]), torch.zeros_like(keys[part])
+        seen = torch.cat(seen) if seen else None
         for bkeys, brows in self.below.table(table).scan(rows):
-            if cached is not None:
-                fresh = ~torch.isin(bkeys, cached.to(bkeys.device))
+            if seen is not None:
+                fresh = ~torch.isin(bkeys, seen.to(bkeys.device))
                 bkeys, brows = bkeys[fresh], brows[fresh]
             if bkeys.numel():
                 yield bkeys, brows, torch.zeros(bkeys.numel(), dtype=torch.int64, device=bkeys.device)
