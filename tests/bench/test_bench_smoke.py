@@ -161,3 +161,14 @@ def test_batches_are_a_function_of_seed_and_step() -> None:
         want[first.ranks[t].reshape(-1)] = True
         want[later.ranks[t].reshape(-1)] = True
         assert torch.equal(a.seen[t], want)
+
+
+def test_bench_checkpoint_smoke(tmp_path) -> None:
+    """``tieredemb bench checkpoint`` at a tiny size: saves and loads both layouts, writes its report."""
+    from tieredemb.bench import main
+
+    assert main(["checkpoint", "--rows", "3000", "--dim", "8", "--dir", str(tmp_path / "disk"),
+                 "--buffer-mib", "1", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads(next((tmp_path / "out").glob("*-checkpoint.json")).read_text())
+    assert [r["layout"] for r in report["results"]] == ["hbm_direct", "cache over RocksDB"]
+    assert all(r["bytes"] > 3000 * 8 * 3 * 4 for r in report["results"])  # every row was written

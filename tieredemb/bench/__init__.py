@@ -20,6 +20,11 @@ tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-s
     tieredemb bench dist [--gpus 1,2,4] [--scale S] [--steps N] [--optimizer adam] [--out DIR]
 
 weak scaling of ``hbm`` row-wise sharded over several GPUs (``tieredemb.bench.dist``; CUDA only).
+
+    tieredemb bench checkpoint [--rows N] [--dim D] [--dir DIR] [--buffer-mib M]
+
+``te.checkpoint`` save and load throughput against the disk's sequential speed
+(``tieredemb.bench.checkpoint``).
 """
 
 from __future__ import annotations
@@ -93,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     d.set_defaults(device="cuda")  # NCCL across GPUs: nothing to run on a CPU-only machine
+    c = sub.add_parser("checkpoint", help="te.checkpoint save/load throughput against the disk")
+    c.add_argument("--rows", type=int, default=500_000)
+    c.add_argument("--dim", type=int, default=64)
+    c.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one)")
+    c.add_argument("--buffer-mib", type=int, default=256)
+    c.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    c.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     return parser
 
 
@@ -110,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.workload in ("cache", "ssd"):
         return _main_cache(args, argv, device)
+    if args.workload == "checkpoint":
+        from tieredemb.bench.checkpoint import run as run_checkpoint
+
+        return run_checkpoint(args.rows, args.dim, args.dir, args.buffer_mib, device, args.out, argv)
     if args.workload == "dist":
         from tieredemb.bench.dist import run
 

@@ -335,7 +335,9 @@ class TableGroup:
             return
         tables = self._tables_of(table, keys)
         res = self.index.find_or_insert(keys, 0, tables=tables)
-        addresses = self._place_new(keys, tables, res)
+        if res.any_miss:  # rows for the new keys, not initialized: the saved rows go there
+            self._give_rows(res)
+        addresses = self._slot_rows(res)
         placed = (res.slots >= 0).nonzero().squeeze(1)
         self.kernels.scatter(self.store, addresses[placed], rows[placed].to(self.device))
         self.index.scores[res.slots[placed]] = scores[placed].to(self.device)
