@@ -56,6 +56,15 @@ def exchange_splits(send_splits: torch.Tensor, group) -> list[int]:
     return recv.tolist()
 
 
+def plan(owner: torch.Tensor, world: int, group) -> tuple[torch.Tensor, list[int], list[int]]:
+    """How rows go to their owners (``owner``: int64 (n,) rank of each row): the rows in owner
+    order, how many this rank sends each rank, how many it receives from each (a collective)."""
+    order = torch.argsort(owner, stable=True)
+    split_counts = torch.bincount(owner, minlength=world)
+    recv = exchange_splits(split_counts, group)
+    return order, split_counts.tolist(), recv
+
+
 def per_rank_backing(backing, rank: int):
     """The backing-store spec of one rank's shard: its own RocksDB directory or Redis namespace (two
     ranks never share a store); other stores are per process already."""
@@ -68,4 +77,4 @@ def per_rank_backing(backing, rank: int):
     return backing
 
 
-__all__ = ["exchange", "exchange_splits", "owner_of", "per_rank_backing", "table_salts"]
+__all__ = ["exchange", "exchange_splits", "owner_of", "per_rank_backing", "plan", "table_salts"]

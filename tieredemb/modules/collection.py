@@ -27,7 +27,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from tieredemb.config import StorageConfig, TableConfig
-from tieredemb.distributed import exchange, exchange_splits, owner_of, per_rank_backing, table_salts
+from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
@@ -181,10 +181,7 @@ class _Collection(nn.Module):
         group = self._groups[g]
         keys, tables, inverse, counts = unique_pairs(gb.ids, gb.tables, len(group.configs))
         owner = owner_of(keys, self._salts[g][tables], self.world)
-        send_order = torch.argsort(owner, stable=True)
-        split_counts = torch.bincount(owner, minlength=self.world)
-        recv_splits = exchange_splits(split_counts, self._input_group)
-        send_splits = split_counts.tolist()
+        send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
         got = exchange(pairs, send_splits, recv_splits, self._input_group)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
@@ -377,10 +374,7 @@ class _Collection(nn.Module):
         (order: the keys by owner, send and receive split sizes, the keys this rank received)."""
         g, i = self._where[table]
         owner = owner_of(keys, self._salts[g][i].expand(keys.numel()), self.world)
-        order = torch.argsort(owner, stable=True)
-        split_counts = torch.bincount(owner, minlength=self.world)
-        recv = exchange_splits(split_counts, self.process_group)
-        send = split_counts.tolist()
+        order, send, recv = plan(owner, self.world, self.process_group)
         return order, send, recv, exchange(keys[order], send, recv, self.process_group)
 
     def close(self) -> None:
