@@ -264,3 +264,56 @@ def test_save_in_the_middle_of_a_pipelined_run(caching, tmp_path) -> None:
         assert torch.equal(got.keys[go], want.keys[wo]), t
         torch.testing.assert_close(got.weights[go], want.weights[wo])
         torch.testing.assert_close(got.optimizer_state[go], want.optimizer_state[wo])
+
+
+def _state(model: Model) -> dict[str, dict[int, tuple]]:
+    """table -> key -> (row values, score): everything a checkpoint must restore."""
+    out = {}
+    for t in ("t", "u", "w"):
+        r = model.ebc.export(t)
+        full = torch.cat([r.weights, r.optimizer_state], 1)
+        out[t] = {k: (tuple(full[i].tolist()), int(r.scores[i])) for i, k in enumerate(r.keys.tolist())}
+    return out
+
+
+def _manifest_rows(version, kind: str = "") -> dict[str, int]:
+    import json
+
+    files = json.loads((version / "manifest.json").read_text())["files"]
+    return {t: sum(e["rows"] for e in files.get(f"ebc/{t}{kind}", [])) for t in ("t", "u", "w")}
+
+
+def test_deltas_write_only_what_changed_and_base_plus_deltas_restore_exactly(tmp_path) -> None:
+    from tieredemb.checkpoint import _FINGERPRINTS
+
+    model = Model(None)  # "w" is bounded: steps evict rows, which a delta must record as deleted
+    train(model, range(6))
+    base = te.checkpoint.save(model, tmp_path / "ckpt", buffer_bytes=512)
+    versions, evicted = [base], 0
+    for steps in (range(6, 7), range(7, 12)):
+        before = _state(model)
+        train(model, steps)
+        after = _state(model)
+        delta = te.checkpoint.save(model, tmp_path / "ckpt", buffer_bytes=512, base=versions[-1])
+        versions.append(delta)
+        changed = {t: sum(1 for k, v in after[t].items() if before[t].get(k) != v) for t in after}
+        deleted = {t: len(set(before[t]) - set(after[t])) for t in after}
+        assert _manifest_rows(delta) == changed  # O(rows touched): exactly the changed rows
+        assert _manifest_rows(delta, ":deleted") == deleted
+        assert sum(changed.values()) < sum(len(v) for v in after.values())  # a delta, not a full save
+        evicted += sum(deleted.values())
+    assert evicted > 0  # the bounded table evicted: deletions were exercised
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("v-*")) == [v.name for v in versions]
+    # restored into an unbounded "w": the keys it lost must go by the deltas' deletions (a bounded
+    # one would evict them again by itself)
+    restored = Model(None, bounded=False)
+    te.checkpoint.load(restored, tmp_path / "ckpt")
+    assert _state(restored) == _state(model)  # base + deltas: the exact state
+    full = Model(None, bounded=False)
+    te.checkpoint.save(model, tmp_path / "full")
+    te.checkpoint.load(full, tmp_path / "full")
+    assert _state(full) == _state(restored)  # ... equal to a full save
+    _FINGERPRINTS.clear()  # another process: the base's fingerprints are rebuilt from its files
+    again = te.checkpoint.save(model, tmp_path / "ckpt", base=versions[-1])
+    assert _manifest_rows(again) == {"t": 0, "u": 0, "w": 0}
+    assert _manifest_rows(again, ":deleted") == {"t": 0, "u": 0, "w": 0}

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from tieredemb.init import splitmix64
 from tieredemb.modules.collection import _Collection
 
 FORMAT = 1
@@ -98,10 +99,16 @@ def _next_version(root: Path) -> str:
     return f"v-{max(versions, default=0) + 1:06d}"
 
 
-def save(model: torch.nn.Module, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER) -> Path:
+def save(model: torch.nn.Module, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER,
+         base: str | os.PathLike | None = None) -> Path:
     """Save every collection of ``model`` and its dense ``state_dict`` under ``path``. Every rank
     of a sharded model calls it (a collective); ``path`` must be the same directory on every rank.
-    Returns the version directory written."""
+    Returns the version directory written.
+
+    ``base``: a version directory an earlier ``save`` under ``path`` returned. Then only the rows
+    that changed since it (weights, optimizer state or score) and the keys deleted since are
+    written: a delta, O(rows touched) bytes. ``load`` applies the chain base + deltas. The world
+    size must be the base's."""
     if buffer_bytes < 1:
         raise ValueError(f"buffer_bytes must be >= 1, got {buffer_bytes}")
     collections = _collections(model)
@@ -109,6 +116,7 @@ def save(model: torch.nn.Module, path: str | os.PathLike, buffer_bytes: int = DE
     rank, world = _rank_world(group)
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
+    previous = _base_fingerprints(root, Path(base), rank, world) if base is not None else None
     version = None
     if rank == 0:
         version = _next_version(root)
@@ -117,40 +125,136 @@ def save(model: torch.nn.Module, path: str | os.PathLike, buffer_bytes: int = DE
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         version = box[0]
     out = root / version
-    files = _save_rows(collections, out, rank, buffer_bytes)
+    files, prints = _save_rows(collections, out, rank, buffer_bytes, previous)
     (out / f"files-r{rank}.json").write_text(json.dumps(files))
     _barrier(group)
     if rank == 0:
-        _publish(model, collections, root, out, world)
+        _publish(model, collections, root, out, world, None if base is None else Path(base).name)
     _barrier(group)
+    _FINGERPRINTS[(str(out.resolve()), rank)] = prints
     return out
 
 
-def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer_bytes: int) -> dict:
-    """This rank's rows of every table, chunk by chunk; its manifest entries by table."""
+def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer_bytes: int,
+               previous: dict | None) -> tuple[dict, dict]:
+    """This rank's rows of every table, chunk by chunk (against ``previous`` fingerprints: only the
+    changed rows, and the deleted keys); its manifest entries by table, and the rows' fingerprints."""
     files: dict[str, list] = {}
+    prints: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for cname, collection in collections.items():
         collection.flush()
         for table, meta in collection._checkpoint_meta()["tables"].items():
+            name = f"{cname}/{table}"
             # a chunk and its serialized copy are alive at once: half the buffer each
             rows_per_chunk = max(1, buffer_bytes // (2 * (4 * meta["width"] + 16)))
-            entries = files.setdefault(f"{cname}/{table}", [])
+            base = None if previous is None else previous.get(name, _EMPTY_PRINT)
+            seen = None if base is None else torch.zeros(base[0].numel(), dtype=torch.bool)
+            entries, all_keys, all_hashes = files.setdefault(name, []), [], []
             for c, (keys, rows, scores) in enumerate(collection._checkpoint_chunks(table, rows_per_chunk)):
-                rel = f"{cname}/{table}/r{rank}-c{c:05d}.safetensors"
+                hashes = row_hash(rows, scores)
+                all_keys.append(keys)
+                all_hashes.append(hashes)
+                if base is not None:  # keep the rows that are new or differ from the base's
+                    known, pos = _lookup(base, keys)
+                    seen[pos[known]] = True
+                    same = known.clone()
+                    same[known] = base[1][pos[known]] == hashes[known]
+                    changed = (~same).nonzero().squeeze(1)
+                    keys, rows, scores = keys[changed], rows[changed], scores[changed]
+                    if keys.numel() == 0:
+                        continue
+                rel = f"{name}/r{rank}-c{c:05d}.safetensors"
                 data = save_bytes({"keys": keys.contiguous(), "rows": rows.contiguous(),
                                    "scores": scores.contiguous()})
                 entries.append({"file": rel, "rows": keys.numel(), **_write(out / rel, data)})
+            prints[name] = _fingerprint(all_keys, all_hashes)
+            if base is not None and not bool(seen.all()):  # keys the base has and the table lost
+                rel = f"{name}/r{rank}-deleted.safetensors"
+                gone = base[0][~seen].contiguous()
+                files.setdefault(f"{name}:deleted", []).append(
+                    {"file": rel, "rows": gone.numel(), **_write(out / rel, save_bytes({"keys": gone}))})
             keys, counts = collection._checkpoint_admission(table)
             if keys.numel():
-                rel = f"{cname}/{table}/r{rank}-admission.safetensors"
+                rel = f"{name}/r{rank}-admission.safetensors"
                 data = save_bytes({"keys": keys.contiguous(), "counts": counts.contiguous()})
-                files.setdefault(f"{cname}/{table}:admission", []).append(
+                files.setdefault(f"{name}:admission", []).append(
                     {"file": rel, "rows": keys.numel(), **_write(out / rel, data)})
-    return files
+    return files, prints
+
+
+# fingerprints of the rows each save wrote, by (version directory, rank): what a delta compares with
+_FINGERPRINTS: dict[tuple[str, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+_EMPTY_PRINT = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+def row_hash(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """int64 (n,): a 64-bit hash of each row's float32 bits and its score (a changed row is missed
+    with probability ~2**-64)."""
+    bits = rows.contiguous().view(torch.int32).to(torch.int64)
+    weights = splitmix64(torch.arange(1, bits.shape[1] + 1, dtype=torch.int64))
+    return splitmix64((bits * weights).sum(1) ^ splitmix64(scores.to(torch.int64)))
+
+
+def _fingerprint(keys: list[torch.Tensor], hashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys sorted, their hashes): 16 bytes a row, looked up by binary search."""
+    if not keys:
+        return _EMPTY_PRINT
+    k, h = torch.cat(keys), torch.cat(hashes)
+    order = torch.argsort(k)
+    return k[order], h[order]
+
+
+def _lookup(base: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(known: bool (n,), position in ``base`` where known)."""
+    if base[0].numel() == 0:
+        return torch.zeros(keys.numel(), dtype=torch.bool), torch.zeros(keys.numel(), dtype=torch.int64)
+    pos = torch.searchsorted(base[0], keys).clamp(max=base[0].numel() - 1)
+    return base[0][pos] == keys, pos
+
+
+def _base_fingerprints(root: Path, base: Path, rank: int, world: int) -> dict:
+    """The fingerprints of the rows as of version ``base``: kept from the save that wrote it, or
+    rebuilt from its files (this rank's shard files of the chain)."""
+    if base.parent.resolve() != root.resolve():
+        raise ValueError(f"base {base} is not a version of the checkpoint at {root}")
+    cached = _FINGERPRINTS.get((str(base.resolve()), rank))
+    if cached is not None:
+        return cached
+    state: dict[str, dict[int, int]] = {}
+    for version, manifest in _chain(root, base.name):
+        if manifest["world_size"] != world:
+            raise ValueError(f"a delta needs the base's world size ({manifest['world_size']}), this "
+                             f"process group has {world}")
+        for name, entries in manifest["files"].items():
+            table, _, kind = name.partition(":")
+            rows = state.setdefault(table, {})
+            for entry in entries:
+                if not entry["file"].split("/")[-1].startswith(f"r{rank}-") or kind == "admission":
+                    continue
+                tensors = load_bytes(_read(version, entry))
+                if kind == "deleted":
+                    for k in tensors["keys"].tolist():
+                        rows.pop(k, None)
+                else:
+                    hashes = row_hash(tensors["rows"], tensors["scores"])
+                    rows.update(zip(tensors["keys"].tolist(), hashes.tolist()))
+    return {name: _fingerprint([torch.tensor(list(rows), dtype=torch.int64)],
+                               [torch.tensor(list(rows.values()), dtype=torch.int64)])
+            for name, rows in state.items()}
+
+
+def _chain(root: Path, name: str) -> list[tuple[Path, dict]]:
+    """The versions to apply for version ``name``: its full base first, then each delta."""
+    chain = []
+    while name is not None:
+        out, manifest = _manifest_of(root / name)
+        chain.append((out, manifest))
+        name = manifest.get("base")
+    return chain[::-1]
 
 
 def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: Path, out: Path,
-             world: int) -> None:
+             world: int, base: str | None) -> None:
     """Rank 0: the dense state and the manifest, then ``LATEST`` moved to this version (the one
     atomic step), then the older versions removed."""
     merged: dict[str, list] = {}
@@ -159,7 +263,7 @@ def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: 
             merged.setdefault(key, []).extend(entries)
     dense = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
     manifest = {
-        "format": FORMAT, "world_size": world,
+        "format": FORMAT, "world_size": world, "base": base,
         "dense": {"file": "dense.safetensors", **_write(out / "dense.safetensors", save_bytes(dense))},
         "collections": {name: c._checkpoint_meta() for name, c in collections.items()},
         "files": merged,
@@ -169,8 +273,9 @@ def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: 
     _write(root / "LATEST.tmp", out.name.encode())
     os.replace(root / "LATEST.tmp", root / "LATEST")  # the switch: atomic
     _fsync_dir(root)
-    for old in root.glob("v-*"):  # older versions, and leftovers of saves that crashed
-        if old != out:
+    keep = {version.name for version, _ in _chain(root, out.name)}
+    for old in root.glob("v-*"):  # versions this one does not build on, leftovers of crashed saves
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -188,11 +293,7 @@ def _read(out: Path, entry: dict) -> bytes:
     return data
 
 
-def _manifest(root: Path) -> tuple[Path, dict]:
-    latest = root / "LATEST"
-    if not latest.is_file():
-        raise CheckpointError(f"{root} is not a checkpoint (no LATEST file)")
-    out = root / latest.read_text().strip()
+def _manifest_of(out: Path) -> tuple[Path, dict]:
     try:
         manifest = json.loads((out / "manifest.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError) as e:
@@ -202,6 +303,13 @@ def _manifest(root: Path) -> tuple[Path, dict]:
     return out, manifest
 
 
+def _latest(root: Path) -> str:
+    latest = root / "LATEST"
+    if not latest.is_file():
+        raise CheckpointError(f"{root} is not a checkpoint (no LATEST file)")
+    return latest.read_text().strip()
+
+
 def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Load the checkpoint at ``path`` into ``model``, whose collections must be freshly built
     (no rows yet) with the saved tables' dims and optimizer; storage, cache sizes, backends and the
@@ -209,35 +317,48 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
     collections = _collections(model)
     group = _group(collections)
     rank, world = _rank_world(group)
-    out, manifest = _manifest(Path(path))
+    root = Path(path)
+    chain = _chain(root, _latest(root))
+    out, manifest = chain[-1]
     saved = manifest["collections"]
     for name, collection in collections.items():
         _check_compatible(name, collection, saved.get(name), out)
-    dense = load_bytes(_read(out, manifest["dense"]))
-    model.load_state_dict(dense)
+    model.load_state_dict(load_bytes(_read(out, manifest["dense"])))
     for name, collection in collections.items():
         meta = saved[name]
         for table in meta["tables"]:
-            for key, admission in ((f"{name}/{table}", False), (f"{name}/{table}:admission", True)):
-                entries = manifest["files"].get(key, [])
-                rounds = -(-len(entries) // world)
-                for r in range(rounds):  # every rank the same number of (collective) restores
-                    i = r * world + rank
-                    tensors = load_bytes(_read(out, entries[i])) if i < len(entries) else None
-                    _restore(collection, table, meta["tables"][table]["width"], tensors, admission)
+            width = meta["tables"][table]["width"]
+            for version, vmanifest in chain:  # the full base, then each delta: upserts and deletions
+                for kind in ("rows", "deleted"):
+                    key = f"{name}/{table}" + ("" if kind == "rows" else ":deleted")
+                    _apply(collection, table, width, version, vmanifest["files"].get(key, []), kind, rank,
+                           world)
+            _apply(collection, table, width, out, manifest["files"].get(f"{name}/{table}:admission", []),
+                   "admission", rank, world)
         collection.step, collection._clock = meta["step"], meta["clock"]
 
 
-def _restore(collection: _Collection, table: str, width: int, tensors: dict | None, admission: bool) -> None:
-    if tensors is None:
-        keys = torch.empty(0, dtype=torch.int64)
-        rows, scores = torch.empty(0, width), torch.empty(0, dtype=torch.int64)
-    elif admission:
-        keys, scores = tensors["keys"], tensors["counts"]
-        rows = torch.empty(keys.numel(), width)
-    else:
-        keys, rows, scores = tensors["keys"], tensors["rows"], tensors["scores"]
-    collection._restore_rows(table, keys, rows, scores, admission=admission)
+def _apply(collection: _Collection, table: str, width: int, out: Path, entries: list, kind: str, rank: int,
+           world: int) -> None:
+    """Each rank reads every ``world``-th file; every rank makes the same number of (collective)
+    restores."""
+    for r in range(-(-len(entries) // world)):
+        i = r * world + rank
+        tensors = load_bytes(_read(out, entries[i])) if i < len(entries) else None
+        _restore(collection, table, width, tensors, kind)
+
+
+def _restore(collection: _Collection, table: str, width: int, tensors: dict | None, kind: str) -> None:
+    keys = torch.empty(0, dtype=torch.int64) if tensors is None else tensors["keys"]
+    if kind == "deleted":
+        collection._delete_rows(table, keys)
+        return
+    rows = torch.empty(keys.numel(), width)
+    scores = torch.empty(0, dtype=torch.int64)
+    if tensors is not None:
+        rows = tensors.get("rows", rows)
+        scores = tensors["counts"] if kind == "admission" else tensors["scores"]
+    collection._restore_rows(table, keys, rows, scores, admission=kind == "admission")
 
 
 def _check_compatible(name: str, collection: _Collection, meta: dict | None, out: Path) -> None:

@@ -392,6 +392,13 @@ class CacheGroup(TableGroup):
             self._keep(keys, self._tables_of(table, keys), rows)
             self._drain()
 
+    def delete_rows(self, table: int, keys: torch.Tensor) -> None:
+        """Remove rows from the cache and the backing store."""
+        if keys.numel():
+            super().delete_rows(table, keys)
+            self._drain()
+            self.below.table(table).delete(keys.to(self.backend_device))
+
     def is_empty(self) -> bool:
         self._drain()
         return self.index.size() == 0 and all(b.size() == 0 for b in self.below.backends)

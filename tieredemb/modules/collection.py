@@ -365,6 +365,15 @@ class _Collection(nn.Module):
             else:
                 group.import_rows(i, keys, rows, scores)
 
+    def _delete_rows(self, table: str, keys: torch.Tensor) -> None:
+        """Remove stored rows (a checkpoint delta's deletions); sharded: a collective."""
+        group, i, _ = self._table(table)
+        keys = keys.to(self.device)
+        with self._mutating():
+            if self.process_group is not None:
+                _, _, _, keys = self._route(table, keys)
+            group.delete_rows(i, keys)
+
     def _is_empty(self) -> bool:
         with self._mutating():
             return all(group.is_empty() for group in self._groups)

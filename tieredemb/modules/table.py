@@ -342,6 +342,11 @@ class TableGroup:
         self.kernels.scatter(self.store, addresses[placed], rows[placed].to(self.device))
         self.index.scores[res.slots[placed]] = scores[placed].to(self.device)
 
+    def delete_rows(self, table: int, keys: torch.Tensor) -> None:
+        """Remove rows (absent keys are ignored); their row addresses go back to the store."""
+        if keys.numel():
+            self.store.free(self.index.erase(keys, self._tables_of(table, keys)))
+
     def admission_counts(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, occurrences) of the keys counted toward admission and not admitted yet."""
         if self.admission is None:
