@@ -155,8 +155,11 @@ def _worker(rank: int, world: int, port: int, module_name: str, tmp: str, device
                 ebc.flush()
                 rows = {t: ebc.export(t) for t in ("t0", "t1", "t2")}
                 read = ebc.read("t0", torch.tensor(POOL[rank::world]))  # a collective read
+                loads = ebc.stats(all_ranks=True)  # every rank's load, gathered on every rank
+                assert loads[rank]["t0"].lookups == ebc.stats()["t0"].lookups
+                lookups = [{t: s[t].lookups for t in s} for s in loads]
                 shard = {t: (r.keys.cpu(), r.weights.cpu(), r.optimizer_state.cpu()) for t, r in rows.items()}
-                result[(optimizer, mode)] = (outs, shard, tuple(x.cpu() for x in read))
+                result[(optimizer, mode)] = (outs, shard, tuple(x.cpu() for x in read), lookups)
                 ebc.close()
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
@@ -172,6 +175,21 @@ def _free_port() -> int:
 def _sorted(keys, weights, state):
     order = torch.argsort(keys)
     return keys[order], torch.cat([weights, state], 1)[order]
+
+
+def check_loads(loads: list, world: int, msg: str) -> None:
+    """``stats(all_ranks=True)`` as each rank got it: the same report everywhere, and every id of
+    every rank's batches served once, by its owner."""
+    assert all(load == loads[0] for load in loads), msg
+    ids = {"t0": 0, "t1": 0, "t2": 0}
+    table_of = {"a": "t0", "b": "t0", "c": "t1", "d": "t2"}
+    for step in range(STEPS):
+        for r in range(world):
+            kjt, b = local_batch(step, r)
+            per_feature = kjt.lengths().view(len(features()), b).sum(1).tolist() if b else [0] * 4
+            for f, n in zip(features(), per_feature):
+                ids[table_of[f]] += n
+    assert {t: sum(load[t] for load in loads[0]) for t in ids} == ids, msg
 
 
 # gloo on CPU everywhere; NCCL on GPUs where the machine has enough of them (scripts/gpu_check.sh)
@@ -225,6 +243,7 @@ def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, w
                 assert torch.equal(keys, want_keys), f"{msg} table {t}: keys (each owned by one rank)"
                 torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6, msg=f"{msg} table {t}")
                 assert all(s[0].numel() for s in shards) or t == "t2", f"{msg}: a rank owns no {t} row"
+            check_loads([results[r][(optimizer, mode)][3] for r in range(world)], world, msg)
             for r in range(world):
                 w, found = results[r][(optimizer, mode)][2]
                 ww, wf = ref.read("t0", torch.tensor(POOL[r::world]))

@@ -31,7 +31,7 @@ from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, ta
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
-from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, TableStats, unique_pairs
+from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
@@ -406,11 +406,19 @@ class _Collection(nn.Module):
         with self._mutating():
             return group.export(i)
 
-    def stats(self) -> dict[str, TableStats]:
+    def stats(self, all_ranks: bool = False):
         """Per table: rows per tier, lookups, hits, misses, evictions, bytes. Sharded: this rank's
-        shard, i.e. its load (lookups it served, rows it holds, bytes it moved)."""
+        shard, i.e. its load (lookups it served, rows it holds, bytes it moved). ``all_ranks``
+        (a collective when sharded): a list with every rank's, so imbalance shows."""
         with self._mutating():
-            return {name: self._groups[g].stats(i) for name, (g, i) in self._where.items()}
+            mine = {name: self._groups[g].stats(i) for name, (g, i) in self._where.items()}
+        if not all_ranks:
+            return mine
+        if self.process_group is None:
+            return [mine]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        return everyone
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
