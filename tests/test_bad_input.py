@@ -262,9 +262,3 @@ def test_over_budget_selects_cache_or_hybrid(table, budget):
     assert hybrid.storage_mode == "hybrid"
     with pytest.raises(ValueError, match="HostMemory"):
         build([table], storage=te.StorageConfig(hbm_budget=budget, caching=False, backing=_DictStore()))
-
-
-def test_max_capacity_in_cache_mode_is_refused():
-    table = te.TableConfig("capped", 16, ["x"], max_capacity=1000)
-    with pytest.raises(NotImplementedError, match="max_capacity"):
-        build([table], storage=te.StorageConfig(hbm_budget=1, backing=_DictStore()))

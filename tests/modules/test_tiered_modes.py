@@ -155,6 +155,44 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
         torch.testing.assert_close(got.rows, want_rows, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backing", ["dict", "rocksdb"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("admission", [None, 2])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_bounded_tables_in_cache_mode_match_hbm_direct(backing, eviction, admission, pipelined,
+                                                       tmp_path) -> None:
+    """max_capacity in cache mode: the table holds the rows an hbm_direct table of that bound holds
+    (the same evictions, across every tier), with a device cache smaller still; a second, unbounded
+    table of the group is unaffected. After flush the store holds exactly the kept rows."""
+    adm = te.FrequencyAdmission(admission) if admission else None
+    tables = [te.TableConfig("t", DIM, ["a"], max_capacity=24, eviction=eviction, admission=adm,
+                             initializer=te.init.Normal(0.0, 0.1)),
+              te.TableConfig("u", DIM, ["b"], num_embeddings=ROWS)]
+    optimizer = te.optim.Adagrad(lr=0.2)
+    row = (DIM + optimizer.state_width(DIM)) * 4
+    store = DictStore() if backing == "dict" else te.storage.RocksDB(str(tmp_path / "db"), shards=2)
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3, storage=te.StorageConfig(
+        hbm_budget=2 * 8 * row, backing=store, bucket_width=8, segment_rows=8))
+    plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3,
+                                      storage=te.StorageConfig(bucket_width=8))
+    assert cached.storage_mode == "cache" and plain.storage_mode == "hbm_direct"
+    batches = zipf_batches(30, 3 if pipelined else 6, seed=21)  # pipelined: fewer keys locked at once
+    for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert cached.stats()["t"].evictions > 0 and plain.stats()["t"].evictions > 0
+    for t in ("t", "u"):
+        got, want = cached.export(t), plain.export(t)
+        go, wo = torch.argsort(got.keys), torch.argsort(want.keys)
+        assert torch.equal(got.keys[go], want.keys[wo]), t  # the same rows kept, the same dropped
+        torch.testing.assert_close(got.weights[go], want.weights[wo], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.optimizer_state[go], want.optimizer_state[wo], rtol=1e-5, atol=1e-6)
+        if t == "t":
+            assert torch.equal(got.scores[go], want.scores[wo])
+    cached.flush()
+    assert cached._groups[0].below.table(0).size() <= 24  # dropped rows were deleted from the store
+    cached.close()
+
+
 def test_conflict_misses_and_shared_scratch_rows() -> None:
     """One bucket of two ways and batches of many keys: most keys are conflict misses, trained in
     scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row."""

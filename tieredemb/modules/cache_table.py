@@ -69,6 +69,7 @@ class CachePrefetch(GroupPrefetch):
 
     write_back: torch.Tensor | None = None
     write_back_tables: torch.Tensor | None = None
+    bound: GroupPrefetch | None = None  # bounded tables: the pairs locked in the capacity index
 
 
 class CacheGroup(TableGroup):
@@ -91,12 +92,19 @@ class CacheGroup(TableGroup):
             Region("lru", None, 256) for _ in configs])
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
-        # (keys, tables, rows) on the backend device, not yet taken by the backends, in order
         # rows written down but not yet confirmed taken by the backing store, in order
         self._unwritten: list[_Pending] = []
         self._write_error: Exception | None = None
         # stores doing host I/O (RocksDB, Redis) take write-downs on their own thread, in order
         self.io = IOWorker(name=f"{'+'.join(self.names)}/backing") if below.io_bound else None
+        # tables with max_capacity: which keys the table holds, in every tier, decided by an index
+        # of exactly hbm_direct's shape (same buckets, scores, locks), so the same rows are stored
+        # and evicted as there; an evicted key's row is dropped from the cache and the store
+        self.bound = None
+        if any(c.max_capacity is not None for c in configs):
+            self.bound = kernels.index_class(bucket_width, device=device, regions=[
+                Region(c.eviction, c.max_capacity, 16) for c in configs])
+            self._bounded = torch.tensor([c.max_capacity is not None for c in configs], device=device)
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
@@ -112,23 +120,29 @@ class CacheGroup(TableGroup):
         # positions are computed once (one host sync each) and reused by index, not by mask
         shared = self.in_flight.find(unique, utab)
         in_pad = (shared >= 0).nonzero().squeeze(1)
-        rest = (shared < 0).nonzero().squeeze(1)
+        self._drain()  # a failed write-down raises here, before anything changes
+        outside, fresh, bound = self._bound_members(unique, utab, counts, step)  # bool (u,) each
+        rest = ((shared < 0) & ~outside).nonzero().squeeze(1)
+        outside = outside.nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest], utab[rest]) >= 0
         miss_of_rest = (~in_cache).nonzero().squeeze(1)
-        miss = rest[miss_of_rest]
+        miss = torch.cat([rest[miss_of_rest], outside])
         with record_function("## cache.fetch ##"):
-            fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: backend's, else
-            # initial. May raise: nothing has changed yet
+            fetched = self._fetch(unique[miss], utab[miss], fresh[miss])  # (m, W) rows: the
+            # store's, else initial (always for keys a bound just took in or keeps out)
         if in_pad.numel():
             pad_slots = shared[in_pad]
             addresses[in_pad] = self.in_flight.values[pad_slots]
             self.in_flight.locks[pad_slots] += 1
-        keep, dropped = rest, empty
+        keep, dropped = rest, outside
         if self.admission is not None:
             store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
-            store[miss_of_rest] = self._count_admission(unique[miss], utab[miss], counts[miss],
-                                                        fetched.found)
-            keep, dropped = rest[store], rest[~store]
+            m = miss[: miss_of_rest.numel()]
+            known = fetched.found[: m.numel()]  # bounded tables: admitted by the capacity index already
+            if self.bound is not None:
+                known = known | self._bounded[utab[m]]
+            store[miss_of_rest] = self._count_admission(unique[m], utab[m], counts[m], known)
+            keep, dropped = rest[store], torch.cat([rest[~store], outside])
         with record_function("## cache.insert ##"):
             res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
                                             tables=utab[keep])
@@ -156,7 +170,51 @@ class CacheGroup(TableGroup):
         owed_pos = torch.cat([in_pad, conflict])
         return CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
                              res.slots[placed] if conflict.numel() else res.slots, self.index.generation,
-                             private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos])
+                             private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos],
+                             bound=bound)
+
+    def _bound_members(self, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor, step: int):
+        """Tables with max_capacity: the batch's pairs go into the capacity index as into an
+        hbm_direct table's (admission first, then insert with eviction, locked); the keys it evicts
+        are dropped from every tier. Returns bool (u,) pairs the table does not store this batch
+        (not admitted, or a full bucket of locked keys), bool (u,) pairs it holds from now on or
+        not at all (their rows start from the initializer, whatever a store still has), and what
+        to unlock at release."""
+        outside = torch.zeros(unique.numel(), dtype=torch.bool, device=self.device)
+        if self.bound is None:
+            return outside, outside, None
+        b = self._bounded[utab].nonzero().squeeze(1)
+        keys, tabs, cnts = unique[b], utab[b], counts[b]
+        if self.admission is not None:
+            admitted = self._count_admission(keys, tabs, cnts, self.bound.find(keys, tabs) >= 0)
+            outside[b[~admitted]] = True
+            b, keys, tabs, cnts = b[admitted], keys[admitted], tabs[admitted], cnts[admitted]
+        res = self.bound.find_or_insert(keys, step, cnts, lock=True, tables=tabs)
+        self._drop(res.evicted_keys, res.evicted_tables)
+        self._count((EVICTIONS, res.evicted_tables, None))
+        placed = (res.slots >= 0).nonzero().squeeze(1)
+        outside[b[(res.slots < 0).nonzero().squeeze(1)]] = True
+        fresh = outside.clone()
+        fresh[b[res.inserted.nonzero().squeeze(1)]] = True
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return outside, fresh, GroupPrefetch(empty, empty, empty, empty, keys[placed], tabs[placed],
+                                             res.slots[placed], self.bound.generation, empty)
+
+    def _held(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """bool (n,): the table holds the pair (always, for a table without max_capacity)."""
+        if self.bound is None:
+            return torch.ones(keys.numel(), dtype=torch.bool, device=keys.device)
+        keys, tables = keys.to(self.device), tables.to(self.device)
+        return (~self._bounded[tables] | (self.bound.find(keys, tables) >= 0))
+
+    def _drop(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Rows a bounded table no longer holds: out of the cache (no write-down) and the store."""
+        if keys.numel() == 0:
+            return
+        freed = self.index.erase(keys, tables)
+        self.store.free(freed)
+        self._drain()  # a queued write-down of the key must not bring it back after the delete
+        self.below.delete(keys.to(self.backend_device), tables.to(self.backend_device))
 
     def _prefetch_eval(self, unique: torch.Tensor, utab: torch.Tensor,
                        inverse: torch.Tensor) -> GroupPrefetch:
@@ -193,15 +251,20 @@ class CacheGroup(TableGroup):
             got = self.below.get(keys, tables)
         else:
             got = self.io.submit(self.below.get, keys, tables).result()
+        if self.bound is not None:  # a row a bounded table dropped may outlive its delete
+            got.found &= self._held(keys, tables).to(got.found.device)
         self._moved[0].index_add_(0, tables, got.found.to(torch.int64))
         return got
 
-    def _fetch(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
-        """Rows of missed pairs on the device: the backend's where it has them, else initial rows.
-        Returns ``rows`` float32 (m, W) and ``found`` bool (m,), on the device."""
+    def _fetch(self, keys: torch.Tensor, tables: torch.Tensor, fresh: torch.Tensor | None = None) -> Fetched:
+        """Rows of missed pairs on the device: the backend's where it has them (and the pair is
+        not ``fresh``), else initial rows. Returns ``rows`` float32 (m, W) and ``found`` bool (m,),
+        on the device."""
         got = self._get(keys, tables)
         rows = got.rows.to(self.device)
         found = got.found.to(self.device)
+        if fresh is not None:
+            found &= ~fresh
         new = (~found).nonzero().squeeze(1)
         if new.numel():
             rows[new] = self._initial_rows(keys[new], tables[new])
@@ -304,6 +367,9 @@ class CacheGroup(TableGroup):
         """Unlock the batch's slots; write down the scratch rows no later batch still shares; drop
         the private ones."""
         super().release(pf)
+        bound = getattr(pf, "bound", None)
+        if bound is not None and not self.bound.unlock_slots(bound.locked_slots, bound.generation):
+            self.bound.unlock(bound.locked, bound.locked_tables)
         owed, otab = pf.write_back, pf.write_back_tables
         if owed is None or owed.numel() == 0:
             return
@@ -333,6 +399,12 @@ class CacheGroup(TableGroup):
         tables = self._tables_of(table, keys)
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
+        if self.bound is not None and self.configs[table].max_capacity is not None:
+            held = self.bound.find_or_insert(keys, step, tables=tables)
+            if bool((held.slots < 0).any()):
+                raise RuntimeError(f"table {self.names[table]!r}: no room for {int((held.slots < 0).sum())} "
+                                   "keys (their buckets are full of rows locked by in-flight batches)")
+            self._drop(held.evicted_keys, held.evicted_tables)
         res = self.index.find_or_insert(keys, step, tables=tables)
         self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         if res.any_miss:
@@ -364,6 +436,13 @@ class CacheGroup(TableGroup):
         return TableRows(k, rows[:, : self.dim], rows[:, self.dim :], sc)
 
     # ------------------------------------------------------------------------------ checkpoints
+    def _scores(self, table: int, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """A bounded table's scores are its capacity index's (the cache's count only its stay)."""
+        if self.bound is None or self.configs[table].max_capacity is None:
+            return scores
+        slots = self.bound.find(keys.to(self.device), self._tables_of(table, keys.to(self.device)))
+        return torch.where(slots >= 0, self.bound.scores[slots.clamp(min=0)], 0).to(scores.device)
+
     def export_chunks(self, table: int, rows: int):
         """Cached rows (with their scores), rows still owed by a batch in flight (a conflict miss's
         scratch row, newer than the store's), then the backing store's other rows (scores 0), in
@@ -372,30 +451,42 @@ class CacheGroup(TableGroup):
         seen = []
         for keys, full, scores in super().export_chunks(table, rows):
             seen.append(keys)
-            yield keys, full, scores
+            yield keys, full, self._scores(table, keys, scores)
         keys, addresses, _ = self.in_flight.export(table)
         for start in range(0, keys.numel(), rows):
             part = slice(start, start + rows)
             seen.append(keys[part])
-            yield keys[part], self.store.gather(addresses[part]), torch.zeros_like(keys[part])
+            yield keys[part], self.store.gather(addresses[part]), self._scores(table, keys[part],
+                                                                              torch.zeros_like(keys[part]))
         seen = torch.cat(seen) if seen else None
         for bkeys, brows in self.below.table(table).scan(rows):
+            keep = self._held(bkeys, self._tables_of(table, bkeys)).to(bkeys.device)
             if seen is not None:
-                fresh = ~torch.isin(bkeys, seen.to(bkeys.device))
-                bkeys, brows = bkeys[fresh], brows[fresh]
+                keep &= ~torch.isin(bkeys, seen.to(bkeys.device))
+            bkeys, brows = bkeys[keep], brows[keep]
             if bkeys.numel():
-                yield bkeys, brows, torch.zeros(bkeys.numel(), dtype=torch.int64, device=bkeys.device)
+                yield bkeys, brows, self._scores(table, bkeys, torch.zeros(bkeys.numel(), dtype=torch.int64,
+                                                                          device=bkeys.device))
 
     def import_rows(self, table: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
-        """Whole rows straight into the backing store (the cache fills as training asks)."""
+        """Whole rows straight into the backing store (the cache fills as training asks); a bounded
+        table's keys and scores into its capacity index."""
         if keys.numel():
-            self._keep(keys, self._tables_of(table, keys), rows)
+            tables = self._tables_of(table, keys)
+            if self.bound is not None and self.configs[table].max_capacity is not None:
+                res = self.bound.find_or_insert(keys, 0, tables=tables)
+                placed = (res.slots >= 0).nonzero().squeeze(1)
+                self.bound.scores[res.slots[placed]] = scores[placed].to(self.device)
+                keys, tables, rows = keys[placed], tables[placed], rows[placed]
+            self._keep(keys, tables, rows)
             self._drain()
 
     def delete_rows(self, table: int, keys: torch.Tensor) -> None:
         """Remove rows from the cache and the backing store."""
         if keys.numel():
             super().delete_rows(table, keys)
+            if self.bound is not None:
+                self.bound.erase(keys, self._tables_of(table, keys))
             self._drain()
             self.below.table(table).delete(keys.to(self.backend_device))
 

@@ -516,10 +516,6 @@ def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]]
     if mode == "hybrid":
         return [TableGroup([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
                 for m in members]
-    for t in tables:
-        if t.max_capacity is not None:
-            raise NotImplementedError(f"table {t.name!r}: max_capacity in cache mode (a bound over all "
-                                      "tiers) is not built yet; use hbm_direct or hybrid mode")
     out = []
     for m in members:
         width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)

@@ -104,6 +104,10 @@ class GroupStore:
         for t, pos in self._by_table(tables):
             self.backends[t].set(keys[pos], rows[pos])
 
+    def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        for t, pos in self._by_table(tables):
+            self.backends[t].delete(keys[pos])
+
     def table(self, t: int) -> Backend:
         return self.backends[t]
 

@@ -242,6 +242,9 @@ class HostMemoryGroup(GroupStore):
         else:
             self.rows.set(keys, rows, tables)
 
+    def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        self.rows.delete(keys, tables)
+
     def close(self) -> None:
         self.rows.close()
 
