@@ -324,3 +324,34 @@ def test_host_memory_keeps_several_tables_apart() -> None:
             scanned = list(group.table(t).scan(7))
             assert torch.equal(torch.cat([k for k, _ in scanned]), next(ref.scan(10**6))[0])
             assert torch.equal(torch.cat([r for _, r in scanned]), next(ref.scan(10**6))[1])
+
+
+def test_rocksdb_group_answers_like_one_backend_per_table(tmp_path) -> None:
+    """A group's RocksDB tables in one call (one fan-out over the shards): the same rows as calling
+    each table's backend, the same keys in two tables kept apart, the last of a repeated pair kept."""
+    from tieredemb.storage.backend import DictBackend
+    from tieredemb.storage.rocksdb import RocksDBGroup
+
+    group = te.storage.RocksDB(str(tmp_path / "db"), shards=3).open_group(["a", "b", "c"], 5,
+                                                                         torch.device("cpu"))
+    assert isinstance(group, RocksDBGroup)
+    refs = [DictBackend(5) for _ in range(3)]
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for _ in range(5):
+            keys = torch.randint(-30, 30, (50,), generator=gen)
+            tables = torch.randint(0, 3, (50,), generator=gen)
+            rows = torch.randn(50, 5, generator=gen)
+            group.set(keys, tables, rows)
+            for t, ref in enumerate(refs):
+                ref.set(keys[tables == t], rows[tables == t])
+            probe = torch.arange(-32, 32).repeat(3)
+            ptables = torch.arange(3).repeat_interleave(64)
+            got = group.get(probe, ptables)
+            for t, ref in enumerate(refs):
+                want = ref.get(probe[ptables == t])
+                assert torch.equal(got.found[ptables == t], want.found)
+                assert torch.equal(got.rows[ptables == t], want.rows)
+                assert group.table(t).size() == ref.size()
+    finally:
+        group.close()

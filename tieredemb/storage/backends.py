@@ -137,6 +137,15 @@ class RocksDB(BackendSpec):
             self._open["store"] = store
         return _with_cache(store.open_table(table, width, self.existing), self.cache_rows, device)
 
+    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
+        """Without a DRAM cache in front: one fan-out to the shard threads per call for the whole
+        group (``RocksDBGroup``); with one, table by table through the caches."""
+        if self.cache_rows:
+            return super().open_group(tables, width, device)
+        from tieredemb.storage.rocksdb import RocksDBGroup
+
+        return RocksDBGroup([self.open(t, width, device) for t in tables])
+
 
 @dataclass(frozen=True)
 class Redis(BackendSpec):

@@ -38,7 +38,7 @@ import torch
 from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
 
 from tieredemb.init import splitmix64
-from tieredemb.storage.backend import Backend, Fetched
+from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.codec import decode_keys, decode_rows, encode_keys, key_bytes, row_bytes
 from tieredemb.storage.errors import BackendError, ExistingRowsError
 
@@ -341,3 +341,73 @@ class RocksDBBackend(Backend):
     def _chunk(self, keys: list[bytes], values: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, _ = decode_rows(values, self.width, self._where)
         return decode_keys(keys), rows
+
+
+class RocksDBGroup(GroupStore):
+    """A table group's RocksDB tables (column families of one store) answered together: a ``get`` or
+    ``set`` is one fan-out to the shard threads for all the group's tables (a multi-get per column
+    family, one write batch per shard across them), not one per table."""
+
+    def __init__(self, backends: list[RocksDBBackend]) -> None:
+        super().__init__(backends)
+        self.store = backends[0].store
+        self._where = f"RocksDB tables {[b.table for b in backends]} of {self.store.path}"
+
+    def _plan(self, keys: torch.Tensor, tables: torch.Tensor):
+        """(order: positions sorted by (shard, table, key), per shard [(table, encoded keys)])."""
+        enc = encode_keys(keys)
+        tabs = tables.numpy()
+        shard = shard_of(keys, self.store.shards)
+        order = np.lexsort((enc, tabs, shard))
+        sorted_enc, sorted_tab, sorted_shard = enc[order], tabs[order], shard[order]
+        # runs of one (shard, table)
+        cut = np.flatnonzero((np.diff(sorted_shard) != 0) | (np.diff(sorted_tab) != 0)) + 1
+        bounds = np.concatenate([[0], cut, [len(order)]])
+        plan: dict[int, list[tuple[int, np.ndarray, int, int]]] = {}
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                plan.setdefault(int(sorted_shard[a]), []).append((int(sorted_tab[a]), sorted_enc[a:b], a, b))
+        return order, plan
+
+    def _fan_out(self, fn, plan: dict) -> list:
+        futures = [self.store.pool.submit(fn, shard, runs) for shard, runs in plan.items()]
+        return [f.result() for f in futures]
+
+    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        keys, tables = keys.reshape(-1).to(torch.int64).cpu(), tables.reshape(-1).to(torch.int64).cpu()
+        n = keys.numel()
+        rows = torch.zeros(n, self.width)
+        found = torch.zeros(n, dtype=torch.bool)
+        if n == 0:
+            return Fetched(rows, found)
+        order, plan = self._plan(keys, tables)
+
+        def read(shard: int, runs) -> list:
+            return [(a, b, self.backends[t]._families[shard].get(key_bytes(enc))) for t, enc, a, b in runs]
+
+        with self.store._errors("get"):
+            parts = [part for shard_parts in self._fan_out(read, plan) for part in shard_parts]
+            idx = torch.from_numpy(order)
+            for a, b, values in parts:
+                r, f = decode_rows(values, self.width, self._where)
+                rows[idx[a:b]], found[idx[a:b]] = r, f
+        return Fetched(rows, found)
+
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+            distinct: bool = False) -> None:
+        keys, tables = keys.reshape(-1).to(torch.int64).cpu(), tables.reshape(-1).to(torch.int64).cpu()
+        if keys.numel() == 0:
+            return
+        order, plan = self._plan(keys, tables)
+        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)])
+
+        def write(shard: int, runs) -> None:
+            batch = WriteBatch(raw_mode=True)
+            for t, enc, a, b in runs:  # a key given twice keeps its last row: lexsort is stable
+                handle = self.backends[t]._handles[shard]
+                for k, v in zip(key_bytes(enc), values[a:b]):
+                    batch.put(k, v, handle)
+            self.store.dbs[shard].write(batch, self.store.write_options)
+
+        with self.store._errors("set"):
+            self._fan_out(write, plan)
