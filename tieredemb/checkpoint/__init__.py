@@ -18,9 +18,13 @@ Files are safetensors (no pickle anywhere: loading a checkpoint runs no code). R
 chunk at a time: a chunk and its serialized copy fit in ``buffer_bytes`` (256 MiB by default),
 whatever the table size. A save goes
 into a new version directory, every file fsynced, and only then does ``LATEST`` move to it (write,
-fsync, ``os.replace``): a crash at any point leaves the previous version loadable. The previous
-version is removed after. A file whose size or SHA-256 differs from the manifest is refused with
-``CheckpointError`` naming it.
+fsync, ``os.replace``): a crash at any point leaves the previous version loadable. Versions the new
+one does not build on are removed after. A file whose size or SHA-256 differs from the manifest is
+refused with ``CheckpointError`` naming it.
+
+``save(..., base=version)`` writes a delta: the rows changed since ``version`` (found by a hash of
+each row and score) and ``r<rank>-deleted`` files of the keys lost since; its manifest names its
+base, and ``load`` applies the chain from the full version on.
 
 Loading routes every row to its owner under the loading collection's process group, so a checkpoint
 saved by N ranks loads into M ranks, into another storage mode, cache size or backing store: each
