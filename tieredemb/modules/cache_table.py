@@ -41,6 +41,7 @@ from tieredemb.modules.table import (
     TableGroup,
     TableRows,
     TableStats,
+    contested,
     unique_pairs,
 )
 from tieredemb.ops.reference import TorchKernels
@@ -121,7 +122,7 @@ class CacheGroup(TableGroup):
         shared = self.in_flight.find(unique, utab)
         in_pad = (shared >= 0).nonzero().squeeze(1)
         self._drain()  # a failed write-down raises here, before anything changes
-        outside, fresh, bound = self._bound_members(unique, utab, counts, step)  # bool (u,) each
+        outside, fresh, bound, deferring = self._bound_members(unique, utab, counts, step)
         rest = ((shared < 0) & ~outside).nonzero().squeeze(1)
         outside = outside.nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest], utab[rest]) >= 0
@@ -164,31 +165,68 @@ class CacheGroup(TableGroup):
         self._register_owed(unique[conflict], utab[conflict], owed)
         hit = torch.ones(unique.numel(), dtype=torch.bool, device=dev)
         hit[miss] = False  # in the cache or a scratch pad
+        refused = dropped if deferring is None else dropped[~torch.isin(dropped, deferring)]
         self._count((UNIQUE, utab, None), (HITS, utab, hit), (MISSES, utab[miss], None),
                     (CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
-                    (NOT_ADMITTED, utab[dropped], None))
+                    (NOT_ADMITTED, utab[refused], None))
         owed_pos = torch.cat([in_pad, conflict])
-        return CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
-                             res.slots[placed] if conflict.numel() else res.slots, self.index.generation,
-                             private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos],
-                             bound=bound)
+        pf = CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
+                           res.slots[placed] if conflict.numel() else res.slots, self.index.generation,
+                           private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos],
+                           bound=bound)
+        if deferring is not None:
+            pf.deferred = (deferring, step, counts[deferring])
+            self._pending.append(pf)
+        return pf
+
+    def settle(self, pf: GroupPrefetch) -> None:
+        """Bounded tables: the deferred keys go into the capacity index now (evicting as a plain
+        loop would); those placed keep their scratch rows for the batch, now owed to the store
+        (written down at release, like a conflict miss's), instead of dropped."""
+        if pf.deferred is None:
+            return
+        pos, step, counts = pf.deferred
+        pf.deferred = None
+        self._pending.remove(pf)
+        keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
+        res = self.bound.find_or_insert(keys, step, counts, lock=True, tables=tables)
+        self._drop(res.evicted_keys, res.evicted_tables)
+        self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
+        placed = (res.slots >= 0).nonzero().squeeze(1)
+        if placed.numel() == 0:
+            return
+        keys, tables, scratch = keys[placed], tables[placed], pf.addresses[pos[placed]]
+        pf.scratch = pf.scratch[~torch.isin(pf.scratch, scratch)]
+        self._register_owed(keys, tables, scratch)
+        pf.write_back = torch.cat([pf.write_back, keys])
+        pf.write_back_tables = torch.cat([pf.write_back_tables, tables])
+        pf.bound.locked = torch.cat([pf.bound.locked, keys])
+        pf.bound.locked_tables = torch.cat([pf.bound.locked_tables, tables])
+        pf.bound.generation = -1  # slots of two moments: release unlocks by key
 
     def _bound_members(self, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor, step: int):
         """Tables with max_capacity: the batch's pairs go into the capacity index as into an
         hbm_direct table's (admission first, then insert with eviction, locked); the keys it evicts
         are dropped from every tier. Returns bool (u,) pairs the table does not store this batch
         (not admitted, or a full bucket of locked keys), bool (u,) pairs it holds from now on or
-        not at all (their rows start from the initializer, whatever a store still has), and what
-        to unlock at release."""
+        not at all (their rows start from the initializer, whatever a store still has), what to
+        unlock at release, and the positions whose insertion waits for an earlier batch (or None)."""
         outside = torch.zeros(unique.numel(), dtype=torch.bool, device=self.device)
         if self.bound is None:
-            return outside, outside, None
+            return outside, outside, None, None
         b = self._bounded[utab].nonzero().squeeze(1)
         keys, tabs, cnts = unique[b], utab[b], counts[b]
         if self.admission is not None:
             admitted = self._count_admission(keys, tabs, cnts, self.bound.find(keys, tabs) >= 0)
             outside[b[~admitted]] = True
             b, keys, tabs, cnts = b[admitted], keys[admitted], tabs[admitted], cnts[admitted]
+        wait = contested(self.bound, keys, tabs)  # inserted when the batch holding their bucket goes
+        deferring = None
+        if wait is not None:
+            deferring = b[wait]
+            outside[deferring] = True
+            now = (~wait).nonzero().squeeze(1)
+            b, keys, tabs, cnts = b[now], keys[now], tabs[now], cnts[now]
         res = self.bound.find_or_insert(keys, step, cnts, lock=True, tables=tabs)
         self._drop(res.evicted_keys, res.evicted_tables)
         self._count((EVICTIONS, res.evicted_tables, None))
@@ -198,7 +236,7 @@ class CacheGroup(TableGroup):
         fresh[b[res.inserted.nonzero().squeeze(1)]] = True
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return outside, fresh, GroupPrefetch(empty, empty, empty, empty, keys[placed], tabs[placed],
-                                             res.slots[placed], self.bound.generation, empty)
+                                             res.slots[placed], self.bound.generation, empty), deferring
 
     def _held(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """bool (n,): the table holds the pair (always, for a table without max_capacity)."""
@@ -365,22 +403,23 @@ class CacheGroup(TableGroup):
     # ---------------------------------------------------------------------------------- release
     def release(self, pf: GroupPrefetch) -> None:
         """Unlock the batch's slots; write down the scratch rows no later batch still shares; drop
-        the private ones."""
-        super().release(pf)
+        the private ones; then the later batches' deferred insertions (after the write-downs: a
+        key they evict must not be written back after its delete)."""
         bound = getattr(pf, "bound", None)
         if bound is not None and not self.bound.unlock_slots(bound.locked_slots, bound.generation):
             self.bound.unlock(bound.locked, bound.locked_tables)
+        self._release_own(pf)
         owed, otab = pf.write_back, pf.write_back_tables
-        if owed is None or owed.numel() == 0:
-            return
-        slots = self.in_flight.find(owed, otab)
-        self.in_flight.locks[slots] -= 1
-        done = self.in_flight.locks[slots] == 0
-        if bool(done.any()):
-            dkeys, dtab = owed[done], otab[done]
-            addresses = self.in_flight.erase(dkeys, dtab)
-            self._write_down(dkeys, dtab, addresses)
-            self.store.free(addresses)
+        if owed is not None and owed.numel():
+            slots = self.in_flight.find(owed, otab)
+            self.in_flight.locks[slots] -= 1
+            done = self.in_flight.locks[slots] == 0
+            if bool(done.any()):
+                dkeys, dtab = owed[done], otab[done]
+                addresses = self.in_flight.erase(dkeys, dtab)
+                self._write_down(dkeys, dtab, addresses)
+                self.store.free(addresses)
+        self._settle_pending()
 
     # ------------------------------------------------------------------------------ row access
     def read(self, table: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,6 +209,8 @@ class _Collection(nn.Module):
         and forward see batches in the same order. Without a pending prefetch, resolve now."""
         with self._mutating():
             state = self._take_prefetched_locked(kjt)
+            for group, gpf in zip(self._groups, state.groups):  # deferred insertions, if still due
+                group.settle(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
         if self.device.type == "cuda":
             _hand_over(state, torch.cuda.current_stream(self.device))
         return state

@@ -78,6 +78,9 @@ class GroupPrefetch:
     locked_slots: torch.Tensor
     generation: int
     scratch: torch.Tensor
+    # bounded tables under a pipeline: misses whose bucket held rows of an earlier batch still in
+    # flight, placed when that batch is released (as a plain loop would): (positions, step, counts)
+    deferred: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
 
 # columns of the per-table device counters
@@ -113,6 +116,19 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
         counts = torch.zeros(starts.numel(), dtype=torch.int64, device=ids.device)
         counts.index_add_(0, inverse, occurrences)
     return skeys[starts], stables[starts], inverse, counts
+
+
+def contested(index, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
+    """bool (k,): keys absent from a bounded region whose bucket holds rows locked by an earlier
+    batch still in flight. A plain loop would insert them after that batch's release, choosing
+    victims among its rows too; so their insertion waits for it (``settle``). None: no such key."""
+    if not index.bounded or keys.numel() == 0:
+        return None
+    bucket = index._bucket(keys, tables)
+    ways = bucket[:, None] * index.width + torch.arange(index.width, device=keys.device)[None, :]
+    held = (index.locks[ways] > 0).any(dim=1) & index.bucket_evictable[bucket]
+    out = held & (index.find(keys, tables) < 0)
+    return out if bool(out.any()) else None
 
 
 class TableGroup:
@@ -165,6 +181,7 @@ class TableGroup:
         self._inits = [(init, None if len(inits) == 1 else torch.tensor(ts, device=device))
                        for init, ts in inits.items()]
         self.lookups = [0] * len(configs)  # ids looked up, per table (known on the host)
+        self._pending: list[GroupPrefetch] = []  # batches with deferred insertions, oldest first
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
 
     def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
@@ -195,6 +212,18 @@ class TableGroup:
             keys, ktab, kcounts = unique, utab, counts
         else:
             keys, ktab, kcounts = unique[store], utab[store], counts[store]
+        admitted = store
+        contested = self._contested(keys, ktab)
+        deferred = None
+        if contested is not None:
+            stored_pos = torch.arange(unique.numel(), device=self.device) if store is None else \
+                store.nonzero().squeeze(1)
+            deferred = stored_pos[contested]
+            keep = (~contested).nonzero().squeeze(1)
+            keys, ktab, kcounts = keys[keep], ktab[keep], kcounts[keep]
+            store = torch.zeros(unique.numel(), dtype=torch.bool, device=self.device)
+            store[stored_pos[keep]] = True
+            self._count((MISSES, utab[deferred], None))
         res = self.index.find_or_insert(keys, step, kcounts, lock=True, tables=ktab)
         addresses = self._place_new(keys, ktab, res)  # (k,), -1 for conflict misses
         placed = res.slots >= 0
@@ -212,7 +241,8 @@ class TableGroup:
         stored_pos = torch.arange(unique.numel(), device=self.device)
         if store is not None:
             stored_pos = store.nonzero().squeeze(1)
-            self._count((NOT_ADMITTED, utab, ~store))
+        if admitted is not None:
+            self._count((NOT_ADMITTED, utab, ~admitted))
         all_addr[stored_pos] = addresses
         scratch_pos = stored_pos[~placed]
         if store is not None:
@@ -220,8 +250,42 @@ class TableGroup:
         scratch = self.store.allocate(scratch_pos.numel())
         all_addr[scratch_pos] = scratch
         self._initialize(unique[scratch_pos], utab[scratch_pos], scratch)
-        return GroupPrefetch(unique, utab, inverse, all_addr, keys[placed], ktab[placed],
-                             res.slots[placed], generation, scratch)
+        pf = GroupPrefetch(unique, utab, inverse, all_addr, keys[placed], ktab[placed], res.slots[placed],
+                           generation, scratch)
+        if deferred is not None:
+            pf.deferred = (deferred, step, counts[deferred])
+            self._pending.append(pf)
+        return pf
+
+    def _contested(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
+        return contested(self.index, keys, tables)
+
+    def settle(self, pf: GroupPrefetch) -> None:
+        """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
+        values of their scratch rows, and the batch's addresses move there. Keys still without
+        room keep their scratch rows for the batch (conflict misses, as in a plain loop)."""
+        if pf.deferred is None:
+            return
+        pos, step, counts = pf.deferred
+        pf.deferred = None
+        self._pending.remove(pf)
+        keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
+        res = self.index.find_or_insert(keys, step, counts, lock=True, tables=tables)
+        placed = (res.slots >= 0).nonzero().squeeze(1)
+        self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
+        if placed.numel() == 0:
+            return
+        if res.any_miss:
+            self._give_rows(res)
+        rows = self._slot_rows(res)[placed]
+        scratch = pf.addresses[pos[placed]]
+        self.kernels.scatter(self.store, rows, self.store.gather(scratch))
+        pf.addresses[pos[placed]] = rows
+        pf.scratch = pf.scratch[~torch.isin(pf.scratch, scratch)]
+        self.store.free(scratch)
+        pf.locked = torch.cat([pf.locked, keys[placed]])
+        pf.locked_tables = torch.cat([pf.locked_tables, tables[placed]])
+        pf.generation = -1  # slots of two moments: release unlocks by key
 
     def _place_new(self, keys: torch.Tensor, tables: torch.Tensor, res: InsertResult) -> torch.Tensor:
         """Rows for the keys ``res`` inserted (a victim's row when one was evicted, else a fresh
@@ -285,10 +349,22 @@ class TableGroup:
             self.kernels.scatter(self.store, addresses, self._initial_rows(keys, tables))
 
     def release(self, pf: GroupPrefetch) -> None:
-        """Unlock the batch's slots and free its scratch rows."""
+        """Unlock the batch's slots and free its scratch rows; then the later batches' deferred
+        insertions take place (their buckets no longer hold this batch's rows)."""
+        self._release_own(pf)
+        self._settle_pending()
+
+    def _release_own(self, pf: GroupPrefetch) -> None:
+        if pf.deferred is not None:  # never forwarded: nothing to insert
+            pf.deferred = None
+            self._pending.remove(pf)
         if not self.index.unlock_slots(pf.locked_slots, pf.generation):
             self.index.unlock(pf.locked, pf.locked_tables)  # rehashed since: find the keys again
         self.store.free(pf.scratch)
+
+    def _settle_pending(self) -> None:
+        for later in list(self._pending):
+            self.settle(later)
 
     # ------------------------------------------------------------------------------ row access
     def _tables_of(self, table: int, keys: torch.Tensor) -> torch.Tensor:
