@@ -6,8 +6,11 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--scale S] [--steps N] [--cache-scale S] [--cache-steps N]
+#                        [--dist] [--scale S] [--steps N] [--cache-scale S] [--cache-steps N]
 #                        [-- MORE HBM BENCH ARGS]
+#
+# --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k cuda,
+# and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
 #
 # Runs from a plain checkout: the project is not installed there, so PYTHONPATH points at it.
 set -o pipefail
@@ -18,6 +21,7 @@ OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
 
 run_tests=1
+run_dist=0
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -32,6 +36,7 @@ while [ $# -gt 0 ]; do
         --bench-only) run_tests=0 ;;
         --tests-only) run_bench=0 ;;
         --profile) run_profile=1 ;;
+        --dist) run_dist=1 ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -56,6 +61,18 @@ echo "== machine"
 nvidia-smi -L
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")'
+
+if [ "$run_dist" = 1 ]; then
+    gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    echo "== tests/distributed on NCCL ($gpus GPUs)"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed -k cuda 2>&1 | tail -n 3
+    worlds=1,2
+    [ "$gpus" -ge 4 ] && worlds=1,2,4
+    echo "== bench dist --gpus $worlds"
+    timeout 240 python3 -m tieredemb.cli bench dist --gpus "$worlds" --scale 0.25 --steps 30 \
+        --out "$OUT" 2>&1 | grep -v -i warn | tail -n 8
+    exit 0
+fi
 
 status=0
 gpu_rc=skipped
