@@ -455,3 +455,35 @@ def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread) -> None:
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_fetch_leaves_a_bounded_cache_table_unchanged() -> None:
+    """max_capacity in cache mode: a fetch that fails raises before the capacity index or the cache
+    change (no lock held, no key taken in without its row); training then goes on as hbm_direct."""
+    tables = [te.TableConfig("t", DIM, ["a"], max_capacity=16, initializer=te.init.Normal(0.0, 0.1)),
+              te.TableConfig("u", DIM, ["b"], num_embeddings=ROWS)]
+    optimizer = te.optim.SGD(lr=0.3)
+    store = FlakyStore()
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3, storage=te.StorageConfig(
+        hbm_budget=2 * 4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8))
+    plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3,
+                                      storage=te.StorageConfig(bucket_width=4))
+    batches = zipf_batches(10, 5, seed=2)
+    for kjt in batches[:5]:
+        for ebc in (cached, plain):
+            ebc(kjt).values().sum().backward()
+    (group,) = cached._groups
+    before = [t.clone() for t in (group.bound.keys, group.bound.scores, group.bound.locks, group.index.keys)]
+    store.failing["get"] = True
+    with pytest.raises(te.storage.BackendError):
+        cached(batches[5])
+    after = (group.bound.keys, group.bound.scores, group.bound.locks, group.index.keys)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the failed call changed the tables"
+    store.failing["get"] = False
+    for kjt in batches[5:]:
+        for ebc in (cached, plain):
+            ebc(kjt).values().sum().backward()
+    for t in ("t", "u"):
+        got, want = sorted_rows(cached.export(t)), sorted_rows(plain.export(t))
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])

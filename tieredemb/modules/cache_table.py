@@ -121,25 +121,37 @@ class CacheGroup(TableGroup):
         # positions are computed once (one host sync each) and reused by index, not by mask
         shared = self.in_flight.find(unique, utab)
         in_pad = (shared >= 0).nonzero().squeeze(1)
-        self._drain()  # a failed write-down raises here, before anything changes
-        outside, fresh, bound, deferring = self._bound_members(unique, utab, counts, step)
-        rest = ((shared < 0) & ~outside).nonzero().squeeze(1)
-        outside = outside.nonzero().squeeze(1)
+        rest = (shared < 0).nonzero().squeeze(1)
         in_cache = self.index.find(unique[rest], utab[rest]) >= 0
-        miss_of_rest = (~in_cache).nonzero().squeeze(1)
-        miss = torch.cat([rest[miss_of_rest], outside])
+        miss = rest[(~in_cache).nonzero().squeeze(1)]
         with record_function("## cache.fetch ##"):
-            fetched = self._fetch(unique[miss], utab[miss], fresh[miss])  # (m, W) rows: the
-            # store's, else initial (always for keys a bound just took in or keeps out)
+            fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
+            # initial. May raise (a failed write-down or fetch): nothing has changed yet
+        # bounded tables: which pairs the table holds from now on (keys it did not hold start from
+        # their initial row, whatever a store still has); pairs it keeps out get private rows
+        outside, fresh, bound, deferring = self._bound_members(unique, utab, counts, step)
+        if bound is not None:
+            renew = fresh[miss].nonzero().squeeze(1)
+            if renew.numel():
+                fetched.rows[renew] = self._initial_rows(unique[miss[renew]], utab[miss[renew]])
+                fetched.found[renew] = False
+            inside = (~outside[rest]).nonzero().squeeze(1)
+            rest, in_cache = rest[inside], in_cache[inside]
+            outside = outside.nonzero().squeeze(1)
+        else:
+            outside = empty
+        miss_of_rest = (~in_cache).nonzero().squeeze(1)
         if in_pad.numel():
             pad_slots = shared[in_pad]
             addresses[in_pad] = self.in_flight.values[pad_slots]
             self.in_flight.locks[pad_slots] += 1
         keep, dropped = rest, outside
+        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        row_of[miss] = torch.arange(miss.numel(), device=dev)
         if self.admission is not None:
             store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
-            m = miss[: miss_of_rest.numel()]
-            known = fetched.found[: m.numel()]  # bounded tables: admitted by the capacity index already
+            m = rest[miss_of_rest]
+            known = fetched.found[row_of[m]]  # bounded tables: admitted by the capacity index already
             if self.bound is not None:
                 known = known | self._bounded[utab[m]]
             store[miss_of_rest] = self._count_admission(unique[m], utab[m], counts[m], known)
@@ -150,8 +162,6 @@ class CacheGroup(TableGroup):
         with record_function("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         placed = (res.slots >= 0).nonzero().squeeze(1)
-        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-        row_of[miss] = torch.arange(miss.numel(), device=dev)
         self._fill_inserted(res, fetched.rows, row_of[keep])
         if placed.numel() == keep.numel():  # no conflict miss: every kept key got a cache row
             placed_keys, conflict = keep, empty
@@ -294,15 +304,12 @@ class CacheGroup(TableGroup):
         self._moved[0].index_add_(0, tables, got.found.to(torch.int64))
         return got
 
-    def _fetch(self, keys: torch.Tensor, tables: torch.Tensor, fresh: torch.Tensor | None = None) -> Fetched:
-        """Rows of missed pairs on the device: the backend's where it has them (and the pair is
-        not ``fresh``), else initial rows. Returns ``rows`` float32 (m, W) and ``found`` bool (m,),
-        on the device."""
+    def _fetch(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        """Rows of missed pairs on the device: the backend's where it has them, else initial rows.
+        Returns ``rows`` float32 (m, W) and ``found`` bool (m,), on the device."""
         got = self._get(keys, tables)
         rows = got.rows.to(self.device)
         found = got.found.to(self.device)
-        if fresh is not None:
-            found &= ~fresh
         new = (~found).nonzero().squeeze(1)
         if new.numel():
             rows[new] = self._initial_rows(keys[new], tables[new])
