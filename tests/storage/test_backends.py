@@ -304,23 +304,12 @@ def test_host_memory_keeps_several_tables_apart() -> None:
     refs = [DictBackend(3) for _ in range(3)]
     gen = torch.Generator().manual_seed(4)
     for _ in range(6):
-        keys = torch.randint(-20, 20, (40,), generator=gen)  # repeats: the last row of a pair wins
-        tables = torch.randint(0, 3, (40,), generator=gen)
-        rows = torch.randn(40, 3, generator=gen)
-        group.set(keys, tables, rows)
-        for t, ref in enumerate(refs):
-            ref.set(keys[tables == t], rows[tables == t])
+        _set_both(group, refs, gen, span=20, n=40)
         gone = torch.randint(-20, 20, (5,), generator=gen)
         group.table(1).delete(gone)
         refs[1].delete(gone)
-        probe = torch.arange(-22, 22).repeat(3)
-        ptables = torch.arange(3).repeat_interleave(44)
-        got = group.get(probe, ptables)
+        _compare(group, refs, span=22)
         for t, ref in enumerate(refs):
-            want = ref.get(probe[ptables == t])
-            assert torch.equal(got.found[ptables == t], want.found)
-            assert torch.equal(got.rows[ptables == t], want.rows)
-            assert group.table(t).size() == ref.size()
             scanned = list(group.table(t).scan(7))
             assert torch.equal(torch.cat([k for k, _ in scanned]), next(ref.scan(10**6))[0])
             assert torch.equal(torch.cat([r for _, r in scanned]), next(ref.scan(10**6))[1])
@@ -339,19 +328,30 @@ def test_rocksdb_group_answers_like_one_backend_per_table(tmp_path) -> None:
     gen = torch.Generator().manual_seed(9)
     try:
         for _ in range(5):
-            keys = torch.randint(-30, 30, (50,), generator=gen)
-            tables = torch.randint(0, 3, (50,), generator=gen)
-            rows = torch.randn(50, 5, generator=gen)
-            group.set(keys, tables, rows)
-            for t, ref in enumerate(refs):
-                ref.set(keys[tables == t], rows[tables == t])
-            probe = torch.arange(-32, 32).repeat(3)
-            ptables = torch.arange(3).repeat_interleave(64)
-            got = group.get(probe, ptables)
-            for t, ref in enumerate(refs):
-                want = ref.get(probe[ptables == t])
-                assert torch.equal(got.found[ptables == t], want.found)
-                assert torch.equal(got.rows[ptables == t], want.rows)
-                assert group.table(t).size() == ref.size()
+            _set_both(group, refs, gen, span=30, n=50)
+            _compare(group, refs, span=32)
     finally:
         group.close()
+
+
+def _set_both(group, refs, gen: torch.Generator, span: int, n: int) -> None:
+    """The same upsert (keys in [-span, span), repeats included: the last row of a pair wins) to a
+    group store and to one reference backend per table."""
+    keys = torch.randint(-span, span, (n,), generator=gen)
+    tables = torch.randint(0, len(refs), (n,), generator=gen)
+    rows = torch.randn(n, refs[0].width, generator=gen)
+    group.set(keys, tables, rows)
+    for t, ref in enumerate(refs):
+        ref.set(keys[tables == t], rows[tables == t])
+
+
+def _compare(group, refs, span: int) -> None:
+    """Every key in [-span, span) of every table answers as the table's reference does."""
+    probe = torch.arange(-span, span).repeat(len(refs))
+    ptables = torch.arange(len(refs)).repeat_interleave(2 * span)
+    got = group.get(probe, ptables)
+    for t, ref in enumerate(refs):
+        want = ref.get(probe[ptables == t])
+        assert torch.equal(got.found[ptables == t], want.found)
+        assert torch.equal(got.rows[ptables == t], want.rows)
+        assert group.table(t).size() == ref.size()

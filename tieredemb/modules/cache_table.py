@@ -193,18 +193,11 @@ class CacheGroup(TableGroup):
         """Bounded tables: the deferred keys go into the capacity index now (evicting as a plain
         loop would); those placed keep their scratch rows for the batch, now owed to the store
         (written down at release, like a conflict miss's), instead of dropped."""
-        if pf.deferred is None:
+        taken = self._insert_deferred(pf, self.bound)
+        if taken is None:
             return
-        pos, step, counts = pf.deferred
-        pf.deferred = None
-        self._pending.remove(pf)
-        keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
-        res = self.bound.find_or_insert(keys, step, counts, lock=True, tables=tables)
+        pos, keys, tables, res, placed = taken
         self._drop(res.evicted_keys, res.evicted_tables)
-        self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
-        placed = (res.slots >= 0).nonzero().squeeze(1)
-        if placed.numel() == 0:
-            return
         keys, tables, scratch = keys[placed], tables[placed], pf.addresses[pos[placed]]
         pf.scratch = pf.scratch[~torch.isin(pf.scratch, scratch)]
         self._register_owed(keys, tables, scratch)

@@ -264,17 +264,10 @@ class TableGroup:
         """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
         values of their scratch rows, and the batch's addresses move there. Keys still without
         room keep their scratch rows for the batch (conflict misses, as in a plain loop)."""
-        if pf.deferred is None:
+        taken = self._insert_deferred(pf, self.index)
+        if taken is None:
             return
-        pos, step, counts = pf.deferred
-        pf.deferred = None
-        self._pending.remove(pf)
-        keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
-        res = self.index.find_or_insert(keys, step, counts, lock=True, tables=tables)
-        placed = (res.slots >= 0).nonzero().squeeze(1)
-        self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
-        if placed.numel() == 0:
-            return
+        pos, keys, tables, res, placed = taken
         if res.any_miss:
             self._give_rows(res)
         rows = self._slot_rows(res)[placed]
@@ -286,6 +279,21 @@ class TableGroup:
         pf.locked = torch.cat([pf.locked, keys[placed]])
         pf.locked_tables = torch.cat([pf.locked_tables, tables[placed]])
         pf.generation = -1  # slots of two moments: release unlocks by key
+
+    def _insert_deferred(self, pf: GroupPrefetch, index):
+        """Insert ``pf``'s deferred keys into ``index`` (locked, with the batch's step and counts)
+        and forget they were deferred. Returns (positions in the batch, keys, tables, the insert
+        result, positions of the placed ones among them), or None when none was placed."""
+        if pf.deferred is None:
+            return None
+        pos, step, counts = pf.deferred
+        pf.deferred = None
+        self._pending.remove(pf)
+        keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
+        res = index.find_or_insert(keys, step, counts, lock=True, tables=tables)
+        self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
+        placed = (res.slots >= 0).nonzero().squeeze(1)
+        return (pos, keys, tables, res, placed) if placed.numel() else None
 
     def _place_new(self, keys: torch.Tensor, tables: torch.Tensor, res: InsertResult) -> torch.Tensor:
         """Rows for the keys ``res`` inserted (a victim's row when one was evicted, else a fresh
