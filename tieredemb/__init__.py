@@ -12,7 +12,7 @@ from tieredemb.modules import (
     TableRows,
     TableStats,
 )
-from tieredemb.pipeline import TrainPipeline
+from tieredemb.pipeline import Stash, StashConfig, TrainPipeline
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,8 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "Stash",
+    "StashConfig",
     "StorageConfig",
     "TableConfig",
     "TableRows",

@@ -517,7 +517,7 @@ def test_profiler_labels_each_stage():
 
 def test_arguments():
     model, opt = build(te.EmbeddingBagCollection)
-    with pytest.raises(NotImplementedError, match="stashing"):
+    with pytest.raises(TypeError, match="StashConfig"):
         TrainPipeline(model, opt, stash=object())
     pipeline = TrainPipeline(model, opt)
     assert pipeline.device == torch.device("cpu")

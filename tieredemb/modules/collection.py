@@ -78,10 +78,15 @@ class _Lookup(torch.autograd.Function):
         state.finalizer = weakref.finalize(ctx, module._release, state)
         outs = tuple(module._lookup(g, state) for g in range(len(module._groups)))
         state.out_rows = [o.shape[0] for o in outs]
+        if module._stash is not None:  # the rows are idle until this lookup's backward
+            with module._mutating():
+                module._stash.after_lookup(module)
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        if ctx.module._stash is not None:  # at the latest: the update needs the rows
+            ctx.module._stash.restore(ctx.module)
         ctx.module._backward(ctx.state, grads)
         return None, None, None
 
@@ -134,6 +139,7 @@ class _Collection(nn.Module):
         # stream waits for the previous one's event, so they happen in one order on host and GPU
         self._lock = threading.RLock()
         self._mutated: torch.cuda.Event | None = None
+        self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -229,6 +235,8 @@ class _Collection(nn.Module):
         return self._resolve(kjt)
 
     def _run(self, kjt: object) -> tuple[CollectionPrefetch, tuple[torch.Tensor, ...]]:
+        if self._stash is not None:  # stashed by a forward whose backward never came
+            self._stash.restore(self)
         state = self._take_prefetched(kjt)
         if state.training and torch.is_grad_enabled():
             return state, _Lookup.apply(self._dummy, self, state)

@@ -4,6 +4,7 @@
 ``docs/pipeline.md``.
 """
 
+from tieredemb.pipeline.stash import Stash, StashConfig
 from tieredemb.pipeline.train_pipeline import TrainPipeline
 
-__all__ = ["TrainPipeline"]
+__all__ = ["Stash", "StashConfig", "TrainPipeline"]

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 
 from tieredemb.jagged import KeyedJaggedTensor
 from tieredemb.modules.collection import _Collection
+from tieredemb.pipeline.stash import Stash
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ class TrainPipeline:
         optimizer: steps the dense parameters (``None``: the model has only embedding collections).
         device: where batches go; default: the device of the model's first parameter, else of its
             first embedding collection, else the CPU.
-        stash: embedding memory stashing (``te.StashConfig``): not implemented yet.
+        stash: embedding memory stashing (``te.StashConfig``; ``None``: off): the tables' device rows
+            go to pinned host memory after the lookup and come back for the embedding backward; the
+            model's forward runs inside ``Stash.tracking()`` (``docs/stashing.md``). ``close()``
+            brings them back.
         prefetch_in_thread: run each prefetch on a background thread and the prefetch stream (see
             above; default False).
 
@@ -124,15 +128,12 @@ class TrainPipeline:
         *,
         prefetch_in_thread: bool = False,
     ) -> None:
-        if stash is not None:
-            raise NotImplementedError(
-                "stash: embedding memory stashing arrives with the stashing issue "
-                "('Embedding memory stashing', DESIGN section 5)"
-            )
         self._model = model
         self._optimizer = optimizer
         self.device = torch.device(device) if device is not None else _default_device(model)
         self._collections = [(m, _features(m)) for m in model.modules() if isinstance(m, _Collection)]
+        self._stash = (Stash([c for c, _ in self._collections], stash, model)
+                       if stash is not None else None)
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._prefetch_stream = torch.cuda.Stream(self.device) if cuda and prefetch_in_thread else None
@@ -176,7 +177,8 @@ class TrainPipeline:
         return output
 
     def close(self) -> None:
-        """Drop the batches in flight (untrained), release their prefetches, stop the worker thread."""
+        """Drop the batches in flight (untrained), release their prefetches, stop the worker thread;
+        with stashing, bring the rows back and detach it from the collections."""
         self._closed = True
         self._abandon()
 
@@ -279,7 +281,7 @@ class TrainPipeline:
             _wait(training, record.prefetched)
 
     def _forward(self, record: _InFlight) -> object:
-        with record_function("## forward ##"):
+        with record_function("## forward ##"), self._stash_tracking():
             output = self._model(record.batch)
         unused = [(c, kjt) for c, kjt in record.plan if _is_queued(c, kjt)]
         if unused:
@@ -291,6 +293,9 @@ class TrainPipeline:
                 "pipeline prefetched it there, so it must (the same object or an equal one)"
             )
         return output
+
+    def _stash_tracking(self):
+        return self._stash.tracking() if self._stash is not None else contextlib.nullcontext()
 
     def _backward(self, loss: torch.Tensor) -> None:
         with record_function("## backward ##"):
@@ -347,6 +352,9 @@ class TrainPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._stash is not None:
+            self._stash.close()
+            self._stash = None
 
 
 # ----------------------------------------------------------------------------- batches and KJTs

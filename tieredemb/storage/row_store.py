@@ -9,9 +9,18 @@ address.
 
 A free list hands out addresses: table rows, and scratch rows that live for one batch (keys not
 admitted yet, conflict misses), come from the same address space.
+
+Stashing (``stash``/``restore``) moves the device segments' rows to host buffers and back on a copy
+stream. While stashed a segment is its host buffer (placement ``"stashed"``): every access, kernel or
+not, reads and writes the host copy, as in hybrid mode, so rows written by a prefetch in that window
+are copied back with the rest. ``ready`` is the copy's event: the pointer table and the row accessors
+make their stream (or, for host rows read by the CPU, the host) wait for it, so nothing reads a copy
+before it is complete.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +47,8 @@ class RowStore:
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # a stack of addresses
         self._free_count = 0
         self._pointers: torch.Tensor | None = None
+        self._buffers: dict[int, torch.Tensor] = {}  # segment -> its stash buffer (allocated once)
+        self.ready: torch.cuda.Event | None = None  # the last stash or restore copy
 
     @classmethod
     def over(cls, rows: torch.Tensor) -> RowStore:
@@ -96,12 +107,18 @@ class RowStore:
         return self.rows_allocated() * self.width * 4
 
     def rows_by_placement(self) -> dict[str, int]:
-        """Allocated rows per placement: ``{"device": ..., "host": ...}``."""
-        on_device = self.placement.count("device") * self.segment_rows
-        return {"device": on_device, "host": self.rows_allocated() - on_device}
+        """Allocated rows per placement: ``{"device": ..., "host": ...}``, and ``"stashed"`` while
+        any are."""
+        out = {"device": self.placement.count("device") * self.segment_rows,
+               "host": self.placement.count("host") * self.segment_rows}
+        if "stashed" in self.placement:
+            out["stashed"] = self.placement.count("stashed") * self.segment_rows
+        return out
 
     def pointer_table(self) -> torch.Tensor:
-        """int64 (num_segments,) base addresses of the segments, on the store's device."""
+        """int64 (num_segments,) base addresses of the segments, on the store's device. The current
+        stream waits for a stash or restore copy still running (kernels launched on it are safe)."""
+        self._await_copy(host=False)
         if self._pointers is None:
             self._pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0],
                                           dtype=torch.int64, device=self.device)
@@ -126,6 +143,7 @@ class RowStore:
         """Yield (segment number, segment, offsets in it, positions in ``addresses``)."""
         if addresses.numel() == 0:
             return
+        self._await_copy(host="stashed" in self.placement)
         seg_of = torch.div(addresses, self.segment_rows, rounding_mode="floor")
         offset = addresses - seg_of * self.segment_rows
         if len(self.segments) == 1:
@@ -136,3 +154,82 @@ class RowStore:
             pos = (seg_of == s).nonzero().squeeze(1)
             if pos.numel():
                 yield s, seg, offset[pos], pos
+
+    # ------------------------------------------------------------------------------ stashing
+    @property
+    def stashed(self) -> bool:
+        return "stashed" in self.placement
+
+    def device_bytes(self) -> int:
+        """Bytes of the segments in device memory (what ``stash`` would move)."""
+        return self.placement.count("device") * self.segment_rows * self.width * 4
+
+    def stash(self, stream: torch.cuda.Stream | None, chunk_rows: int) -> dict[int, torch.Tensor]:
+        """Copy every device segment to its host buffer (pinned on CUDA; allocated at the first stash,
+        then reused) on ``stream``, in chunks of ``chunk_rows`` rows, after the current stream's work.
+        From now on the segments are those buffers. Returns the device tensors by segment: the caller
+        frees them, not before ``ready`` on any stream that may reuse their memory."""
+        moved = [s for s, p in enumerate(self.placement) if p == "device"]
+        cuda = self.device.type == "cuda"
+        released = {}
+        with _on(stream, self.device):
+            for s in moved:
+                seg = self.segments[s]
+                buf = self._buffers.get(s)
+                if buf is None:
+                    buf = self._buffers[s] = torch.empty(seg.shape, dtype=seg.dtype, pin_memory=cuda)
+                _copy_chunks(buf, seg, chunk_rows)
+                released[s] = seg
+                self.segments[s], self.placement[s] = buf, "stashed"
+            self._copied(stream)
+        return released
+
+    def restore(self, stream: torch.cuda.Stream | None, chunk_rows: int,
+                into: dict[int, torch.Tensor] | None = None) -> None:
+        """Copy the stashed segments back to device memory on ``stream`` (chunked), into the tensors of
+        ``into`` (segment -> a device tensor not freed yet) or fresh allocations on the current stream,
+        after the current stream's work. Kernels see the device rows from now on (``ready``)."""
+        stashed = [s for s, p in enumerate(self.placement) if p == "stashed"]
+        if not stashed:
+            return
+        into = into or {}
+        targets = {s: into[s] if s in into else torch.empty(self.segments[s].shape, device=self.device)
+                   for s in stashed}
+        with _on(stream, self.device):
+            for s in stashed:
+                _copy_chunks(targets[s], self.segments[s], chunk_rows)
+                self.segments[s], self.placement[s] = targets[s], "device"
+            self._copied(stream)
+
+    def _copied(self, stream: torch.cuda.Stream | None) -> None:
+        self._pointers = None
+        if stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+
+    def _await_copy(self, host: bool) -> None:
+        """Order what comes next after the last stash/restore copy: the current stream waits for it,
+        and with ``host`` (the CPU is about to touch host rows) the host does."""
+        if self.ready is None:
+            return
+        if host:
+            self.ready.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+
+
+@contextmanager
+def _on(stream: torch.cuda.Stream | None, device: torch.device):
+    """Run on ``stream`` after everything the current stream has been given (no-op without one)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_rows: int) -> None:
+    """dst <- src, ``chunk_rows`` rows per copy (non-blocking between pinned host and device)."""
+    for start in range(0, src.shape[0], chunk_rows):
+        dst[start : start + chunk_rows].copy_(src[start : start + chunk_rows], non_blocking=True)
