@@ -21,6 +21,10 @@ tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-s
 
 weak scaling of ``hbm`` row-wise sharded over several GPUs (``tieredemb.bench.dist``; CUDA only).
 
+    tieredemb bench stash [--scale S] [--steps N] [--width W] [--layers L] [--long-steps N] [--out DIR]
+
+embedding memory stashing on a DLRM-style model, off vs each free strategy (``tieredemb.bench.stash``).
+
     tieredemb bench checkpoint [--rows N] [--dim D] [--dir DIR] [--buffer-mib M]
 
 ``te.checkpoint`` save and load throughput against the disk's sequential speed
@@ -98,6 +102,18 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     d.set_defaults(device="cuda")  # NCCL across GPUs: nothing to run on a CPU-only machine
+    s = sub.add_parser("stash", help="embedding memory stashing on a DLRM-style model: off vs each "
+                                     "free strategy (DESIGN section 5)")
+    s.add_argument("--scale", type=float, default=1.0, help="multiplies rows and batch size")
+    s.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    s.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    s.add_argument("--warmup", type=int, default=4, help="untimed steps first (>= 3: calibration)")
+    s.add_argument("--width", type=int, default=4096, help="top MLP width")
+    s.add_argument("--layers", type=int, default=8, help="top MLP layers")
+    s.add_argument("--long-steps", type=int, default=0,
+                   help="then train the fastest strategy and stash off this many steps and compare rows")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     c = sub.add_parser("checkpoint", help="te.checkpoint save/load throughput against the disk")
     c.add_argument("--rows", type=int, default=500_000)
     c.add_argument("--dim", type=int, default=64)
@@ -126,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         from tieredemb.bench.checkpoint import run as run_checkpoint
 
         return run_checkpoint(args.rows, args.dim, args.dir, args.buffer_mib, device, args.out, argv)
+    if args.workload == "stash":
+        from tieredemb.bench.stash import StashOptions
+        from tieredemb.bench.stash import run as run_stash
+
+        return run_stash(StashOptions(args.scale, device, args.steps, args.warmup, args.width, args.layers,
+                                      args.long_steps, args.seed), args.out, argv, log=_log)
     if args.workload == "dist":
         from tieredemb.bench.dist import run
 

@@ -116,11 +116,12 @@ class Stash:
         self._pending: list[tuple[object, dict[int, torch.Tensor]]] = []  # (store, device segments)
         self._stashed_bytes = 0
         self._packs = 0  # saved tensors packed since this step's first stash
+        self._unpacks = 0  # saved tensors unpacked while stashed
         self._free_at: int | None = None  # calibrated free site (pack number); None: end of forward
         calibrate = self._cuda and config.strategy == "event" and config.free_site is None
         self._calibration: _Calibration | None = _Calibration() if calibrate else None
         self.stats = {"steps": 0, "stashed_bytes": 0, "free_site": config.free_site,
-                      "copy_ms": None, "window_ms": None}
+                      "restore_site": config.restore_site, "copy_ms": None, "window_ms": None}
         for c in self._stores:
             c._stash = self
 
@@ -136,6 +137,7 @@ class Stash:
         for store in stores:
             chunk = max(1, self.config.chunk_bytes // (store.width * 4))
             self._stashed_bytes += store.device_bytes()
+            self.stats["stashed_bytes"] = max(self.stats["stashed_bytes"], self._stashed_bytes)
             released = store.stash(self.stream, chunk)
             if self._calibration is not None:
                 self._calibration.copied(self.stream)
@@ -143,7 +145,7 @@ class Stash:
 
     def _begin_step(self) -> None:
         self.stats["steps"] += 1
-        self._packs = 0
+        self._packs = self._unpacks = 0
         cal = self._calibration
         if cal is not None:
             if cal.ready():
@@ -236,8 +238,11 @@ class Stash:
         return t
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._stashed_bytes and self.config.restore_site is None and self._restore_is_safe():
-            self.restore()
+        if self._stashed_bytes and self.config.restore_site is None:
+            self._unpacks += 1
+            if self._restore_is_safe():
+                self.stats["restore_site"] = f"saved tensor {self._unpacks} of the backward"
+                self.restore()
         return t
 
     def _restore_is_safe(self) -> bool:
