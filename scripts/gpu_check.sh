@@ -9,6 +9,9 @@
 #                        [--dist] [--scale S] [--steps N] [--cache-scale S] [--cache-steps N]
 #                        [-- MORE HBM BENCH ARGS]
 #
+# --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
+# `bench stash` (with --long-steps 200); extra bench arguments after --.
+#
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k cuda,
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
 #
@@ -22,6 +25,7 @@ mkdir -p "$OUT"
 
 run_tests=1
 run_dist=0
+run_stash=0
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -37,6 +41,7 @@ while [ $# -gt 0 ]; do
         --tests-only) run_bench=0 ;;
         --profile) run_profile=1 ;;
         --dist) run_dist=1 ;;
+        --stash) run_stash=1 ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -61,6 +66,16 @@ echo "== machine"
 nvidia-smi -L
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")'
+
+if [ "$run_stash" = 1 ]; then
+    echo "== stash tests"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_stash.py tests/pipeline/test_stash.py \
+        2>&1 | tail -n 15
+    echo "== bench stash"
+    timeout 360 python3 -m tieredemb.cli bench stash --long-steps 200 --out "$OUT" "${bench_args[@]}" 2>&1 \
+        | grep -v -i warn | tail -n 25
+    exit 0
+fi
 
 if [ "$run_dist" = 1 ]; then
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
