@@ -1,8 +1,10 @@
 """``tieredemb bench hbm`` end to end on CPU at a tiny scale, and the row check it relies on.
 
 The smoke run measures every configuration (ours, the nn.EmbeddingBag peer, the bandwidth floor) for
-SGD and Adam, and compares the rows ours trained with the peer's after the steps. The unit tests of
-``compare_rows`` make sure that comparison can fail: a check that always passes would prove nothing.
+SGD and Adam, and checks the rows ours trained after the steps: for SGD against the exact float64 rows
+(``sgd_reference``, itself tested against a float64 nn.EmbeddingBag), for Adam against the peer's. The
+unit tests of ``compare_rows`` make sure that check can fail: a check that always passes would prove
+nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ import pytest
 import torch
 
 from tieredemb.bench import main
-from tieredemb.bench.hbm import CHECK_ATOL, RowSnapshot, compare_rows
+from tieredemb.bench.hbm import (
+    CHECK_ATOL,
+    CHECK_RTOL,
+    EXACT_RTOL,
+    HbmOptions,
+    RowSnapshot,
+    check_ranks,
+    compare_rows,
+    initial_rows,
+    sgd_reference,
+    upstream_grad,
+)
 from tieredemb.bench.workloads import HbmBatches, HbmShape, ZipfSampler, scramble
 
 SCALE = 0.0005  # 840 rows a table, batch 5: 500 lookups a step
@@ -62,6 +75,34 @@ def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
         assert c["rows_compared"] == shape.num_tables * shape.rows  # every row at this size
         assert c["rows_trained"] > shape.num_tables  # rows were stored and compared...
         assert c["max_moved"] > 100 * CHECK_ATOL  # ...and training moved them well past tolerance
+    assert checks["sgd"]["reference"] == "exact" and checks["sgd"]["rtol"] == EXACT_RTOL
+    assert 0 <= checks["sgd"]["peer_max_abs_diff"] < 1e-3 * checks["sgd"]["max_moved"]
+    assert checks["adam"]["reference"] == "peer" and checks["adam"]["peer_max_abs_diff"] is None
+
+
+def test_sgd_reference_is_float64_sgd() -> None:
+    """The exact rows equal a float64 nn.EmbeddingBag + torch.optim.SGD trained on the same batches
+    (warmup steps included): what the SGD check holds ours to is plain SGD, not ours' own arithmetic."""
+    opts = HbmOptions(shape=HbmShape().scaled(SCALE), steps=2, warmup=1)
+    shape, cpu = opts.shape, torch.device("cpu")
+    batches, grad = HbmBatches(shape, cpu, opts.seed), upstream_grad(shape, cpu, opts.seed)
+    ranks = check_ranks(shape, opts.seed)  # every rank at this size
+    exact = sgd_reference(opts, batches, grad, ranks)
+    configs = shape.table_configs()
+    peers = [torch.nn.EmbeddingBag.from_pretrained(initial_rows(c, t, ranks[t], opts.seed).double(),
+                                                   freeze=False, mode="sum", sparse=True)
+             for t, c in enumerate(configs)]
+    opt = torch.optim.SGD([p.weight for p in peers], lr=0.01)
+    for i in range(opts.warmup + opts.steps):
+        ranks_i = batches.batch(i).ranks
+        torch.cat([emb(ranks_i[t]) for t, emb in enumerate(peers)], dim=1).backward(grad.double())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for t, emb in enumerate(peers):
+        assert exact[t].dtype == torch.float64 and exact[t].shape == (shape.rows, shape.dim)
+        torch.testing.assert_close(exact[t], emb.weight.detach(), rtol=1e-12, atol=1e-15)
+    assert float((exact[0] - peers[0].weight.detach()).abs().max()) < 1e-12
+    assert float((exact[0] - initial_rows(configs[0], 0, ranks[0], opts.seed)).abs().max()) > 1e-3
 
 
 def test_floor_bytes_follow_the_formula(report: dict) -> None:
@@ -92,12 +133,14 @@ def test_tables_that_outgrow_their_first_allocation_train_the_same_rows(tmp_path
 
 # -------------------------------------------------------------------------- the row comparison
 def _snapshot_and_peer(gen: torch.Generator):
-    """Two tables of 6 rows, D=3: a consistent (snapshot, peer rows, initial rows, seen) set."""
+    """Two tables of 6 rows, D=3: a consistent (snapshot, peer rows, initial rows, seen) set. Row 1 of
+    table 1 moved to 10, so relative tolerances matter there."""
     ranks = [torch.arange(6), torch.arange(6)]
     seen = [torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.bool)] * 2
     initial = [torch.rand(6, 3, generator=gen) for _ in ranks]
     peer = [init + seen_t[:, None] * torch.rand(6, 3, generator=gen)
             for init, seen_t in zip(initial, seen)]
+    peer[1][1] = 10.0
     ours = [torch.where(seen_t[:, None], p, torch.zeros(())) for p, seen_t in zip(peer, seen)]
     snap = RowSnapshot("torch", ranks, ours, [s.clone() for s in seen], [3, 3])
     return snap, peer, initial, seen, [3, 3]
@@ -128,6 +171,30 @@ def test_compare_rows_catches_differences(fault: str) -> None:
         snap.weights = [torch.where(s[:, None], p, torch.zeros(())) for p, s in zip(peer, seen)]
     check = compare_rows("adam", snap, peer, initial, seen, total)
     assert not check.passed and check.problems
+
+
+def test_compare_rows_holds_sgd_to_the_exact_rows() -> None:
+    """With exact rows ours is held to them, tighter than to the peer: an error of 5e-5 of the row
+    passes against the peer (CHECK_RTOL) but not against the exact rows (EXACT_RTOL); the peer's own
+    distance is reported, and a peer that trained something else fails."""
+    snap, peer, initial, seen, total = _snapshot_and_peer(torch.Generator().manual_seed(2))
+    exact = [p.double() for p in peer]
+    peer[1][1] *= 1 + 1e-4  # the peer's fp32 rounding: reported, within PEER_EXACT_RTOL
+    check = compare_rows("sgd", snap, peer, initial, seen, total, exact)
+    assert check.passed, check.problems
+    assert check.reference == "exact" and check.max_abs_diff == 0.0
+    assert check.peer_max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+
+    snap.weights[1][1, 2] *= 1 + 5e-5
+    assert EXACT_RTOL < 5e-5 < CHECK_RTOL
+    assert compare_rows("sgd", snap, peer, initial, seen, total).passed  # against the peer alone
+    check = compare_rows("sgd", snap, peer, initial, seen, total, exact)
+    assert not check.passed and "exact rows" in check.problems[0]
+
+    snap.weights[1][1, 2] = float(exact[1][1, 2])
+    peer[0][1, 0] += 0.1  # not rounding: the peer trained something else
+    check = compare_rows("sgd", snap, peer, initial, seen, total, exact)
+    assert not check.passed and "the peer's trained rows" in check.problems[0]
 
 
 # ---------------------------------------------------------------------------------- workload

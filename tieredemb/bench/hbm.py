@@ -13,8 +13,11 @@ and on the same batches:
 
 Steps are timed one at a time after ``warmup`` untimed ones (CUDA events, the queue drained before
 each step; perf_counter on CPU) and summarized by the median. Ours runs first and is freed before the
-peer is built; then the rows ours trained are compared with the peer's (``compare_rows``): same batches,
-same initial rows and the same optimizer must give the same rows (DESIGN section 2).
+peer is built; then the rows ours trained are checked (``compare_rows``): same batches, same initial
+rows and the same optimizer must give the same rows (DESIGN section 2). For SGD both ours and the peer
+are held to the exact rows, summed in float64 from the batches alone (``sgd_reference``): the peer's
+fp32 rounding is itself ~1e-4 of a hot row's travel, so it is reported, not trusted. For Adam ours is
+held to the peer's rows.
 """
 
 from __future__ import annotations
@@ -60,6 +63,16 @@ CHECK_ALL_ROWS = 1 << 18
 CHECK_HOT_ROWS = 4096
 CHECK_SAMPLE_ROWS = 1 << 18
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5  # hot rows sum ~1e4 gradients a step, in a different order
+# SGD, ours against the exact rows: ours rounds twice per key a step in fp32, summing its duplicates'
+# gradients (~1e-6 of the sum) and adding that to the row (half an ulp, 6e-8 of the row), so its
+# error stays ~5e-6 of the row at any step count (H200, full shape: 2.7e-4 of 58.8 after 60 steps,
+# 1.0e-3 of 206 after 210). Rows move by at least lr * 0.005 = 5e-5 per occurrence, far over the atol.
+EXACT_RTOL, EXACT_ATOL = 2e-5, 1e-6
+# SGD, the peer against the exact rows: torch.optim.SGD adds every occurrence's update (~1e-4) to
+# the fp32 row on its own, each add rounding to the row's grid (ulp 3.8e-6 at 58); with the same
+# upstream gradient every step those errors add up rather than cancel, growing with the steps (H200:
+# 0.0103 of 58.8 after 60 steps, 0.14 of 206 after 210). This bound only says it trained the same thing.
+PEER_EXACT_RTOL = 1e-2
 
 
 @dataclass
@@ -98,6 +111,21 @@ class RowSnapshot:
     stored: list[int]
     preinserted: bool = False
     table_rows: int = 0
+
+
+@dataclass
+class HbmRowCheck(RowCheck):
+    """A ``RowCheck`` that names what ours was held to.
+
+    reference: "exact" (SGD: the float64 rows of ``sgd_reference``) or "peer" (Adam); max_abs_diff is
+    |ours - reference| and max_moved |reference - initial|, within rtol, atol. peer_max_abs_diff: the
+    peer's own |peer - exact| (SGD, its fp32 rounding; None when the reference is the peer).
+    """
+
+    reference: str = "peer"
+    rtol: float = CHECK_RTOL
+    atol: float = CHECK_ATOL
+    peer_max_abs_diff: float | None = None
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -263,7 +291,7 @@ def initial_rows(config: te.TableConfig, t: int, ranks: torch.Tensor, seed: int)
 
 
 def run_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
-             snapshots: list[RowSnapshot]) -> tuple[Measurement, list[RowCheck]]:
+             snapshots: list[RowSnapshot]) -> tuple[Measurement, list[HbmRowCheck]]:
     """The peer: forward + backward + optimizer.step + zero_grad; then its rows against ours'.
     The peer is gone (and its memory freed) when this returns."""
     reset_peak(opts.device)
@@ -273,7 +301,7 @@ def run_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: torch.
 
 
 def _train_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
-                snapshots: list[RowSnapshot]) -> tuple[Measurement, list[RowCheck]]:
+                snapshots: list[RowSnapshot]) -> tuple[Measurement, list[HbmRowCheck]]:
     shape, dev = opts.shape, opts.device
     peers = build_peer(shape, dev, opts.seed)
     _, peer_class, peer_kwargs = OPTIMIZERS[optimizer]
@@ -293,18 +321,53 @@ def _train_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: tor
     m.peak_device_bytes = peak_device_bytes(dev)
     m.host_rss_bytes = host_rss_bytes()
     weights = [p.weight.detach() for p in peers]
-    return m, [check_against_peer(opts, optimizer, snap, weights, batches) for snap in snapshots]
+    # every snapshot holds the rows at check_ranks: one exact reference serves them all
+    exact = (sgd_reference(opts, batches, grad, check_ranks(shape, opts.seed))
+             if optimizer == "sgd" and snapshots else None)
+    return m, [check_against_peer(opts, optimizer, snap, weights, batches, exact) for snap in snapshots]
 
 
 def check_against_peer(opts: HbmOptions, optimizer: str, snap: RowSnapshot,
-                       weights: list[torch.Tensor], batches: HbmBatches) -> RowCheck:
-    """``compare_rows`` of ours' snapshot and the peer's weights (float32 (rows, D) per table)."""
+                       weights: list[torch.Tensor], batches: HbmBatches,
+                       exact: list[torch.Tensor] | None = None) -> HbmRowCheck:
+    """``compare_rows`` of ours' snapshot, the peer's weights (float32 (rows, D) per table) and, for
+    SGD, the exact rows at the snapshot's ranks (float64 (k, D) host per table)."""
     dev, configs = opts.device, opts.shape.table_configs()
     ranks = [r.to(dev) for r in snap.ranks]
     peer_rows = [w[r].cpu() for w, r in zip(weights, ranks)]
     initial = [initial_rows(configs[t], t, r, opts.seed).cpu() for t, r in enumerate(ranks)]
     seen = [batches.seen[t][r].cpu() for t, r in enumerate(ranks)]
-    return compare_rows(optimizer, snap, peer_rows, initial, seen, batches.seen.sum(dim=1).tolist())
+    return compare_rows(optimizer, snap, peer_rows, initial, seen, batches.seen.sum(dim=1).tolist(),
+                        exact)
+
+
+def sgd_reference(opts: HbmOptions, batches: HbmBatches, grad: torch.Tensor,
+                  ranks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The exact rows SGD trains at ``ranks`` (int64 (k,) host per table): float64 (k, D) host each.
+
+    For SGD a row's path does not depend on the forward: after every step run (warmup included),
+    row = initial - lr * (the sum, over steps and over the row's occurrences, of the upstream gradient
+    of the occurrence's bag). Summed in float64 for the checked rows only: (k, D) per table, not the
+    table (at full scale ~250k of its 1.68M rows).
+    """
+    shape, dev = opts.shape, opts.device
+    lr = OPTIMIZERS["sgd"][2]["lr"]
+    slots, sums = [], []
+    for r in ranks:
+        slot = torch.full((shape.rows,), -1, dtype=torch.int64, device=dev)  # rank -> row of sums
+        slot[r.to(dev)] = torch.arange(r.numel(), device=dev)
+        slots.append(slot)
+        sums.append(torch.zeros(r.numel(), shape.dim, dtype=torch.float64, device=dev))
+    grad64 = grad.double().view(shape.batch_size, shape.num_tables, shape.dim)  # (B, T, D)
+    for i in range(opts.warmup + opts.steps):
+        ranks_i = batches.batch(i).ranks  # (T, B, L)
+        for t in range(shape.num_tables):
+            pos = slots[t][ranks_i[t]]  # (B, L): row of sums, -1 where the rank is not checked
+            bag, j = (pos >= 0).nonzero(as_tuple=True)
+            sums[t].index_add_(0, pos[bag, j], grad64[bag, t])
+    configs = shape.table_configs()
+    return [(initial_rows(configs[t], t, r.to(dev), opts.seed).double() - lr * s).cpu()
+            for t, (r, s) in enumerate(zip(ranks, sums))]
 
 
 def floor_measurement(opts: HbmOptions, optimizer: str, batches: HbmBatches,
@@ -361,47 +424,69 @@ def snapshot_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, device: torch
 
 
 def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor],
-                 initial: list[torch.Tensor], seen: list[torch.Tensor],
-                 seen_total: list[int]) -> RowCheck:
-    """Ours' snapshot against the peer, per table (all tensors host, aligned with ``snap.ranks``):
+                 initial: list[torch.Tensor], seen: list[torch.Tensor], seen_total: list[int],
+                 exact: list[torch.Tensor] | None = None) -> HbmRowCheck:
+    """Ours' snapshot against the reference, per table (all tensors host, aligned with ``snap.ranks``):
 
     - ours stores exactly the keys the batches touched (``seen``), as many as the peer's touched
       rows; or, when the rows were pre-inserted, every key;
-    - a touched row equals the peer's row (rtol CHECK_RTOL, atol CHECK_ATOL);
+    - with ``exact`` (SGD: float64 (k, D) per table, ``sgd_reference``) a touched row of ours equals
+      it (EXACT_RTOL, EXACT_ATOL) and the peer's is within PEER_EXACT_RTOL of it; without, a touched
+      row of ours equals the peer's (CHECK_RTOL, CHECK_ATOL);
     - an untouched row is still its initial row in the peer, and in ours its initial row when
       pre-inserted, else not stored (zeros).
     """
-    problems: list[str] = []
-    max_diff = max_moved = 0.0
-    compared = trained = 0
+    if exact is None:
+        check = HbmRowCheck(optimizer, snap.kernels, False, 0, 0, 0.0, 0.0)
+    else:
+        check = HbmRowCheck(optimizer, snap.kernels, False, 0, 0, 0.0, 0.0, reference="exact",
+                            rtol=EXACT_RTOL, atol=EXACT_ATOL, peer_max_abs_diff=0.0)
     for t in range(len(snap.ranks)):
-        found, ours, peer, touched = snap.found[t], snap.weights[t], peer_rows[t], seen[t]
-        compared += found.numel()
-        trained += int(touched.sum())
+        found, touched = snap.found[t], seen[t]
+        check.rows_compared += found.numel()
+        check.rows_trained += int(touched.sum())
         want_found = torch.ones_like(touched) if snap.preinserted else touched
         if not torch.equal(found, want_found):
-            problems.append(f"table {t}: ours stores {int(found.sum())} of the checked keys, "
-                            f"expected {int(want_found.sum())}")
+            check.problems.append(f"table {t}: ours stores {int(found.sum())} of the checked keys, "
+                                  f"expected {int(want_found.sum())}")
             continue
         want_stored = snap.table_rows if snap.preinserted else seen_total[t]
         if snap.stored[t] != want_stored:
-            problems.append(f"table {t}: ours stores {snap.stored[t]} rows, expected {want_stored}")
+            check.problems.append(f"table {t}: ours stores {snap.stored[t]} rows, expected {want_stored}")
         if touched.any():
-            max_diff = max(max_diff, float((ours[touched] - peer[touched]).abs().max()))
-            max_moved = max(max_moved, float((peer[touched] - initial[t][touched]).abs().max()))
-            if not torch.allclose(ours[touched], peer[touched], rtol=CHECK_RTOL, atol=CHECK_ATOL):
-                problems.append(f"table {t}: trained rows differ from the peer's by up to "
-                                f"{float((ours[touched] - peer[touched]).abs().max()):.3g}")
+            _compare_trained(check, t, snap.weights[t][touched], peer_rows[t][touched],
+                             initial[t][touched], None if exact is None else exact[t][touched])
         idle = ~touched
-        ours_idle = initial[t][idle] if snap.preinserted else torch.zeros_like(ours[idle])
-        if not torch.equal(peer[idle], initial[t][idle]) or not torch.equal(ours[idle], ours_idle):
-            problems.append(f"table {t}: untouched rows are not their initial rows / zeros")
-    if trained and max_moved == 0.0:
-        problems.append("no trained row moved from its initial value: the comparison proves nothing")
-    if not trained:
-        problems.append("no trained row was compared")
-    return RowCheck(optimizer, snap.kernels, not problems, compared, trained, max_diff, max_moved,
-                    problems)
+        ours, peer = snap.weights[t][idle], peer_rows[t][idle]
+        ours_idle = initial[t][idle] if snap.preinserted else torch.zeros_like(ours)
+        if not torch.equal(peer, initial[t][idle]) or not torch.equal(ours, ours_idle):
+            check.problems.append(f"table {t}: untouched rows are not their initial rows / zeros")
+    if check.rows_trained and check.max_moved == 0.0:
+        check.problems.append("no trained row moved from its initial value: the comparison proves nothing")
+    if not check.rows_trained:
+        check.problems.append("no trained row was compared")
+    check.passed = not check.problems
+    return check
+
+
+def _compare_trained(check: HbmRowCheck, t: int, ours: torch.Tensor, peer: torch.Tensor,
+                     initial: torch.Tensor, exact: torch.Tensor | None) -> None:
+    """Table ``t``'s touched rows (float32 (n, D) each; exact float64 (n, D) or None) into ``check``:
+    ours against the reference (the exact rows, else the peer's), and the peer against the exact rows."""
+    reference = (peer if exact is None else exact).double()
+    diff = float((ours.double() - reference).abs().max())
+    check.max_abs_diff = max(check.max_abs_diff, diff)
+    check.max_moved = max(check.max_moved, float((reference - initial.double()).abs().max()))
+    if not torch.allclose(ours.double(), reference, rtol=check.rtol, atol=check.atol):
+        check.problems.append(f"table {t}: trained rows differ from the {check.reference} rows by up "
+                              f"to {diff:.3g}")
+    if exact is None:
+        return
+    peer_diff = float((peer.double() - exact).abs().max())
+    check.peer_max_abs_diff = max(check.peer_max_abs_diff, peer_diff)
+    if not torch.allclose(peer.double(), exact, rtol=PEER_EXACT_RTOL, atol=CHECK_ATOL):
+        check.problems.append(f"table {t}: the peer's trained rows differ from the exact rows by up to "
+                              f"{peer_diff:.3g}, more than its fp32 rounding")
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -417,7 +502,7 @@ class HbmBench:
         self.options = options
         self.log = log
         self.results: list[Measurement] = []
-        self.checks: list[RowCheck] = []
+        self.checks: list[HbmRowCheck] = []
         self.bandwidth: dict = {}
 
     def run(self, on_update: Callable[[], None] = lambda: None) -> None:
@@ -448,12 +533,15 @@ class HbmBench:
             self._add(floor_measurement(opts, optimizer, batches, self.bandwidth["bytes_per_s"]),
                       on_update)
 
-    def _add_checks(self, checks: list[RowCheck]) -> None:
+    def _add_checks(self, checks: list[HbmRowCheck]) -> None:
         self.checks.extend(checks)
         for c in checks:
             verdict = "passed" if c.passed else "FAILED: " + "; ".join(c.problems)
-            self.log(f"{c.optimizer} rows of ours[{c.kernels}] vs the peer: {verdict} "
-                     f"(max |diff| {c.max_abs_diff:.3g} over {c.rows_trained} trained rows)")
+            against = "the exact float64 rows" if c.reference == "exact" else "the peer"
+            peer = "" if c.peer_max_abs_diff is None else f"; the peer's {c.peer_max_abs_diff:.3g}"
+            self.log(f"{c.optimizer} rows of ours[{c.kernels}] vs {against}: {verdict} "
+                     f"(max |diff| {c.max_abs_diff:.3g}, rtol {c.rtol:g}{peer}; rows moved up to "
+                     f"{c.max_moved:.3g}; {c.rows_trained} trained rows)")
 
     def _attempt(self, failed: Measurement, fn: Callable[[], tuple]) -> tuple | None:
         """Run one configuration. A failure (out of memory, a missing kernel) is recorded in
@@ -495,4 +583,5 @@ class HbmBench:
         }
 
 
-__all__ = ["FLOOR_FORMULA", "HbmBench", "HbmOptions", "compare_rows", "floor_bytes"]
+__all__ = ["FLOOR_FORMULA", "HbmBench", "HbmOptions", "HbmRowCheck", "compare_rows", "floor_bytes",
+           "sgd_reference"]
