@@ -110,6 +110,27 @@ def test_reduce_grads(gen, dim, scaled):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_reduce_grads_of_a_hot_key_in_several_pieces(gen, scaled):
+    """Key 0 gets 3 pieces' worth of ids (summed per piece, then the pieces in order), key 1 exactly
+    one piece, key 3 none; the ids come shuffled."""
+    from tieredemb.ops.triton.embedding import _PIECE
+
+    dim, u = 8, 4
+    inverse = torch.cat([torch.zeros(2 * _PIECE + 37, dtype=torch.int64),
+                         torch.ones(_PIECE, dtype=torch.int64), torch.full((5,), 2)])
+    inverse = inverse[torch.randperm(inverse.numel(), generator=gen)].to(DEVICE)
+    n = inverse.numel()
+    grad_src = torch.randn(n, dim, generator=gen).to(DEVICE)
+    src_of_id = torch.randperm(n, generator=gen).to(DEVICE)
+    scale = torch.rand(n, generator=gen).to(DEVICE) if scaled else None
+    got = TritonKernels().reduce_grads(grad_src, src_of_id, scale, inverse, u)
+    g = grad_src.double()[src_of_id] * (1.0 if scale is None else scale.double()[:, None])
+    want = torch.zeros(u, dim, dtype=torch.float64, device=DEVICE).index_add_(0, inverse, g)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3], torch.zeros(dim, device=DEVICE))
+
+
 def make_optimizer(kind: str) -> optim.EmbeddingOptimizer:
     return {
         "sgd": lambda: optim.SGD(lr=0.1),

@@ -25,8 +25,9 @@ three strategies:
   after the copy should be done (1.1x the measured copy time), so the wait costs nothing.
 
 The restore site is a module name (its backward pre-hook) or, by default, the first point of the
-backward (a saved tensor unpacked) at which restoring cannot raise the peak: device memory allocated
-now plus the stashed bytes is at most the peak so far. At the latest the collection's backward
+backward (a saved tensor unpacked) at which restoring cannot raise the step's peak: device memory
+allocated now plus the stashed bytes is at most the most allocated at any saved-tensor point of the
+forward since the stash. At the latest the collection's backward
 restores. On the CPU the same steps run (copies between ordinary tensors): results are the same and
 the hooks are exercised; the memory figures mean nothing there.
 """
@@ -117,6 +118,7 @@ class Stash:
         self._stashed_bytes = 0
         self._packs = 0  # saved tensors packed since this step's first stash
         self._unpacks = 0  # saved tensors unpacked while stashed
+        self._window_peak = 0  # device bytes allocated: the most seen since this step's stash
         self._free_at: int | None = None  # calibrated free site (pack number); None: end of forward
         calibrate = self._cuda and config.strategy == "event" and config.free_site is None
         self._calibration: _Calibration | None = _Calibration() if calibrate else None
@@ -146,6 +148,7 @@ class Stash:
     def _begin_step(self) -> None:
         self.stats["steps"] += 1
         self._packs = self._unpacks = 0
+        self._window_peak = torch.cuda.memory_allocated(self.device) if self._cuda else 0
         cal = self._calibration
         if cal is not None:
             if cal.ready():
@@ -229,6 +232,8 @@ class Stash:
             self.forward_done()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._stashed_bytes and self._cuda:
+            self._window_peak = max(self._window_peak, torch.cuda.memory_allocated(self.device))
         if self._pending:
             self._packs += 1
             if self._calibration is not None:
@@ -246,11 +251,12 @@ class Stash:
         return t
 
     def _restore_is_safe(self) -> bool:
-        """Restoring now cannot raise the peak device memory (always true on the CPU)."""
+        """Restoring now cannot raise the peak of the stashed window (the most device memory allocated
+        at the forward's saved-tensor points since the stash); always true on the CPU. The window's
+        own peak, not the process's: an early restore in one step must not license one in the next."""
         if not self._cuda:
             return True
-        allocated = torch.cuda.memory_allocated(self.device)
-        return allocated + self._stashed_bytes <= torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.memory_allocated(self.device) + self._stashed_bytes <= self._window_peak
 
 
 class _Calibration:

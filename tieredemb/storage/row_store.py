@@ -193,8 +193,14 @@ class RowStore:
         if not stashed:
             return
         into = into or {}
-        targets = {s: into[s] if s in into else torch.empty(self.segments[s].shape, device=self.device)
-                   for s in stashed}
+        fresh = [s for s in stashed if s not in into]
+        # one allocation for all fresh segments: freed at the next stash as one block, which the
+        # caching allocator can split for the activations (separate segment-sized blocks serve only
+        # requests up to a segment's size)
+        block = torch.empty(len(fresh) * self.segment_rows, self.width, device=self.device)
+        targets = dict(into)
+        targets.update({s: block[i * self.segment_rows : (i + 1) * self.segment_rows]
+                        for i, s in enumerate(fresh)})
         with _on(stream, self.device):
             for s in stashed:
                 _copy_chunks(targets[s], self.segments[s], chunk_rows)

@@ -132,31 +132,73 @@ def _gather_pool_kernel(
 
 
 # ------------------------------------------------------------------------------------ grad reduce
+# Deterministic: the ids of each unique key are summed in one fixed order (the stable sort by key),
+# in pieces of _PIECE ids (so a hot key's thousands of ids spread over many programs), and a key's
+# pieces are then added in piece order. No atomics: the same batch gives the same bits every run.
+_PIECE = 256
+
+
 @triton.jit
-def _reduce_grads_kernel(
+def _reduce_pieces_kernel(
     grad_src,
     src_of_id,
     scale,
-    inverse,
+    order,
+    starts,
+    counts,
+    piece_key,
+    piece_first,
     out,
-    n,
+    partial,
+    num_unique,
     D,
     HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PIECE: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid: (cdiv(n, BLOCK_N),); out: float32 (num_unique, D), zeroed.
-    # Atomic adds: a hot key's ids spread over many programs instead of serializing in one.
-    ids = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid: (an upper bound of the number of pieces,); piece_key[pid] >= num_unique: no piece.
+    pid = tl.program_id(0).to(tl.int64)
+    key = tl.load(piece_key + pid)
+    if key < num_unique:
+        count = tl.load(counts + key)
+        start = tl.load(starts + key)
+        lo = start + (pid - tl.load(piece_first + key)) * PIECE
+        hi = tl.minimum(lo + PIECE, start + count)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in range(lo, hi, CHUNK):
+            pos = j + tl.arange(0, CHUNK)
+            m = pos < hi
+            ids = tl.load(order + pos, mask=m, other=0)
+            src = tl.load(src_of_id + ids, mask=m, other=0)
+            g = tl.load(grad_src + src[:, None] * D + cols[None, :], mask=m[:, None] & cmask[None, :],
+                        other=0.0)
+            if HAS_SCALE:
+                g = g * tl.load(scale + ids, mask=m, other=0.0)[:, None]
+            acc += tl.sum(g, axis=0)
+        if count <= PIECE:  # the key's only piece: its result
+            tl.store(out + key * D + cols, acc, mask=cmask)
+        else:
+            tl.store(partial + pid * D + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _reduce_keys_kernel(partial, counts, piece_first, out, D, PIECE: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid: (num_unique,): keys of several pieces add them in order; keys without ids get zeros.
+    key = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts + key)
     cols = tl.arange(0, BLOCK_D)
-    in_range = ids < n
-    mask = in_range[:, None] & (cols[None, :] < D)
-    src = tl.load(src_of_id + ids, mask=in_range, other=0)
-    u = tl.load(inverse + ids, mask=in_range, other=0)
-    g = tl.load(grad_src + src[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    if HAS_SCALE:
-        g = g * tl.load(scale + ids, mask=in_range, other=0.0)[:, None]
-    tl.atomic_add(out + u[:, None] * D + cols[None, :], g, mask=mask, sem="relaxed")
+    cmask = cols < D
+    if count > PIECE:
+        first = tl.load(piece_first + key)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for p in range(first, first + (count + PIECE - 1) // PIECE):
+            acc += tl.load(partial + p * D + cols, mask=cmask, other=0.0)
+        tl.store(out + key * D + cols, acc, mask=cmask)
+    elif count == 0:
+        tl.store(out + key * D + cols, tl.zeros([BLOCK_D], dtype=tl.float32), mask=cmask)
 
 
 # -------------------------------------------------------------------------------- fused optimizer
@@ -304,27 +346,33 @@ class TritonKernels:
         """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
         inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
 
-        Float atomics: the summation order of a key's duplicates varies from run to run (as in
-        ``index_add_`` on CUDA); equal to the reference within fp32 rounding.
+        Deterministic (no atomics): each key's ids are summed in the order of a stable sort by key,
+        in pieces of ``_PIECE`` ids added in order; equal to the reference within fp32 rounding.
         """
         n, dim = inverse.numel(), grad_src.shape[1]
-        out = torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
         if n == 0 or num_unique == 0 or dim == 0:
-            return out
+            return torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
+        dev = grad_src.device
+        counts = torch.bincount(inverse, minlength=num_unique)[:num_unique]
+        starts = torch.cumsum(counts, 0) - counts
+        pieces = (counts + _PIECE - 1) // _PIECE
+        piece_end = torch.cumsum(pieces, 0)
+        grid = num_unique + n // _PIECE + 1  # >= the number of pieces, known without a host sync
+        piece_key = torch.searchsorted(piece_end, torch.arange(grid, device=dev), right=True)
+        order = torch.argsort(inverse, stable=True)
+        out = torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
+        partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         block_d = _block_d(dim)
-        block_n = _block_rows(block_d)
-        _reduce_grads_kernel[(triton.cdiv(n, block_n),)](
-            grad_src.contiguous(),
-            src_of_id.contiguous(),
-            inverse if scale is None else scale.contiguous(),
-            inverse.contiguous(),
-            out,
-            n,
-            dim,
-            HAS_SCALE=scale is not None,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            num_warps=_num_warps(block_n * block_d),
+        chunk = max(1, min(32, _TILE_ELEMS // block_d))
+        _reduce_pieces_kernel[(grid,)](
+            grad_src.contiguous(), src_of_id.contiguous(), inverse if scale is None else scale.contiguous(),
+            order, starts, counts, piece_key, piece_end - pieces, out, partial, num_unique, dim,
+            HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
+            num_warps=_num_warps(chunk * block_d),
+        )
+        _reduce_keys_kernel[(num_unique,)](
+            partial, counts, piece_end - pieces, out, dim, PIECE=_PIECE, BLOCK_D=block_d,
+            num_warps=_num_warps(block_d),
         )
         return out
 
