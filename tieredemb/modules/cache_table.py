@@ -42,7 +42,6 @@ from tieredemb.modules.table import (
     TableRows,
     TableStats,
     contested,
-    unique_pairs,
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
@@ -108,11 +107,8 @@ class CacheGroup(TableGroup):
             self._bounded = torch.tensor([c.max_capacity is not None for c in configs], device=device)
 
     # --------------------------------------------------------------------------------- prefetch
-    def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
-                 training: bool, occurrences: torch.Tensor | None = None,
-                 grouped: bool = True) -> GroupPrefetch:
-        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs), occurrences, grouped)
-        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+    def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
+                        counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
         dev = self.device

@@ -31,7 +31,7 @@ from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, ta
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
-from tieredemb.modules.table import GroupPrefetch, TableGroup, TableRows, unique_pairs
+from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
@@ -53,6 +53,7 @@ class ShardedPrefetch:
     send_splits: list[int]
     recv_splits: list[int]
     served: GroupPrefetch
+    sorted_ids: IdOrder | None = None
 
 
 @dataclass
@@ -185,7 +186,7 @@ class _Collection(nn.Module):
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
         (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
         group = self._groups[g]
-        keys, tables, inverse, counts = unique_pairs(gb.ids, gb.tables, len(group.configs))
+        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs))
         owner = owner_of(keys, self._salts[g][tables], self.world)
         send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
@@ -194,7 +195,7 @@ class _Collection(nn.Module):
         lookups = torch.zeros(len(group.configs), dtype=torch.int64, device=self.device)
         served = group.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(),
                                 self._clock, training, occurrences=rcounts, grouped=False)
-        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served)
+        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
 
     def _addressed(self, g: int, state: CollectionPrefetch) -> tuple[RowStore, torch.Tensor]:
         """Where the rows of group g's ids are: a row store and an address per id. Sharded: output
@@ -259,13 +260,14 @@ class _Collection(nn.Module):
                 grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
             src, scale = self._grad_sources(g, state.batch.groups[g])
             reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
-                                                gpf.unique_keys.numel())
+                                                gpf.unique_keys.numel(), gpf.sorted_ids)
             if sharded:  # gradients of this rank's distinct keys to their owners, summed there
                 got = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits,
                                self.process_group)
                 gpf = gpf.served
                 reduced = self.kernels.reduce_grads(got, torch.arange(got.shape[0], device=self.device),
-                                                    None, gpf.inverse, gpf.unique_keys.numel())
+                                                    None, gpf.inverse, gpf.unique_keys.numel(),
+                                                    gpf.sorted_ids)
             self.kernels.optimizer_update(group.store, gpf.addresses, reduced, self.optimizer, self.step)
         self._release(state)
 

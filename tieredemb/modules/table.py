@@ -81,6 +81,17 @@ class GroupPrefetch:
     # bounded tables under a pipeline: misses whose bucket held rows of an earlier batch still in
     # flight, placed when that batch is released (as a plain loop would): (positions, step, counts)
     deferred: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
+
+
+@dataclass
+class IdOrder:
+    """The dedup's sort of a batch's ids: ``order`` int64 (n,) the ids grouped by distinct pair (in
+    pair order, stable), ``entries`` int64 (u,) ids per pair. Lets the gradient reduction sum each
+    pair's ids in one fixed order without sorting again."""
+
+    order: torch.Tensor
+    entries: torch.Tensor
 
 
 # columns of the per-table device counters
@@ -91,13 +102,10 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
                  occurrences: torch.Tensor | None = None, grouped: bool = True):
     """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
-    counts of their own). ``grouped``: ids come grouped by table, as a batch lays them out (one
-    sort instead of two). One host sync (the count)."""
-    if num_tables == 1 and occurrences is None:
-        keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        return keys, torch.zeros_like(keys), inverse, counts
+    counts of their own), and the sort (``IdOrder``). ``grouped``: ids come grouped by table, as a
+    batch lays them out (one sort instead of two). One host sync (the count)."""
     # a stable sort by key keeps the table order among equal keys: pairs end up adjacent
-    if grouped:
+    if grouped or num_tables == 1:
         skeys, order = torch.sort(ids, stable=True)
     else:
         by_table = torch.argsort(tables, stable=True)
@@ -110,12 +118,13 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
     inverse = torch.empty_like(pair)
     inverse[order] = pair
     starts = head.nonzero().squeeze(1)
+    entries = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
     if occurrences is None:
-        counts = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
+        counts = entries
     else:
         counts = torch.zeros(starts.numel(), dtype=torch.int64, device=ids.device)
         counts.index_add_(0, inverse, occurrences)
-    return skeys[starts], stables[starts], inverse, counts
+    return skeys[starts], stables[starts], inverse, counts, IdOrder(order, entries)
 
 
 def contested(index, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
@@ -198,8 +207,15 @@ class TableGroup:
         """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
         each requester's distinct ids with their counts); ``grouped``: see ``unique_pairs``."""
-        unique, utab, inverse, counts = unique_pairs(ids, tables, len(self.configs), occurrences, grouped)
+        unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, len(self.configs),
+                                                                 occurrences, grouped)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+        pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
+        pf.sorted_ids = sorted_ids
+        return pf
+
+    def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
+                        counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not training:
             self._count((UNIQUE, utab, None))

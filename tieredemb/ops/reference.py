@@ -41,9 +41,11 @@ class TorchKernels:
         return out.index_add_(0, bag_of, rows)
 
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
-                     scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
+                     scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,
+                     sorted_ids: object | None = None) -> torch.Tensor:
         """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
-        inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D)."""
+        inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
+        ``sorted_ids``: the dedup's ``IdOrder`` of these ids, if known (kernels that sort use it)."""
         g = grad_src.index_select(0, src_of_id)
         if scale is not None:
             g = g * scale[:, None]

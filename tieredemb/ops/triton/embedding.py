@@ -342,24 +342,29 @@ class TritonKernels:
         scale: torch.Tensor | None,
         inverse: torch.Tensor,
         num_unique: int,
+        sorted_ids: object | None = None,
     ) -> torch.Tensor:
         """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
         inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
 
         Deterministic (no atomics): each key's ids are summed in the order of a stable sort by key,
         in pieces of ``_PIECE`` ids added in order; equal to the reference within fp32 rounding.
+        ``sorted_ids`` (the dedup's ``IdOrder``: ``order``, ``entries``) spares that sort.
         """
         n, dim = inverse.numel(), grad_src.shape[1]
         if n == 0 or num_unique == 0 or dim == 0:
             return torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
         dev = grad_src.device
-        counts = torch.bincount(inverse, minlength=num_unique)[:num_unique]
+        if sorted_ids is None:
+            order = torch.argsort(inverse, stable=True)
+            counts = torch.bincount(inverse, minlength=num_unique)[:num_unique]
+        else:
+            order, counts = sorted_ids.order, sorted_ids.entries
         starts = torch.cumsum(counts, 0) - counts
         pieces = (counts + _PIECE - 1) // _PIECE
         piece_end = torch.cumsum(pieces, 0)
         grid = num_unique + n // _PIECE + 1  # >= the number of pieces, known without a host sync
         piece_key = torch.searchsorted(piece_end, torch.arange(grid, device=dev), right=True)
-        order = torch.argsort(inverse, stable=True)
         out = torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         block_d = _block_d(dim)
