@@ -24,12 +24,12 @@ three strategies:
   saved-tensor points after the lookup; then the free moves to the first such point the GPU reaches
   after the copy should be done (1.1x the measured copy time), so the wait costs nothing.
 
-The restore site is a module name (its backward pre-hook) or, by default, the first point of the
-backward (a saved tensor unpacked) at which restoring cannot raise the step's peak: device memory
-allocated now plus the stashed bytes is at most the most allocated at any saved-tensor point of the
-forward since the stash. At the latest the collection's backward
-restores. On the CPU the same steps run (copies between ordinary tensors): results are the same and
-the hooks are exercised; the memory figures mean nothing there.
+The restore site is a module name (its backward pre-hook) or, by default, calibrated the same way:
+the last saved-tensor point of the backward (a tensor unpacked) that the GPU reaches 1.1x the copy
+time before the embedding backward, so the rows stay on the host as long as the copy back can still
+be hidden. At the latest the collection's backward restores. On the CPU (nothing to time) the default
+restore is at the backward's first point, and the same steps run (copies between ordinary tensors):
+results are the same and the hooks are exercised; the memory figures mean nothing there.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ class StashConfig:
             ``"record_stream"`` or ``"blocking"`` (see ``tieredemb.pipeline.stash``).
         free_site: ``event`` only: the module (a name from ``model.named_modules()``) whose forward
             frees the stashed memory; ``None``: calibrated (see the module docstring).
-        restore_site: the module whose backward starts the restore; ``None``: the first point of the
-            backward where restoring cannot raise the peak memory; at the latest, the embedding
-            backward.
+        restore_site: the module whose backward starts the restore; ``None``: calibrated (the last
+            point of the backward from which the copy back is still hidden); at the latest, the
+            embedding backward.
         chunk_bytes: bytes per copy (so batch copies of the pipeline are not held up behind one
             large transfer); an int or a string like ``"32MiB"``.
     """
@@ -118,9 +118,10 @@ class Stash:
         self._stashed_bytes = 0
         self._packs = 0  # saved tensors packed since this step's first stash
         self._unpacks = 0  # saved tensors unpacked while stashed
-        self._window_peak = 0  # device bytes allocated: the most seen since this step's stash
+        self._restore_at: int | None = None  # calibrated restore site (unpack number); None: latest
         self._free_at: int | None = None  # calibrated free site (pack number); None: end of forward
-        calibrate = self._cuda and config.strategy == "event" and config.free_site is None
+        calibrate = self._cuda and (config.restore_site is None or
+                                    (config.strategy == "event" and config.free_site is None))
         self._calibration: _Calibration | None = _Calibration() if calibrate else None
         self.stats = {"steps": 0, "stashed_bytes": 0, "free_site": config.free_site,
                       "restore_site": config.restore_site, "copy_ms": None, "window_ms": None}
@@ -148,14 +149,17 @@ class Stash:
     def _begin_step(self) -> None:
         self.stats["steps"] += 1
         self._packs = self._unpacks = 0
-        self._window_peak = torch.cuda.memory_allocated(self.device) if self._cuda else 0
         cal = self._calibration
         if cal is not None:
             if cal.ready():
-                self._free_at, copy_ms, window_ms = cal.choose()
-                self.stats.update(copy_ms=copy_ms, window_ms=window_ms,
-                                  free_site="end of forward" if self._free_at is None
-                                  else f"saved tensor {self._free_at} after the lookup")
+                self._free_at, self._restore_at, copy_ms, window_ms = cal.choose()
+                self.stats.update(copy_ms=copy_ms, window_ms=window_ms)
+                if self.config.strategy == "event" and self.config.free_site is None:
+                    self.stats["free_site"] = ("end of forward" if self._free_at is None
+                                               else f"saved tensor {self._free_at} after the lookup")
+                if self.config.restore_site is None:
+                    self.stats["restore_site"] = ("embedding backward" if self._restore_at is None
+                                                  else f"saved tensor {self._restore_at} of the backward")
                 self._calibration = None if cal.steps >= _CALIBRATION_STEPS else cal
             if self._calibration is not None:
                 self._calibration.start(self.device)
@@ -190,6 +194,9 @@ class Stash:
     def restore(self, collection=None) -> None:
         """Start copying the stashed rows back (of ``collection`` only, or of all). Idempotent."""
         colls = [collection] if collection is not None else list(self._stores)
+        cal = self._calibration
+        if cal is not None and collection is not None and self._stashed_bytes:
+            cal.embedding_backward(self.device)  # the latest site: calibration times the backward to it
         for c in colls:
             stores = [s for s in self._stores.get(c, []) if s.stashed]
             if not stores:
@@ -232,8 +239,6 @@ class Stash:
             self.forward_done()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._stashed_bytes and self._cuda:
-            self._window_peak = max(self._window_peak, torch.cuda.memory_allocated(self.device))
         if self._pending:
             self._packs += 1
             if self._calibration is not None:
@@ -245,52 +250,66 @@ class Stash:
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         if self._stashed_bytes and self.config.restore_site is None:
             self._unpacks += 1
-            if self._restore_is_safe():
-                self.stats["restore_site"] = f"saved tensor {self._unpacks} of the backward"
+            if not self._cuda:  # nothing to time: restore at the backward's first point
+                self.restore()
+            elif self._calibration is not None:
+                self._calibration.unpacked(self.device)
+            elif self._restore_at is not None and self._unpacks >= self._restore_at:
                 self.restore()
         return t
 
-    def _restore_is_safe(self) -> bool:
-        """Restoring now cannot raise the peak of the stashed window (the most device memory allocated
-        at the forward's saved-tensor points since the stash); always true on the CPU. The window's
-        own peak, not the process's: an early restore in one step must not license one in the next."""
-        if not self._cuda:
-            return True
-        return torch.cuda.memory_allocated(self.device) + self._stashed_bytes <= self._window_peak
-
 
 class _Calibration:
-    """CUDA events of the first stashed steps: the lookup's end, each stash copy's end, and each
-    saved-tensor point of the forward after the lookup."""
+    """CUDA events of the first stashed steps (which free at the end of the forward and restore at the
+    embedding backward): the lookup's end, each stash copy's end, each saved-tensor point of the
+    forward after the lookup and of the backward before the embedding backward, and the latter's
+    start. The sites are then chosen so the copies fit: the free at the first forward point 1.1x the
+    copy time after the lookup, the restore at the last backward point 1.1x the copy time before the
+    embedding backward (the copy back moves the same bytes at about the same rate)."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.lookup: torch.cuda.Event | None = None
         self.copies: list[torch.cuda.Event] = []
-        self.points: list[torch.cuda.Event] = []
+        self.packs: list[torch.cuda.Event] = []
+        self.unpacks: list[torch.cuda.Event] = []
+        self.backward: torch.cuda.Event | None = None
 
     def start(self, device: torch.device) -> None:
         self.steps += 1
         self.lookup = _timed(torch.cuda.current_stream(device))
-        self.copies, self.points = [], []
+        self.copies, self.packs, self.unpacks, self.backward = [], [], [], None
 
     def copied(self, stream: torch.cuda.Stream) -> None:
         self.copies.append(_timed(stream))
 
     def mark(self, device: torch.device) -> None:
-        self.points.append(_timed(torch.cuda.current_stream(device)))
+        self.packs.append(_timed(torch.cuda.current_stream(device)))
+
+    def unpacked(self, device: torch.device) -> None:
+        self.unpacks.append(_timed(torch.cuda.current_stream(device)))
+
+    def embedding_backward(self, device: torch.device) -> None:
+        if self.backward is None:
+            self.backward = _timed(torch.cuda.current_stream(device))
 
     def ready(self) -> bool:
         """Every event of the last calibrated step has run (a query, never a wait)."""
-        return self.lookup is not None and all(e.query() for e in [self.lookup, *self.copies, *self.points])
+        events = [self.lookup, self.backward, *self.copies, *self.packs, *self.unpacks]
+        return None not in events and all(e.query() for e in events)
 
-    def choose(self) -> tuple[int | None, float, float]:
-        """(first saved-tensor point at least ``_MARGIN`` x the copy time after the lookup, or None;
-        copy ms; forward ms after the lookup)."""
+    def choose(self) -> tuple[int | None, int | None, float, float]:
+        """(free site: a forward point number or None for the forward's end; restore site: a
+        backward point number or None for the embedding backward; copy ms; forward ms after the
+        lookup)."""
         copy_ms = max((self.lookup.elapsed_time(e) for e in self.copies), default=0.0)
-        times = [self.lookup.elapsed_time(e) for e in self.points]
-        site = next((k + 1 for k, t in enumerate(times) if t >= _MARGIN * copy_ms), None)
-        return site, copy_ms, times[-1] if times else 0.0
+        fwd = [self.lookup.elapsed_time(e) for e in self.packs]
+        free_at = next((k + 1 for k, t in enumerate(fwd) if t >= _MARGIN * copy_ms), None)
+        backward = self.lookup.elapsed_time(self.backward)
+        bwd = [backward - self.lookup.elapsed_time(e) for e in self.unpacks]
+        fits = [k + 1 for k, t in enumerate(bwd) if t >= _MARGIN * copy_ms]
+        restore_at = fits[-1] if fits else (1 if bwd else None)
+        return free_at, restore_at, copy_ms, fwd[-1] if fwd else 0.0
 
 
 def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:
