@@ -56,7 +56,7 @@ done
 
 # wall-clock guards (seconds): together they stay under the 10-minute call
 GPU_TESTS_TIMEOUT=150
-OTHER_TESTS_TIMEOUT=200
+OTHER_TESTS_TIMEOUT=330
 BENCH_TIMEOUT=220
 PROFILE_TIMEOUT=120
 CACHE_TIMEOUT=200   # each of bench cache, bench ssd
@@ -102,7 +102,7 @@ if [ "$run_tests" = 1 ]; then
     gpu_rc=$?
     echo "== tests (CUDA present: suites parametrized over devices run on cuda too)"
     timeout "$OTHER_TESTS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests \
-        --ignore=tests/gpu -k "not interop" 2>&1 | tee -a "$OUT/pytest.log"
+        --ignore=tests/gpu -k "not interop" --durations=12 2>&1 | tee -a "$OUT/pytest.log"
     other_rc=$?
     [ "$gpu_rc" = 0 ] || status=1
     [ "$other_rc" = 0 ] || status=1
