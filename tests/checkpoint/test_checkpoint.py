@@ -205,6 +205,12 @@ RSS_PROBE = textwrap.dedent("""
     for lo in range(0, rows, 1 << 16):
         keys = torch.arange(lo, min(lo + (1 << 16), rows))
         ebc.write("big", keys, torch.randn(keys.numel(), 64))
+    # warm-up: a save of a tiny model first, so imports and torch's thread pools (which grow RSS once,
+    # by an amount that depends on the machine's cores) are not counted as the big save's growth
+    small = torch.nn.Module()
+    small.ebc = te.EmbeddingBagCollection([te.TableConfig("s", 64, ["x"])], optimizer=te.optim.Adam())
+    small.ebc.write("s", torch.arange(1000), torch.randn(1000, 64))
+    te.checkpoint.save(small, sys.argv[1] + "-warmup", buffer_bytes=buffer)
     before, peak, done = rss(), [0], threading.Event()
     def sample():
         while not done.is_set():
