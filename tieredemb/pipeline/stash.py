@@ -138,10 +138,9 @@ class Stash:
         if not self._pending and not self._stashed_bytes:
             self._begin_step()
         for store in stores:
-            chunk = max(1, self.config.chunk_bytes // (store.width * 4))
             self._stashed_bytes += store.device_bytes()
             self.stats["stashed_bytes"] = max(self.stats["stashed_bytes"], self._stashed_bytes)
-            released = store.stash(self.stream, chunk)
+            released = store.stash(self.stream, self._chunk_rows(store))
             if self._calibration is not None:
                 self._calibration.copied(self.stream)
             self._release(store, released)
@@ -171,8 +170,8 @@ class Stash:
                 store.ready.synchronize()
             released.clear()
         elif strategy == "record_stream":
-            for t in released.values():
-                if self.stream is not None:
+            if self.stream is not None:
+                for t in released.values():
                     t.record_stream(self.stream)
             released.clear()
         else:
@@ -186,10 +185,6 @@ class Stash:
                 torch.cuda.current_stream(self.device).wait_event(store.ready)
             released.clear()
         self._pending.clear()
-
-    def forward_done(self) -> None:
-        """The model's forward is over: free now if the free site has not come (``tracking()`` calls it)."""
-        self.free()
 
     def restore(self, collection=None) -> None:
         """Start copying the stashed rows back (of ``collection`` only, or of all). Idempotent."""
@@ -205,9 +200,12 @@ class Stash:
                 for store in stores:
                     into = self._unfreed(store)
                     self._stashed_bytes -= store.rows_by_placement().get("stashed", 0) * store.width * 4
-                    store.restore(self.stream, max(1, self.config.chunk_bytes // (store.width * 4)), into)
+                    store.restore(self.stream, self._chunk_rows(store), into)
         if not self._stashed_bytes:
             self._pending.clear()
+
+    def _chunk_rows(self, store) -> int:
+        return max(1, self.config.chunk_bytes // (store.width * 4))
 
     def _unfreed(self, store) -> dict[int, torch.Tensor]:
         """Device segments of ``store`` not freed yet (``event`` before its free site): the restore
@@ -236,7 +234,7 @@ class Stash:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self.forward_done()
+            self.free()  # the forward is over: the free site, at the latest
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._pending:
