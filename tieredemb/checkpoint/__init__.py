@@ -46,6 +46,7 @@ from safetensors.torch import save as save_bytes
 
 from tieredemb.init import splitmix64
 from tieredemb.modules.collection import _Collection
+from tieredemb.modules.state import dense_only
 
 FORMAT = 1
 DEFAULT_BUFFER = 256 << 20
@@ -265,7 +266,8 @@ def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: 
     for r in range(world):
         for key, entries in json.loads((out / f"files-r{r}.json").read_text()).items():
             merged.setdefault(key, []).extend(entries)
-    dense = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    with dense_only(model):
+        dense = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
     manifest = {
         "format": FORMAT, "world_size": world, "base": base,
         "dense": {"file": "dense.safetensors", **_write(out / "dense.safetensors", save_bytes(dense))},
@@ -327,7 +329,8 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
     saved = manifest["collections"]
     for name, collection in collections.items():
         _check_compatible(name, collection, saved.get(name), out)
-    model.load_state_dict(load_bytes(_read(out, manifest["dense"])))
+    with dense_only(model):
+        model.load_state_dict(load_bytes(_read(out, manifest["dense"])))
     for name, collection in collections.items():
         meta = saved[name]
         for table in meta["tables"]:

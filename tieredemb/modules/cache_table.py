@@ -418,13 +418,15 @@ class CacheGroup(TableGroup):
         self._settle_pending()
 
     # ------------------------------------------------------------------------------ row access
-    def read(self, table: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, table: int, keys: torch.Tensor,
+             cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = self.dim if cols is None else cols
         tables = self._tables_of(table, keys)
         addresses, found = self._locate(keys, tables)
-        out = self.store.gather(addresses, self.dim)
+        out = self.store.gather(addresses, cols)
         missing = (~found).nonzero().squeeze(1)
         got = self._get(keys[missing], tables[missing])
-        out[missing] = got.rows[:, : self.dim].to(self.device)
+        out[missing] = got.rows[:, :cols].to(self.device)
         found[missing] = got.found.to(self.device)
         return out, found
 

@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
+from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
@@ -339,6 +340,35 @@ class _Collection(nn.Module):
             group.write(i, keys, weights, self._clock)
 
     # ------------------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------------------ state_dict
+    _rows_in_state_dict = True  # off inside te.checkpoint (it streams the rows itself)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Table state as tensors and ``TableSlice`` handles read in chunks (``modules/state.py``)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._rows_in_state_dict:
+            table_state.save(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if not self._rows_in_state_dict:
+            return
+        ours = table_state.expected_keys(self, prefix)
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in set(ours)]
+        missing = [k for k in ours if k not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        table_state.load(self, state_dict, prefix, error_msgs)
+
+    def _read_full_rows(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """Whole rows ([weights | optimizer state]) of keys this rank stores; zeros where absent."""
+        group, i, _ = self._table(table)
+        with self._mutating():
+            return group.read(i, keys.to(self.device), cols=group.width)[0]
+
     def _checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
         return {"step": self.step, "clock": self._clock, "seed": self.seed,

@@ -394,11 +394,14 @@ class TableGroup:
     def _tables_of(self, table: int, keys: torch.Tensor) -> torch.Tensor:
         return torch.full_like(keys, table)
 
-    def read(self, table: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, table: int, keys: torch.Tensor,
+             cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of ``keys``: the first ``cols`` columns, default the weights; zeros where absent,
+        found). Moves no score."""
         slots = self.index.find(keys, self._tables_of(table, keys))
         found = slots >= 0
         addresses = torch.where(found, self.index.values[slots.clamp(min=0)], -1)
-        return self.store.gather(addresses, self.dim), found
+        return self.store.gather(addresses, self.dim if cols is None else cols), found
 
     def write(self, table: int, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert rows; their optimizer state is reset to zero."""

@@ -1,0 +1,182 @@
+"""``state_dict`` / ``load_state_dict`` of the collections: table state as tensor-like handles read in
+chunks (seed 001, "Persisting").
+
+A table whose rows live in a key-value store cannot be handed out as one tensor. ``state_dict()``
+gives, per table (``<table>.<entry>``):
+
+- ``keys`` int64 (n,), ``scores`` int64 (n,): a snapshot taken by the call (16 bytes a row);
+- ``weights`` (n, D) and ``optimizer_state`` (n, S): ``TableSlice`` handles. They have ``shape``,
+  ``dtype``, ``numel()``, ``element_size()``, ``nbytes``, ``dim()``, ``size()``; ``narrow(0, start,
+  length)`` reads those rows (in key order of the snapshot) from wherever they live, as a CPU tensor,
+  without moving any score; ``materialize()`` reads all of them;
+- ``admission_keys``, ``admission_counts``: keys counted toward admission and their counts;
+
+and the collection's ``step`` and ``clock`` (int64 scalars). Like ``nn.Module.state_dict``, the
+handles read the live table: consume them before training goes on. Sharded: this rank's shard.
+
+``load_state_dict`` consumes weights and optimizer state ``chunk_rows`` rows at a time (handles or
+tensors alike), replacing the tables' rows (rows stored before and absent from the state are
+removed). ``te.checkpoint`` streams the same rows to files itself; a model's ``state_dict`` there
+holds the dense part only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+CHUNK_ROWS = 65536
+_ENTRIES = ("keys", "scores", "weights", "optimizer_state", "admission_keys", "admission_counts")
+
+
+class TableSlice:
+    """Tensor-like handle of a column range of a table's rows, read ``narrow`` by ``narrow``."""
+
+    def __init__(self, collection, table: str, keys: torch.Tensor, cols: tuple[int, int]) -> None:
+        self._collection, self._table, self._keys, self._cols = collection, table, keys, cols
+        self.shape = torch.Size([keys.numel(), cols[1] - cols[0]])
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> int:
+        return 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * 4
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows ``start .. start + length`` of the snapshot's key order (dim 0 only), on the CPU."""
+        if dim != 0:
+            raise ValueError(f"TableSlice.narrow: only dim 0 (rows), got dim {dim}")
+        n = self.shape[0]
+        if start < 0 or length < 0 or start + length > n:
+            raise ValueError(f"TableSlice.narrow: rows {start}..{start + length} out of 0..{n}")
+        keys = self._keys[start : start + length]
+        rows = self._collection._read_full_rows(self._table, keys)
+        return rows[:, self._cols[0] : self._cols[1]].cpu()
+
+    def materialize(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
+
+    def __repr__(self) -> str:
+        return f"TableSlice(table={self._table!r}, shape={tuple(self.shape)}, dtype=torch.float32)"
+
+
+def save(collection, destination: dict, prefix: str) -> None:
+    """Put the collection's table state into ``destination`` under ``prefix``."""
+    for t in collection.table_configs:
+        keys, scores = [], []
+        for k, _, s in collection._checkpoint_chunks(t.name, CHUNK_ROWS):
+            keys.append(k)
+            scores.append(s)
+        keys = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
+        dim = t.embedding_dim
+        width = dim + collection.optimizer.state_width(dim)
+        adm_keys, adm_counts = collection._checkpoint_admission(t.name)
+        p = f"{prefix}{t.name}."
+        destination[p + "keys"] = keys
+        destination[p + "scores"] = torch.cat(scores) if scores else torch.empty(0, dtype=torch.int64)
+        destination[p + "weights"] = TableSlice(collection, t.name, keys, (0, dim))
+        destination[p + "optimizer_state"] = TableSlice(collection, t.name, keys, (dim, width))
+        destination[p + "admission_keys"] = adm_keys
+        destination[p + "admission_counts"] = adm_counts
+    destination[prefix + "step"] = torch.tensor(collection.step)
+    destination[prefix + "clock"] = torch.tensor(collection._clock)
+
+
+def expected_keys(collection, prefix: str) -> list[str]:
+    return [f"{prefix}{t.name}.{e}" for t in collection.table_configs for e in _ENTRIES] + \
+        [prefix + "step", prefix + "clock"]
+
+
+def load(collection, state: dict, prefix: str, error_msgs: list[str]) -> None:
+    """Replace the collection's tables with ``state`` (the entries ``save`` writes), chunk by chunk."""
+    bad = _check(collection, state, prefix)
+    if bad:
+        error_msgs.append(bad)
+        return
+    for t in collection.table_configs:
+        p = f"{prefix}{t.name}."
+        keys, scores = state[p + "keys"], state[p + "scores"]
+        weights, opt_state = state[p + "weights"], state[p + "optimizer_state"]
+        if any(isinstance(h, TableSlice) and h._collection is collection for h in (weights, opt_state)):
+            weights, opt_state = _tensor(weights), _tensor(opt_state)  # its own state: read before clearing
+        _clear(collection, t.name)
+        for start in _chunk_starts(collection, keys.numel()):
+            length = max(0, min(CHUNK_ROWS, keys.numel() - start))
+            rows = torch.cat([weights.narrow(0, start, length), opt_state.narrow(0, start, length)], 1)
+            collection._restore_rows(t.name, keys[start : start + length], rows,
+                                     scores[start : start + length])
+        adm_keys = state[p + "admission_keys"]
+        collection._restore_rows(t.name, adm_keys, torch.empty(adm_keys.numel(), weights.shape[1]),
+                                 state[p + "admission_counts"], admission=True)
+    collection.step = int(state[prefix + "step"])
+    collection._clock = int(state[prefix + "clock"])
+
+
+def _tensor(x) -> torch.Tensor:
+    return x.materialize() if isinstance(x, TableSlice) else x
+
+
+def _check(collection, state: dict, prefix: str) -> str | None:
+    """What is wrong with ``state`` for this collection (before anything changes), or None."""
+    for t in collection.table_configs:
+        p = f"{prefix}{t.name}."
+        n = state[p + "keys"].numel()
+        dim = t.embedding_dim
+        want = {"weights": (n, dim), "optimizer_state": (n, collection.optimizer.state_width(dim)),
+                "scores": (n,)}
+        for entry, shape in want.items():
+            got = tuple(state[p + entry].shape)
+            if got != shape:
+                return (f"{p}{entry}: shape {got}, expected {shape} (table {t.name!r}: dim {dim}, "
+                        f"optimizer {type(collection.optimizer).__name__})")
+    return None
+
+
+def _clear(collection, table: str) -> None:
+    """Remove the table's stored rows (a collective when sharded)."""
+    stored = [k for k, _, _ in collection._checkpoint_chunks(table, CHUNK_ROWS)]
+    keys = torch.cat(stored) if stored else torch.empty(0, dtype=torch.int64)
+    collection._delete_rows(table, keys)
+
+
+def _chunk_starts(collection, n: int) -> range:
+    """Chunk offsets; sharded, every rank runs as many (collective) chunks as the largest shard."""
+    chunks = -(-n // CHUNK_ROWS)
+    if collection.process_group is not None:
+        count = torch.tensor([chunks], device=collection.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=collection.process_group)
+        chunks = int(count)
+    return range(0, chunks * CHUNK_ROWS, CHUNK_ROWS)
+
+
+@contextlib.contextmanager
+def dense_only(model: torch.nn.Module):
+    """Within: the model's collections add nor expect table state in ``state_dict`` /
+    ``load_state_dict`` (``te.checkpoint`` stores the rows itself)."""
+    from tieredemb.modules.collection import _Collection
+
+    colls = [m for m in model.modules() if isinstance(m, _Collection)]
+    for c in colls:
+        c._rows_in_state_dict = False
+    try:
+        yield
+    finally:
+        for c in colls:
+            c._rows_in_state_dict = True
