@@ -1,12 +1,17 @@
-"""``tieredemb bench dist``: weak scaling of the ``hbm`` workload, row-wise sharded over 1, 2, 4 ... GPUs.
+"""``tieredemb bench dist``: weak scaling of the ``hbm`` or ``cache`` workload, row-wise sharded over
+1, 2, 4 ... GPUs.
 
 Every rank trains its own batch of the workload's size (a fixed per-GPU batch) on tables sharded over
 all ranks (NCCL); the tables keep their size, so each GPU holds 1/N of the rows. Reported per world
 size: the step time (the slowest rank's median), lookups per second per GPU, and the per-GPU
 throughput as a fraction of the one-GPU run (the issue's bar: at least 85% at 4 GPUs).
 
-    tieredemb bench dist [--gpus 1,2,4] [--scale S] [--steps N] [--warmup N] [--optimizer adam]
-                         [--out DIR]
+``--workload cache``: the ``cache`` workload's tables (10 x 10M rows at scale 1, RowWiseAdagrad, ids =
+Zipf ranks) in cache mode over host memory, each rank's device cache 10% of its shard's footprint;
+no prefill (the warmup steps fill the caches), the same at every world size.
+
+    tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N] [--warmup N]
+                         [--optimizer adam] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import torch
 import torch.distributed as dist
 
 import tieredemb as te
+from tieredemb.bench.cache import RankBatches
+from tieredemb.bench.cache import table_configs as cache_tables
 from tieredemb.bench.hbm import OPTIMIZERS, time_ms, upstream_grad
 from tieredemb.bench.report import machine_info, report_path, write_report
 from tieredemb.bench.workloads import HbmBatches, HbmShape, scramble
+
+CACHE_FRACTION = 0.1
 
 
 def _free_port() -> int:
@@ -47,16 +56,28 @@ def _preinsert(ebc: te.EmbeddingBagCollection, shape: HbmShape, rank: int, world
             ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
 
 
-def _rank(rank: int, world: int, port: int, shape: HbmShape, optimizer: str, steps: int, warmup: int,
-          seed: int, out: str) -> None:
+def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, rank: int, world: int,
+           seed: int):
+    """(collection, batches) of one rank."""
+    if workload == "cache":
+        budget = CACHE_FRACTION * shape.num_tables * shape.rows * (shape.dim + 1) * 4 / world
+        ebc = te.EmbeddingBagCollection(cache_tables(shape), optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                        storage=te.StorageConfig(hbm_budget=int(budget)), device=dev,
+                                        seed=seed, process_group=dist.group.WORLD)
+        return ebc, RankBatches(shape, dev, seed=seed + 1 + rank)
+    ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
+                                    device=dev, seed=seed, process_group=dist.group.WORLD)
+    _preinsert(ebc, shape, rank, world, seed)
+    return ebc, HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
+
+
+def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
+          warmup: int, seed: int, out: str) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device(f"cuda:{rank}")
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
-                                        device=dev, seed=seed, process_group=dist.group.WORLD)
-        _preinsert(ebc, shape, rank, world, seed)
-        batches = HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
+        ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed)
         grad = upstream_grad(shape, dev, seed)
 
         def step(batch) -> None:
@@ -70,15 +91,18 @@ def _rank(rank: int, world: int, port: int, shape: HbmShape, optimizer: str, ste
             ms = time_ms(lambda b=batch: step(b), dev)
             if i >= warmup:
                 times.append(ms)
-        rows = sum(s.rows["device"] for s in ebc.stats().values())
+        stats = ebc.stats().values()
+        rows = sum(s.rows["device"] for s in stats)
+        hits, unique = sum(s.hits for s in stats), sum(s.unique_lookups for s in stats)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"median_ms": statistics.median(times), "times_ms": times, "rows": rows}, f)
+            json.dump({"median_ms": statistics.median(times), "times_ms": times, "rows": rows,
+                       "hit_rate": hits / unique if unique else None}, f)
     finally:
         dist.destroy_process_group()
 
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
-        out_dir: str, argv: list[str]) -> int:
+        out_dir: str, argv: list[str], workload: str = "hbm") -> int:
     import torch.multiprocessing as mp
 
     available = torch.cuda.device_count()
@@ -88,18 +112,21 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
     results = []
     for world in gpus:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, _free_port(), shape, optimizer, steps, warmup, seed, tmp),
+            mp.spawn(_rank, args=(world, _free_port(), workload, shape, optimizer, steps, warmup, seed, tmp),
                      nprocs=world, join=True)
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
         step_ms = max(r["median_ms"] for r in ranks)
         results.append({"gpus": world, "step_ms": step_ms, "rank_median_ms": [r["median_ms"] for r in ranks],
                         "rows_per_rank": [r["rows"] for r in ranks],
+                        "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
                         "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3)})
         print(f"{world} GPU(s): step {step_ms:.3f} ms (ranks {[round(r['median_ms'], 3) for r in ranks]}), "
-              f"rows per rank {[r['rows'] for r in ranks]}", flush=True)
+              f"device rows per rank {[r['rows'] for r in ranks]}, hit rates "
+              f"{[None if r['hit_rate'] is None else round(r['hit_rate'], 3) for r in ranks]}", flush=True)
     base = results[0]["lookups_per_s_per_gpu"]
-    lines = [f"dist: hbm workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
-             f"{optimizer}, per-GPU batch {shape.batch_size} x {shape.bag_size} ids a table; "
+    what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
+    lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
+             f"{what}, per-GPU batch {shape.batch_size} x {shape.bag_size} ids a table; "
              f"median of {steps} steps, the slowest rank",
              "GPUs | step ms | lookups/s per GPU | per-GPU throughput vs 1st",
              "-----+---------+-------------------+--------------------------"]
@@ -111,7 +138,8 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
     print(table)
     path = report_path(out_dir, "dist", datetime.now())
     write_report(path, {"machine": machine_info(torch.device("cuda")), "argv": argv,
-                        "shape": dataclasses.asdict(shape), "optimizer": optimizer, "results": results},
+                        "workload": workload, "shape": dataclasses.asdict(shape), "optimizer": optimizer,
+                        "results": results},
                  table)
     print(f"report: {path}")
     return 0
