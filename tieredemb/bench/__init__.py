@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--raw-rows", type=int, default=None,
                            help="rows of the raw rocksdict baseline (default: 1M x scale)")
     d = sub.add_parser("dist", help="weak scaling of hbm, row-wise sharded over 1, 2, 4 ... GPUs (NCCL)")
-    d.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
+    d.add_argument("--workload", dest="dist_workload", choices=["hbm", "cache"], default="hbm",
+                   help="the workload sharded (default %(default)s)")
     d.add_argument("--gpus", default="1,2,4", help="comma-separated world sizes (default %(default)s)")
     d.add_argument("--scale", type=float, default=1.0, help="multiplies rows and the per-GPU batch")
     d.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
@@ -153,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         from tieredemb.bench.cache import CACHE_SHAPE
         from tieredemb.bench.dist import run
 
-        shape = (CACHE_SHAPE if args.workload == "cache" else HbmShape()).scaled(args.scale)
+        shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
         return run([int(g) for g in _split(args.gpus)], shape, args.optimizer, args.steps, args.warmup,
-                   args.seed, args.out, argv, args.workload)
+                   args.seed, args.out, argv, args.dist_workload)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             print(f"tieredemb bench: unknown kernels {k!r} (auto, torch or triton)", file=sys.stderr)
