@@ -74,6 +74,9 @@ def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, ra
 def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
           warmup: int, seed: int, out: str) -> None:
     torch.cuda.set_device(rank)
+    # the host's cores shared out (cache mode does host work): N ranks with a thread per core each
+    # oversubscribe the CPU (torchrun sets OMP_NUM_THREADS=1 for the same reason)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dev = torch.device(f"cuda:{rank}")
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
