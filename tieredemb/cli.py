@@ -192,6 +192,10 @@ def _train_rank(rank: int, world: int, port: int | None, config: TrainConfig, no
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         config = replace(config, device=f"cuda:{local}")
+    if port is not None and "OMP_NUM_THREADS" not in os.environ:
+        # spawned here: the host's cores shared out, as torchrun's OMP_NUM_THREADS=1 would keep the
+        # ranks from oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
     try:
