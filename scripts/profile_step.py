@@ -81,6 +81,11 @@ def main() -> None:
     for e in sorted(avg, key=lambda e: -e.cpu_time_total):
         if e.key.startswith("##"):
             print(f"  {e.key:32s} {e.count / args.steps:8.1f} {e.cpu_time_total / 1e3 / args.steps:8.2f}")
+    gpu = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    print("top GPU time per step (ms):")
+    for e in sorted(avg, key=lambda e: -getattr(e, gpu))[:15]:
+        ms = getattr(e, gpu) / 1e3 / args.steps
+        print(f"  {e.key[:60]:60s} {e.count / args.steps:8.1f} {ms:8.3f}")
     top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
     print("top self-CPU ops per step (ms):")
     for e in top:
