@@ -373,11 +373,10 @@ class TritonKernels:
             grad_src.contiguous(), src_of_id.contiguous(), inverse if scale is None else scale.contiguous(),
             order, starts, counts, piece_key, piece_end - pieces, out, partial, num_unique, dim,
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
-            num_warps=_num_warps(chunk * block_d),
+            num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
         )
         _reduce_keys_kernel[(num_unique,)](
-            partial, counts, piece_end - pieces, out, dim, PIECE=_PIECE, BLOCK_D=block_d,
-            num_warps=_num_warps(block_d),
+            partial, counts, piece_end - pieces, out, dim, PIECE=_PIECE, BLOCK_D=block_d, num_warps=1,
         )
         return out
 
