@@ -134,7 +134,8 @@ def _gather_pool_kernel(
 # ------------------------------------------------------------------------------------ grad reduce
 # Deterministic: the ids of each unique key are summed in one fixed order (the stable sort by key),
 # in pieces of _PIECE ids (so a hot key's thousands of ids spread over many programs), and a key's
-# pieces are then added in piece order. No atomics: the same batch gives the same bits every run.
+# pieces are then added in piece order (only the few keys of several pieces have a second pass). No
+# atomics: the same batch gives the same bits every run.
 _PIECE = 256
 
 
@@ -185,20 +186,20 @@ def _reduce_pieces_kernel(
 
 
 @triton.jit
-def _reduce_keys_kernel(partial, counts, piece_first, out, D, PIECE: tl.constexpr, BLOCK_D: tl.constexpr):
-    # grid: (num_unique,): keys of several pieces add them in order; keys without ids get zeros.
-    key = tl.program_id(0).to(tl.int64)
+def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, D, PIECE: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    # grid: (k,) over candidate keys (the k most frequent: every key of several pieces is among
+    # them); such a key adds its partials in piece order.
+    key = tl.load(candidates + tl.program_id(0))
     count = tl.load(counts + key)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
     if count > PIECE:
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
         first = tl.load(piece_first + key)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for p in range(first, first + (count + PIECE - 1) // PIECE):
             acc += tl.load(partial + p * D + cols, mask=cmask, other=0.0)
         tl.store(out + key * D + cols, acc, mask=cmask)
-    elif count == 0:
-        tl.store(out + key * D + cols, tl.zeros([BLOCK_D], dtype=tl.float32), mask=cmask)
 
 
 # -------------------------------------------------------------------------------- fused optimizer
@@ -361,7 +362,8 @@ class TritonKernels:
         else:
             order, counts = sorted_ids.order, sorted_ids.entries
         starts = torch.cumsum(counts, 0) - counts
-        pieces = (counts + _PIECE - 1) // _PIECE
+        # a key without ids still gets a (one) piece: its program stores the zero row
+        pieces = torch.clamp((counts + _PIECE - 1) // _PIECE, min=1)
         piece_end = torch.cumsum(pieces, 0)
         grid = num_unique + n // _PIECE + 1  # >= the number of pieces, known without a host sync
         piece_key = torch.searchsorted(piece_end, torch.arange(grid, device=dev), right=True)
@@ -375,8 +377,12 @@ class TritonKernels:
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
             num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
         )
-        _reduce_keys_kernel[(num_unique,)](
-            partial, counts, piece_end - pieces, out, dim, PIECE=_PIECE, BLOCK_D=block_d, num_warps=1,
+        # at most n // _PIECE keys have more than one piece: the most frequent ones (topk: no sync)
+        k = min(num_unique, n // _PIECE + 1)
+        candidates = torch.topk(counts, k, sorted=False).indices
+        _reduce_keys_kernel[(k,)](
+            partial, counts, piece_end - pieces, candidates, out, dim, PIECE=_PIECE, BLOCK_D=block_d,
+            num_warps=1,
         )
         return out
 
