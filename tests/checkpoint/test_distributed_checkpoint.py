@@ -44,10 +44,41 @@ def _phase(rank: int, world: int, port: int, tmp: str, mode: str, first: bool) -
         dist.destroy_process_group()
 
 
+def _state_dict_phase(rank: int, world: int, port: int, tmp: str) -> None:
+    """Train on hbm_direct, hand the shard's state_dict to a fresh cache-mode collection of the same
+    group (load_state_dict: collective, chunk by chunk), train on with it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        first = build(te.EmbeddingBagCollection, "adam", "hbm_direct", None, dist.group.WORLD)
+        for step in range(STEPS):
+            step_losses(te.EmbeddingBagCollection, first(local_batch(step, rank)[0]), step, rank).backward()
+        second = build(te.EmbeddingBagCollection, "adam", "cache", os.path.join(tmp, f"db-sd-{rank}"),
+                       dist.group.WORLD)
+        second.load_state_dict(first.state_dict())
+        for step in range(STEPS, 2 * STEPS):
+            step_losses(te.EmbeddingBagCollection, second(local_batch(step, rank)[0]), step, rank).backward()
+        rows = {t: second.export(t) for t in ("t0", "t1", "t2")}
+        torch.save({t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1)) for t, r in rows.items()},
+                   os.path.join(tmp, f"rows-{rank}.pt"))
+        second.close()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 1)])
 def test_resume_on_another_world_size(before: int, after: int, tmp_path) -> None:
     mp.spawn(_phase, args=(before, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=before)
     mp.spawn(_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
+    assert_equals_one_process(tmp_path, before, after)
+
+
+def test_sharded_state_dict_into_another_layout(tmp_path) -> None:
+    mp.spawn(_state_dict_phase, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    assert_equals_one_process(tmp_path, 2, 2)
+
+
+def assert_equals_one_process(tmp_path, before: int, after: int) -> None:
+    """The ranks' rows (rows-<rank>.pt) equal one process trained on the concatenated batches."""
     ref = build(te.EmbeddingBagCollection, "adam", "hbm_direct", None)
     for step in range(2 * STEPS):
         world = before if step < STEPS else after

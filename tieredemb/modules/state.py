@@ -12,7 +12,8 @@ gives, per table (``<table>.<entry>``):
 - ``admission_keys``, ``admission_counts``: keys counted toward admission and their counts;
 
 and the collection's ``step`` and ``clock`` (int64 scalars). Like ``nn.Module.state_dict``, the
-handles read the live table: consume them before training goes on. Sharded: this rank's shard.
+handles read the live table: consume them before training goes on. Sharded: this rank's shard, and
+``load_state_dict`` is a collective (every rank calls it; rows go to their owners).
 
 ``load_state_dict`` consumes weights and optimizer state ``chunk_rows`` rows at a time (handles or
 tensors alike), replacing the tables' rows (rows stored before and absent from the state are
