@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tieredemb as te
-from tieredemb.bench.cache import RankBatches, cache_shape
+from tieredemb.bench.cache import RankBatches, cache_shape, prefill
 from tieredemb.bench.cache import table_configs as cache_table_configs
 from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
@@ -48,6 +48,7 @@ def main() -> None:
         storage = te.StorageConfig(hbm_budget=footprint // 10, backing=te.storage.HostMemory())
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=storage, device=dev)
+        prefill(ebc, shape, shape.rows // 10, dev, 0)  # the bench's steady state: the cache full
         batches = RankBatches(shape, dev, 0)
     grad = upstream_grad(shape, dev, 0)
 
