@@ -14,7 +14,6 @@ With ``capacity`` the index is bounded and evicts the least recently used row of
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -27,26 +26,12 @@ _CPU = torch.device("cpu")
 
 
 class _PinnedRowStore(RowStore):
-    """A RowStore whose segments are page-locked host memory (for DMA to a CUDA device).
+    """A RowStore whose segments are page-locked host memory (for DMA to a CUDA device)."""
 
-    Page-locking is slow (cudaHostAlloc: ~20 ms for a 34 MB segment on the H200 machine; done inline
-    it cost the ``cache`` workload 12.5 ms a step, as the backing store grows by ~0.6 segments a
-    step), so the next segment is made on a helper thread while the current one fills: growth takes
-    it ready."""
-
-    _maker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredemb-pin")
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._spare: Future | None = None
-
-    def _pinned_segment(self) -> torch.Tensor:
-        return torch.empty(self.segment_rows, self.width, dtype=torch.float32, pin_memory=True).zero_()
-
-    def _new_segment(self) -> torch.Tensor:
-        seg = self._spare.result() if self._spare is not None else self._pinned_segment()
-        self._spare = self._maker.submit(self._pinned_segment)
-        return seg
+    def _add_segment(self) -> None:
+        super()._add_segment()
+        self.segments[-1] = self.segments[-1].pin_memory()
+        self._pointers = None
 
 
 def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:

@@ -80,13 +80,9 @@ class RowStore:
         self._free[self._free_count : self._free_count + n] = addresses.flip(0)
         self._free_count += n
 
-    def _new_segment(self) -> torch.Tensor:
-        """A zeroed segment on the store's device (subclasses may hand out one made ahead)."""
-        return torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
-
     def _add_segment(self) -> None:
         if self.device_segments is None or len(self.segments) < self.device_segments:
-            seg = self._new_segment()
+            seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
             self.placement.append("device")
         else:
             self.placement.append("host")
