@@ -1,5 +1,6 @@
 """RowStore: addressing across segments, the free list, zero rows for negative addresses."""
 
+import pytest
 import torch
 
 from tieredemb.storage.row_store import RowStore
@@ -37,3 +38,22 @@ def test_segments_past_the_device_limit_live_on_the_host() -> None:
     rows = torch.randn(5, 3)
     store.scatter(addr, rows)
     assert torch.equal(store.gather(addr.flip(0)), rows.flip(0))
+
+
+def test_reserve_allocates_segments_ahead_and_growth_uses_them():
+    store = RowStore(width=3, segment_rows=4, device=torch.device("cpu"))
+    store.reserve(10)
+    assert store.rows_allocated() == 12 and store.rows_in_use() == 0
+    store.allocate(12)
+    assert len(store.segments) == 3  # no new segment for rows reserved
+    store.allocate(1)
+    assert len(store.segments) == 4
+
+
+def test_host_memory_reserve_rows():
+    import tieredemb as te
+
+    backend = te.storage.HostMemory(segment_rows=8, reserve_rows=20).open("t", 5, torch.device("cpu"))
+    assert backend._store.rows_allocated() == 24
+    with pytest.raises(ValueError, match="reserve_rows"):
+        te.storage.HostMemory(reserve_rows=-1)

@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--no-prefill", dest="prefill", action="store_false",
                        help="start empty (default: the hottest cache-rows ranks written first)")
         p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+        if name == "cache":
+            p.add_argument("--reserve", action="store_true",
+                           help="page-lock the host store's rows up front (HostMemory(reserve_rows=rows))")
         if name == "ssd":
             p.add_argument("--dir", default=None,
                            help="RocksDB directory on the disk to test (default: a fresh temporary "
@@ -230,7 +233,8 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                                budget_fraction=args.budget_fraction,
                                directory=getattr(args, "dir", None),
                                shards=getattr(args, "shards", 8), prefill=args.prefill,
-                               raw_rows=getattr(args, "raw_rows", None))
+                               raw_rows=getattr(args, "raw_rows", None),
+                               reserve=getattr(args, "reserve", False))
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2

@@ -73,6 +73,7 @@ class CacheOptions:
     shards: int = 8
     prefill: bool = True
     raw_rows: int | None = None  # ssd baseline rows (default: scaled from 1M)
+    reserve: bool = False  # cache: the host store's rows page-locked up front (HostMemory.reserve_rows)
 
     def __post_init__(self) -> None:
         if self.workload not in ("cache", "ssd"):
@@ -443,8 +444,8 @@ class CacheBench:
             backing = te.storage.RocksDB(store_dir, shards=opts.shards)
             label = f"ours (cache, RocksDB x{opts.shards})"
         else:
-            backing = te.storage.HostMemory()
-            label = "ours (cache, host memory)"
+            backing = te.storage.HostMemory(reserve_rows=s.rows if opts.reserve else 0)
+            label = "ours (cache, host memory" + (", reserved)" if opts.reserve else ")")
         storage = te.StorageConfig(hbm_budget=budget, backing=backing)
         cache_rows = max(1, int(budget // s.num_tables) // opts.row_bytes)
         self.cache_rows = [cache_rows] * s.num_tables

@@ -66,6 +66,11 @@ class HostMemory(BackendSpec):
 
     Args:
         segment_rows: rows per host segment (the unit of growth).
+        reserve_rows: rows to allocate up front, per table (0: grow as rows arrive). On a CUDA device
+            the segments are page-locked, and page-locking runs at ~1.7 GB/s and holds up the
+            device's work while it runs: a store that grows by 23 MB a step (the ``cache`` workload
+            at 3M rows a table) loses ~13 ms a step to it. Reserving the rows the tables will hold
+            moves that cost to the start.
 
     Example::
 
@@ -73,15 +78,18 @@ class HostMemory(BackendSpec):
     """
 
     segment_rows: int = 65536
+    reserve_rows: int = 0
 
     def __post_init__(self) -> None:
         _check_int("HostMemory", "segment_rows", self.segment_rows, 1)
+        _check_int("HostMemory", "reserve_rows", self.reserve_rows, 0)
 
     def open(self, table: str, width: int, device: torch.device) -> Backend:
         from tieredemb.storage.host import HostMemoryBackend
 
         return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
-                                 device=device if _pinned(device) else None)
+                                 device=device if _pinned(device) else None,
+                                 reserve_rows=self.reserve_rows)
 
     def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
         """One host-memory store for all the group's tables (a region each in one index), so a
@@ -89,7 +97,8 @@ class HostMemory(BackendSpec):
         from tieredemb.storage.host import HostMemoryBackend, HostMemoryGroup
 
         rows = HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
-                                 device=device if _pinned(device) else None, tables=len(tables))
+                                 device=device if _pinned(device) else None, tables=len(tables),
+                                 reserve_rows=self.reserve_rows * len(tables))
         return HostMemoryGroup(rows)
 
 

@@ -71,7 +71,7 @@ class HostMemoryBackend(Backend):
 
     def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
                  segment_rows: int = 65536, bucket_width: int = 16,
-                 device: torch.device | None = None, tables: int = 1) -> None:
+                 device: torch.device | None = None, tables: int = 1, reserve_rows: int = 0) -> None:
         self.width = width
         self.capacity = capacity
         if capacity is not None:
@@ -91,6 +91,7 @@ class HostMemoryBackend(Backend):
             self._index = KeyIndex(bucket_width, device=_CPU, regions=self._regions)
             store_cls = _PinnedRowStore if pinned else RowStore
             self._store = store_cls(width, segment_rows, _CPU)
+        self._store.reserve(reserve_rows)
         self._step = 0  # LRU clock: one tick per call
 
     def _gather(self, addresses: torch.Tensor) -> torch.Tensor:

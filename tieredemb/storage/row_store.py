@@ -67,6 +67,12 @@ class RowStore:
         self._free_count -= n
         return out
 
+    def reserve(self, rows: int) -> None:
+        """Allocate segments now until ``rows`` rows exist (growth later finds them free). For pinned
+        host segments, whose allocation (page-locking) is slow and holds up the device's work."""
+        while self.rows_allocated() < rows:
+            self._add_segment()
+
     def free(self, addresses: torch.Tensor) -> None:
         """Give rows back. addresses: int64 (n,) allocated, distinct."""
         n = addresses.numel()
