@@ -7,8 +7,9 @@ size: the step time (the slowest rank's median), lookups per second per GPU, and
 throughput as a fraction of the one-GPU run (the issue's bar: at least 85% at 4 GPUs).
 
 ``--workload cache``: the ``cache`` workload's tables (10 x 10M rows at scale 1, RowWiseAdagrad, ids =
-Zipf ranks) in cache mode over host memory, each rank's device cache 10% of its shard's footprint;
-no prefill (the warmup steps fill the caches), the same at every world size.
+Zipf ranks) in cache mode over host memory, each rank's device cache 10% of its shard's footprint and
+its host store reserved for its shard; no prefill (the warmup steps fill the caches), the same at every
+world size.
 
     tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N] [--warmup N]
                          [--optimizer adam] [--out DIR]
@@ -61,9 +62,12 @@ def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, ra
     """(collection, batches) of one rank."""
     if workload == "cache":
         budget = CACHE_FRACTION * shape.num_tables * shape.rows * (shape.dim + 1) * 4 / world
+        # each rank's host store page-locked up front for its shard (+5% for imbalance): growing it
+        # while training stalls a rank (docs/backends.md), and the slowest rank sets the step
+        backing = te.storage.HostMemory(reserve_rows=int(shape.rows / world * 1.05))
         ebc = te.EmbeddingBagCollection(cache_tables(shape), optimizer=te.optim.RowWiseAdagrad(lr=0.05),
-                                        storage=te.StorageConfig(hbm_budget=int(budget)), device=dev,
-                                        seed=seed, process_group=dist.group.WORLD)
+                                        storage=te.StorageConfig(hbm_budget=int(budget), backing=backing),
+                                        device=dev, seed=seed, process_group=dist.group.WORLD)
         return ebc, RankBatches(shape, dev, seed=seed + 1 + rank)
     ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
                                     device=dev, seed=seed, process_group=dist.group.WORLD)
