@@ -339,7 +339,6 @@ class _Collection(nn.Module):
                 keys, weights = keys[last], weights[last]
             group.write(i, keys, weights, self._clock)
 
-    # ------------------------------------------------------------------------------ checkpoints
     # ------------------------------------------------------------------------------ state_dict
     _rows_in_state_dict = True  # off inside te.checkpoint (it streams the rows itself)
 
@@ -369,6 +368,7 @@ class _Collection(nn.Module):
         with self._mutating():
             return group.read(i, keys.to(self.device), cols=group.width)[0]
 
+    # ------------------------------------------------------------------------------ checkpoints
     def _checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
         return {"step": self.step, "clock": self._clock, "seed": self.seed,
