@@ -218,8 +218,11 @@ def _run_hbm(options: HbmOptions, argv: list[str], out_dir: str) -> int:
     print(table())
     for c in bench.checks:
         verdict = "same rows" if c.passed else "DIFFERENT ROWS: " + "; ".join(c.problems)
-        print(f"check {c.optimizer} ours[{c.kernels}] vs peer: {verdict} "
-              f"(max |diff| {c.max_abs_diff:.3g}, {c.rows_trained} trained rows compared)")
+        against = getattr(c, "reference", "peer")
+        peer = getattr(c, "peer_max_abs_diff", None)
+        print(f"check {c.optimizer} ours[{c.kernels}] vs {against}: {verdict} "
+              f"(max |diff| {c.max_abs_diff:.3g}, {c.rows_trained} trained rows compared"
+              + (f"; the peer is {peer:.3g} from exact)" if peer is not None else ")"))
     print(f"report: {path}")
     return 0 if bench.ok else 1
 
