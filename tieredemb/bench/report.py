@@ -51,8 +51,9 @@ class RowCheck:
     """Ours and the peer trained the same rows: the comparison after the timed steps.
 
     rows_compared: rows looked at (all, or a sample at full scale); rows_trained: of those, rows the
-    batches touched; max_abs_diff: largest |ours - reference| over compared weights (the peer, or exact rows); max_moved: largest
-    |peer - initial| (a check over rows that never moved would prove nothing).
+    batches touched; max_abs_diff: largest |ours - reference| over compared weights (the peer, or
+    exact rows); max_moved: largest |reference - initial| (a check over rows that never moved would
+    prove nothing).
     """
 
     optimizer: str
