@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
-    d.set_defaults(device="cuda")  # NCCL across GPUs: nothing to run on a CPU-only machine
+    d.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cuda: NCCL over GPUs (default when available); cpu: gloo processes (a smoke run)")
     s = sub.add_parser("stash", help="embedding memory stashing on a DLRM-style model: off vs each "
                                      "free strategy (DESIGN section 5)")
     s.add_argument("--scale", type=float, default=1.0, help="multiplies rows and batch size")
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
         return run([int(g) for g in _split(args.gpus)], shape, args.optimizer, args.steps, args.warmup,
-                   args.seed, args.out, argv, args.dist_workload)
+                   args.seed, args.out, argv, args.dist_workload, device.type)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             print(f"tieredemb bench: unknown kernels {k!r} (auto, torch or triton)", file=sys.stderr)

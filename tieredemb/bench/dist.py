@@ -76,13 +76,15 @@ def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, ra
 
 
 def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
-          warmup: int, seed: int, out: str) -> None:
-    torch.cuda.set_device(rank)
+          warmup: int, seed: int, out: str, cuda: bool) -> None:
     # the host's cores shared out (cache mode does host work): N ranks with a thread per core each
     # oversubscribe the CPU (torchrun sets OMP_NUM_THREADS=1 for the same reason)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dev = torch.device(f"cuda:{rank}")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     try:
         ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed)
         grad = upstream_grad(shape, dev, seed)
@@ -109,18 +111,22 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
 
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
-        out_dir: str, argv: list[str], workload: str = "hbm") -> int:
+        out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda") -> int:
+    """``gpus``: world sizes; on ``device="cpu"`` they are gloo processes (a smoke run: the figures
+    that mean something are NCCL's)."""
     import torch.multiprocessing as mp
 
-    available = torch.cuda.device_count()
+    cuda = device == "cuda"
+    available = torch.cuda.device_count() if cuda else os.cpu_count() or 1
     if not gpus or max(gpus) > available:
-        print(f"tieredemb bench dist: asked for {gpus} GPUs, torch sees {available}")
+        print(f"tieredemb bench dist: asked for {gpus} {'GPUs' if cuda else 'processes'}, "
+              f"there are {available}")
         return 2
     results = []
     for world in gpus:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, _free_port(), workload, shape, optimizer, steps, warmup, seed, tmp),
-                     nprocs=world, join=True)
+            mp.spawn(_rank, args=(world, _free_port(), workload, shape, optimizer, steps, warmup, seed, tmp,
+                                  cuda), nprocs=world, join=True)
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
         step_ms = max(r["median_ms"] for r in ranks)
         results.append({"gpus": world, "step_ms": step_ms, "rank_median_ms": [r["median_ms"] for r in ranks],
@@ -144,7 +150,7 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
     table = "\n".join(lines)
     print(table)
     path = report_path(out_dir, "dist", datetime.now())
-    write_report(path, {"machine": machine_info(torch.device("cuda")), "argv": argv,
+    write_report(path, {"machine": machine_info(torch.device(device)), "argv": argv,
                         "workload": workload, "shape": dataclasses.asdict(shape), "optimizer": optimizer,
                         "results": results},
                  table)
