@@ -17,9 +17,11 @@ runs the cache-mode workloads (``tieredemb.bench.cache``): 10 tables x 10M rows 
 10% of the footprint over host memory (``cache``) or RocksDB on local disk (``ssd``), against the same
 tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-ssd.json``) and ``.txt``.
 
-    tieredemb bench dist [--gpus 1,2,4] [--scale S] [--steps N] [--optimizer adam] [--out DIR]
+    tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N]
+                         [--optimizer adam] [--device cpu|cuda] [--out DIR]
 
-weak scaling of ``hbm`` row-wise sharded over several GPUs (``tieredemb.bench.dist``; CUDA only).
+weak scaling of ``hbm`` or ``cache`` row-wise sharded over several GPUs (``tieredemb.bench.dist``;
+NCCL; ``--device cpu`` runs gloo processes instead, a smoke run).
 
     tieredemb bench stash [--scale S] [--steps N] [--width W] [--layers L] [--long-steps N] [--out DIR]
 
