@@ -195,10 +195,14 @@ class TableGroup:
 
     def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
         """Per entry (column, tables, mask or None): add one to the table's counter in that column
-        for each key (where ``mask``). One launch, no host sync."""
-        idx = torch.cat([t * 6 + col for col, t, _ in entries])
-        ones = torch.cat([torch.ones_like(t) if m is None else m.to(torch.int64) for _, t, m in entries])
-        self._counts.view(-1).index_add_(0, idx, ones)
+        for each key (where ``mask``). A histogram (entries outside the mask land in a spare bin):
+        no host sync, and no atomics of 10^5 keys on a few dozen counters (``index_add_`` there
+        took 0.3 ms a step of the hbm workload)."""
+        cells = self._counts.numel()
+        idx = torch.cat([t * 6 + col if m is None else torch.where(m, t * 6 + col, cells)
+                         for col, t, m in entries])
+        hist = torch.histc(idx.to(torch.float32), bins=cells + 1, min=0, max=cells + 1)
+        self._counts.view(-1).add_(hist[:cells].to(torch.int64))
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,

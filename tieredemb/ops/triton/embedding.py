@@ -186,13 +186,13 @@ def _reduce_pieces_kernel(
 
 
 @triton.jit
-def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, D, PIECE: tl.constexpr,
+def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, PIECE: tl.constexpr,
                         BLOCK_D: tl.constexpr):
-    # grid: (k,) over candidate keys (the k most frequent: every key of several pieces is among
-    # them); such a key adds its partials in piece order.
+    # grid: (k,) over the compacted keys of several pieces (num_unique: an empty slot); such a key
+    # adds its partials in piece order.
     key = tl.load(candidates + tl.program_id(0))
-    count = tl.load(counts + key)
-    if count > PIECE:
+    if key < num_unique:
+        count = tl.load(counts + key)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
         first = tl.load(piece_first + key)
@@ -377,12 +377,16 @@ class TritonKernels:
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
             num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
         )
-        # at most n // _PIECE keys have more than one piece: the most frequent ones (topk: no sync)
+        # at most n // _PIECE keys have more than one piece: compact them into k slots (no sync; the
+        # slots left over hold num_unique, and their programs do nothing)
         k = min(num_unique, n // _PIECE + 1)
-        candidates = torch.topk(counts, k, sorted=False).indices
+        multi = counts > _PIECE
+        slot = torch.where(multi, torch.cumsum(multi, 0) - 1, k)
+        candidates = torch.full((k + 1,), num_unique, dtype=torch.int64, device=dev)
+        candidates.scatter_(0, slot, torch.arange(num_unique, device=dev))
         _reduce_keys_kernel[(k,)](
-            partial, counts, piece_end - pieces, candidates, out, dim, PIECE=_PIECE, BLOCK_D=block_d,
-            num_warps=1,
+            partial, counts, piece_end - pieces, candidates, out, num_unique, dim, PIECE=_PIECE,
+            BLOCK_D=block_d, num_warps=1,
         )
         return out
 
