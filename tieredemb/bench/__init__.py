@@ -27,6 +27,12 @@ NCCL; ``--device cpu`` runs gloo processes instead, a smoke run).
 
 embedding memory stashing on a DLRM-style model, off vs each free strategy (``tieredemb.bench.stash``).
 
+    tieredemb bench plot REPORT.json [...] [--out DIR]
+
+PNG plots from reports (``tieredemb.bench.plot``): step time by configuration, and from several
+``cache``/``ssd`` reports (``--budget-fraction`` / ``--alpha`` sweeps) step time and hit rate against
+the cache size or the Zipf alpha.
+
     tieredemb bench checkpoint [--rows N] [--dim D] [--dir DIR] [--buffer-mib M]
 
 ``te.checkpoint`` save and load throughput against the disk's sequential speed
@@ -36,6 +42,7 @@ embedding memory stashing on a DLRM-style model, off vs each free strategy (``ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from contextlib import contextmanager
 from datetime import datetime
@@ -84,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--budget-fraction", type=float, default=0.1,
                        help="HBM budget as a fraction of the tables' footprint")
         p.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
+        p.add_argument("--alpha", type=float, default=None, help="Zipf exponent of the ids (default 1.05)")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run")
         p.add_argument("--no-prefill", dest="prefill", action="store_false",
                        help="start empty (default: the hottest cache-rows ranks written first)")
@@ -122,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="then train the fastest strategy and stash off this many steps and compare rows")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    pl = sub.add_parser("plot", help="PNG plots of bench reports: step time by configuration; from several "
+                                     "cache reports, step time and hit rate against cache size or alpha")
+    pl.add_argument("reports", nargs="+", help="JSON reports of tieredemb bench")
+    pl.add_argument("--out", default=None, help="directory of the sweep plots (default: the first report's)")
     c = sub.add_parser("checkpoint", help="te.checkpoint save/load throughput against the disk")
     c.add_argument("--rows", type=int, default=500_000)
     c.add_argument("--dim", type=int, default=64)
@@ -140,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tieredemb bench``; ``argv`` excludes the program and the word ``bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.workload == "plot":
+        from tieredemb.bench.plot import main as plot
+
+        for png in plot(args.reports, args.out):
+            print(f"plot: {png}")
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("tieredemb bench: --device cuda but CUDA is not available", file=sys.stderr)
@@ -234,7 +252,10 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
     from tieredemb.bench.cache import CacheBench, CacheOptions, cache_shape
 
     try:
-        options = CacheOptions(workload=args.workload, shape=cache_shape(args.scale), device=device,
+        shape = cache_shape(args.scale)
+        if args.alpha is not None:
+            shape = dataclasses.replace(shape, alpha=args.alpha)
+        options = CacheOptions(workload=args.workload, shape=shape, device=device,
                                steps=args.steps, warmup=args.warmup, seed=args.seed,
                                budget_fraction=args.budget_fraction,
                                directory=getattr(args, "dir", None),
