@@ -54,7 +54,7 @@ def sweep(reports: list[dict], key: str, png: Path) -> Path | None:
     def value(r: dict) -> float:
         return r["options"]["budget_fraction"] if key == "budget_fraction" else r["shape"]["alpha"]
 
-    points = sorted((value(r), r) for r in reports if _ours(r) is not None)
+    points = sorted(((value(r), r) for r in reports if _ours(r) is not None), key=lambda p: p[0])
     if len({x for x, _ in points}) < 2:
         return None
     plt = _pyplot()
