@@ -102,10 +102,16 @@ def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, af
             back = second.ebc.export(t)
             assert dict(zip(back.keys.tolist(), back.scores.tolist())) == dict(
                 zip(rows.keys.tolist(), rows.scores.tolist())), t
-    got += train(second, range(6, 12))
+    assert_trains_on_like(whole, want, second, got)
+
+
+def assert_trains_on_like(whole: Model, want: list[float], resumed: Model, got: list[float]) -> None:
+    """``resumed`` (6 steps before its resume, losses ``got``) trains steps 6..11 to the losses and rows
+    of ``whole`` (12 steps without a break, losses ``want``)."""
+    got = got + train(resumed, range(6, 12))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
     for t in ("t", "u", "w"):
-        k, r = rows_of(second, t)
+        k, r = rows_of(resumed, t)
         wk, wr = rows_of(whole, t)
         assert torch.equal(k, wk), t
         torch.testing.assert_close(r, wr, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint.test_checkpoint import Model, rows_of, storages, train
+from tests.checkpoint.test_checkpoint import Model, assert_trains_on_like, rows_of, storages, train
 from tests.storage.conftest import redis_factory, redis_server  # noqa: F401 (fixtures)
 from tieredemb.modules import state as table_state
 from tieredemb.modules.state import TableSlice
@@ -29,13 +29,7 @@ def test_resume_through_state_dict_equals_an_uninterrupted_run(before, after, tm
     second.load_state_dict(state)  # reads the handles of the first model, chunk by chunk
     assert second.ebc.step == 6
     first.ebc.close()
-    got += train(second, range(6, 12))
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
-    for t in ("t", "u", "w"):
-        k, r = rows_of(second, t)
-        wk, wr = rows_of(whole, t)
-        assert torch.equal(k, wk), t
-        torch.testing.assert_close(r, wr, rtol=1e-5, atol=1e-6)
+    assert_trains_on_like(whole, want, second, got)
 
 
 def test_handles_read_in_chunks_what_export_holds():
