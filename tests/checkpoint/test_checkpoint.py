@@ -84,13 +84,7 @@ def rows_of(model: Model, table: str) -> tuple[torch.Tensor, torch.Tensor]:
                                            ("cache-redis", "hbm"), ("hbm", "hybrid"), ("hybrid", "hbm")])
 def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, after, tmp_path, request):
     configs = storages(tmp_path, request)
-    # a bounded table keeps exactly what its buckets keep: only comparable at one bucket width (the
-    # cache layouts here use 4 ways a bucket, hbm_direct and hybrid 32)
-    bounded = "cache" not in before + after
-    whole = Model(None, bounded)
-    want = train(whole, range(12))
-    first = Model(configs[before], bounded)
-    got = train(first, range(6))
+    bounded, whole, want, first, got = first_half(configs, before, after)
     te.checkpoint.save(first, tmp_path / "ckpt", buffer_bytes=200)  # a few rows a chunk
     saved = {t: first.ebc.export(t) for t in ("t", "u", "w")}
     first.ebc.close()
@@ -103,6 +97,18 @@ def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, af
             assert dict(zip(back.keys.tolist(), back.scores.tolist())) == dict(
                 zip(rows.keys.tolist(), rows.scores.tolist())), t
     assert_trains_on_like(whole, want, second, got)
+
+
+def first_half(configs: dict, before: str, after: str):
+    """(bounded, the uninterrupted 12-step model and its losses, the model trained 6 steps on the
+    ``before`` layout and its losses). A bounded table keeps exactly what its buckets keep: only
+    comparable at one bucket width (the cache layouts here use 4 ways a bucket, hbm_direct and
+    hybrid 32), so tables are bounded unless a cache layout takes part."""
+    bounded = "cache" not in before + after
+    whole = Model(None, bounded)
+    want = train(whole, range(12))
+    first = Model(configs[before], bounded)
+    return bounded, whole, want, first, train(first, range(6))
 
 
 def assert_trains_on_like(whole: Model, want: list[float], resumed: Model, got: list[float]) -> None:

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint.test_checkpoint import Model, assert_trains_on_like, rows_of, storages, train
+from tests.checkpoint.test_checkpoint import (
+    Model,
+    assert_trains_on_like,
+    first_half,
+    rows_of,
+    storages,
+    train,
+)
 from tests.storage.conftest import redis_factory, redis_server  # noqa: F401 (fixtures)
 from tieredemb.modules import state as table_state
 from tieredemb.modules.state import TableSlice
@@ -18,11 +25,7 @@ from tieredemb.modules.state import TableSlice
 def test_resume_through_state_dict_equals_an_uninterrupted_run(before, after, tmp_path, request, monkeypatch):
     monkeypatch.setattr(table_state, "CHUNK_ROWS", 7)  # several chunks per table
     configs = storages(tmp_path, request)
-    bounded = "cache" not in before + after
-    whole = Model(None, bounded)
-    want = train(whole, range(12))
-    first = Model(configs[before], bounded)
-    got = train(first, range(6))
+    bounded, whole, want, first, got = first_half(configs, before, after)
     state = first.state_dict()
     assert isinstance(state["ebc.t.weights"], TableSlice) and "top.weight" in state
     second = Model(configs[after], bounded)
