@@ -52,8 +52,11 @@ def main() -> None:
         batches = RankBatches(shape, dev, 0)
     grad = upstream_grad(shape, dev, 0)
 
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps)]  # made outside the profile
+    torch.cuda.synchronize()
+
     def step(i: int) -> None:
-        kjt = batches.batch(i).kjt
+        kjt = kjts[i]
         ebc.prefetch(kjt)
         ebc(kjt).values().backward(grad)
 
@@ -87,11 +90,41 @@ def main() -> None:
     for e in sorted(avg, key=lambda e: -getattr(e, gpu))[:15]:
         ms = getattr(e, gpu) / 1e3 / args.steps
         print(f"  {e.key[:60]:60s} {e.count / args.steps:8.1f} {ms:8.3f}")
+    print_stage_ops(prof.events(), args.steps)
     top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
     print("top self-CPU ops per step (ms):")
     for e in top:
         ms = e.self_cpu_time_total / 1e3 / args.steps
         print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
+
+
+def print_stage_ops(events, steps: int, top: int = 12) -> None:
+    """Per labelled stage (``## name ##``), the ops under it by GPU time per step (self time of each
+    op and its descendants' kernels), and how many host syncs happened inside it."""
+    stages: dict[str, dict[str, list[float]]] = {}
+
+    def walk(e, acc):
+        cell = acc.setdefault(e.name, [0.0, 0])
+        cell[0] += getattr(e, "self_device_time_total", 0) or 0
+        cell[1] += 1
+        for c in e.cpu_children:
+            if not c.name.startswith("##"):
+                walk(c, acc)
+
+    for e in events:
+        if e.name.startswith("##"):
+            acc = stages.setdefault(e.name, {})
+            for c in e.cpu_children:
+                if not c.name.startswith("##"):
+                    walk(c, acc)
+    for name, acc in stages.items():
+        total = sum(v[0] for v in acc.values()) / 1e3 / steps
+        syncs = sum(v[1] for k, v in acc.items() if k in ("cudaStreamSynchronize", "aten::item",
+                                                           "aten::_local_scalar_dense")) / steps
+        print(f"stage {name}: {total:.3f} ms GPU a step, {syncs:.1f} sync-ish calls a step")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]:
+            if v[0] > 0:
+                print(f"    {k[:56]:56s} {v[1] / steps:6.1f} {v[0] / 1e3 / steps:8.3f}")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,29 @@ def test_reduce_grads_of_a_hot_key_in_several_pieces(gen, scaled):
     assert torch.equal(got[3], torch.zeros(dim, device=DEVICE))
 
 
+@pytest.mark.parametrize("n", [1, 2500])
+def test_sorted_runs(gen, n):
+    """Runs of equal (key, table) pairs in sorted ids, across program blocks: equal to the torch
+    reference, and to torch.unique over the pairs (the same key in two tables is two pairs)."""
+    tables = torch.randint(0, 3, (n,), generator=gen)
+    ids = torch.randint(-30, 30, (n,), generator=gen)
+    ids[: n // 2] = torch.randint(-2**62, 2**62, (n // 2,), generator=gen)  # a spread of raw ids too
+    by_table = torch.argsort(tables, stable=True)  # equal keys must come table-sorted
+    order = by_table[torch.sort(ids[by_table], stable=True).indices]
+    skeys = ids[order]
+    got = TritonKernels().sorted_runs(skeys.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
+    want = TorchKernels().sorted_runs(skeys, order, tables)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    pairs, inverse, counts = torch.unique(torch.stack([ids, tables], 1), dim=0, return_inverse=True,
+                                          return_counts=True)
+    keys, utab, ginv, entries = (t.cpu() for t in got)
+    assert keys.numel() == pairs.shape[0]
+    assert torch.equal(torch.stack([keys[ginv], utab[ginv]], 1), torch.stack([ids, tables], 1))
+    assert torch.equal(torch.sort(entries).values, torch.sort(counts).values)
+    assert torch.equal(entries[ginv], counts[inverse])
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 def test_reduce_grads_with_the_dedups_order(gen, grouped):
     """The order unique_pairs sorted the ids in (what prefetch hands to the backward) gives the sums
@@ -142,7 +165,8 @@ def test_reduce_grads_with_the_dedups_order(gen, grouped):
     if grouped:
         tables = torch.sort(tables).values
     ids = torch.randint(0, 40, (n,), generator=gen)
-    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, grouped=grouped)
+    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, TritonKernels(),
+                                                     grouped=grouped)
     grad_src = torch.randn(n, dim, generator=gen).to(DEVICE)
     src_of_id = torch.arange(n, device=DEVICE)
     got = TritonKernels().reduce_grads(grad_src, src_of_id, None, inverse, keys.numel(), sorted_ids)

@@ -74,6 +74,7 @@ class InsertResult:
     evicted_scores: torch.Tensor
     evicted_tables: torch.Tensor
     any_miss: bool = True  # host-side: False when every key was found (nothing inserted or evicted)
+    region_keys: torch.Tensor | None = None  # int64 (R,) keys per region, when every key was found
 
     @property
     def inserted(self) -> torch.Tensor:
@@ -188,27 +189,22 @@ class KeyIndex:
         tables = self._tables(keys, tables)
         if counts is None:
             counts = torch.ones(n, dtype=torch.int64, device=self.device)
-        slots = self.find(keys, tables)
+        # the keys found are locked (shielded from this call's evictions) and touched right away
+        slots, values, per_region = self._find_touch(keys, tables, step, counts)
         found = slots >= 0
-        miss = ~found
         regions = len(self.regions)
         # one host read: misses and sizes per region (whether to insert, whether to grow first)
-        info = torch.cat([torch.bincount(tables[miss], minlength=regions), self._sizes]).tolist()
+        info = torch.cat([per_region[:regions], self._sizes]).tolist()
         misses, sizes = info[:regions], info[regions:]
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not any(misses):  # the steady state of a warm table: every key found
-            if lock:
-                self.locks.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-            if all(r.policy == "lru" for r in self.regions):
-                self.scores.index_fill_(0, slots, step)
-            else:
-                self._touch(slots, found, tables, step, counts)
-            return InsertResult(slots, found, self.values[slots], empty, empty, empty, empty,
-                                any_miss=False)
+            if not lock:
+                self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+            return InsertResult(slots, found, values, empty, empty, empty, empty, any_miss=False,
+                                region_keys=per_region[regions:])
+        miss = ~found
         if self._reserve([s + m for s, m in zip(sizes, misses)]):
             slots = self.find(keys, tables)  # the rehash moved every slot
-        # shield this batch's hits from its own evictions (slot 0 stands in for misses: they add 0)
-        self.locks.index_add_(0, slots.clamp(min=0), found.to(torch.int32))
         evicted = self._insert(keys, tables, slots, miss)
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
@@ -223,12 +219,27 @@ class KeyIndex:
         placed = slots >= 0
         safe = slots.clamp(min=0)
         values = torch.where(placed, self.values[safe], -1)
-        self._touch(safe, placed, tables, step, counts)
+        self._touch(safe, placed & miss, tables, step, counts)
         if not lock:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
         self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
         self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
         return InsertResult(slots, found, values, *evicted)
+
+    def _find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int,
+                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
+        (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
+        per region."""
+        slots = self.find(keys, tables)
+        found = slots >= 0
+        safe = slots.clamp(min=0)
+        self.locks.index_add_(0, safe, found.to(torch.int32))
+        self._touch(safe, found, tables, step, counts)
+        regions = len(self.regions)
+        per_region = torch.cat([torch.bincount(tables[~found], minlength=regions),
+                                torch.bincount(tables, minlength=regions)])
+        return slots, torch.where(found, self.values[safe], -1), per_region
 
     def _region_bounded(self, tables: torch.Tensor) -> torch.Tensor:
         return self.bucket_evictable[self._start_dev[tables]]

@@ -11,7 +11,6 @@ import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.jagged import KeyedJaggedTensor, _offsets_from_lengths, as_kjt
-from tieredemb.ops.reference import run_ids
 
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -59,7 +58,9 @@ def check_tables(tables: list[TableConfig]) -> None:
             owner[f] = t.name
 
 
-def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, torch.Tensor, list[int]]:
+def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, torch.Tensor]:
+    """What can be checked without reading the device: names, dtypes, shapes. Returns the batch size
+    and int64 (F, B) lengths."""
     keys = kjt.keys()
     if len(set(keys)) != len(keys):
         raise ValueError(f"batch has duplicate feature names: {keys}")
@@ -80,32 +81,27 @@ def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, 
         raise ValueError(f"batch lengths has {lengths.numel()} entries, not a multiple of its "
                          f"{len(keys)} features")
     batch_size = lengths.numel() // len(keys)
-    per_feature = lengths.view(len(keys), batch_size).to(torch.int64)
-    # one host transfer: ids per feature, and how many negative lengths each has
-    summary = torch.stack([per_feature.sum(dim=1), (per_feature < 0).sum(dim=1)]).tolist()
-    counts, negative = summary
-    if any(negative):
-        raise ValueError(f"feature {keys[[n > 0 for n in negative].index(True)]!r}: negative lengths")
-    if sum(counts) != values.numel():
-        raise ValueError(f"batch lengths sum to {sum(counts)} but values has {values.numel()} ids")
-    return batch_size, per_feature, counts
-
-
-def _check_weights(kjt: KeyedJaggedTensor, bounds: list[int]) -> None:
     weights = kjt.weights_or_none()
-    if weights is None:
-        return
-    if not weights.is_floating_point() or weights.dim() != 1:
-        raise TypeError(f"batch weights must be a 1-D float tensor, got {weights.dtype} with shape "
-                        f"{tuple(weights.shape)}")
-    if weights.numel() != kjt.values().numel():
-        raise ValueError(f"batch weights has {weights.numel()} entries but values has "
-                         f"{kjt.values().numel()}")
-    bad = ~torch.isfinite(weights)
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0])
-        feature = kjt.keys()[sum(1 for b in bounds[1:] if b <= pos)]
-        raise ValueError(f"feature {feature!r}: non-finite weight {float(weights[pos])}")
+    if weights is not None:
+        if not weights.is_floating_point() or weights.dim() != 1:
+            raise TypeError(f"batch weights must be a 1-D float tensor, got {weights.dtype} with shape "
+                            f"{tuple(weights.shape)}")
+        if weights.numel() != values.numel():
+            raise ValueError(f"batch weights has {weights.numel()} entries but values has "
+                             f"{values.numel()}")
+    return batch_size, lengths.view(len(keys), batch_size).to(torch.int64)
+
+
+def _bad_ids(values: torch.Tensor, limits: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """bool (): some id is out of its feature's [0, num_embeddings) or is the reserved key. values:
+    int64 (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); counts: int64
+    (F,) ids per feature, not checked yet (so nothing here may index out of range with them)."""
+    if limits is None:  # raw ids only: the reserved key is the one bad value
+        return (values == RESERVED_KEY).any()
+    ends = torch.cumsum(counts, 0)
+    feature = torch.searchsorted(ends, torch.arange(values.numel(), device=values.device), right=True)
+    limit = limits[feature.clamp_(max=limits.numel() - 1)]
+    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY).any()
 
 
 def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
@@ -122,22 +118,10 @@ def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
                          "accepts")
 
 
-def _check_all_ids(values: torch.Tensor, limits: torch.Tensor, counts: torch.Tensor,
-                   tables: list[TableConfig], features: list[str], bounds: list[int]) -> None:
-    """Every feature's ids at once (one host sync); the failing feature is checked again alone for
-    its message. values: int64 (n,) feature-major; limits: int64 (F,) device, num_embeddings or -1;
-    counts: int64 (F,) device, ids per feature; tables/features: per feature."""
-    if values.numel() == 0:
-        return
-    if any(t.num_embeddings is not None for t in tables):
-        limit = limits[run_ids(torch.cumsum(counts, 0), values.numel())]
-        bad = torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
-    else:  # raw ids only: the reserved key is the one bad value
-        bad = values == RESERVED_KEY
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0])
-        i = sum(1 for b in bounds[1:] if b <= pos)
-        _check_ids(features[i], tables[i], values[bounds[i] : bounds[i + 1]])
+def _first_bad(bad: torch.Tensor, bounds: list[int], features: list[str]) -> tuple[int, str]:
+    """(position, feature) of the first True of ``bad`` (n,) (an error path: reads the device)."""
+    pos = int(bad.nonzero()[0])
+    return pos, features[sum(1 for b in bounds[1:] if b <= pos)]
 
 
 @dataclass
@@ -145,7 +129,7 @@ class _Order:
     """What a batch layout needs to know about one order of the batch's features (device tensors
     built once per order, so laying out a batch copies nothing from the host)."""
 
-    limits: torch.Tensor  # int64 (F,) per batch feature: num_embeddings or -1
+    limits: torch.Tensor | None  # int64 (F,) per batch feature: num_embeddings or -1 (None: all -1)
     positions: list[list[int]]  # per group: batch positions of its features, in group order
     position_dev: list[torch.Tensor]  # the same, on the device
     table_of_feature: list[list[int]]  # per group: the table (in the group) of each of its features
@@ -173,6 +157,8 @@ class Layout:
         if order is None:
             position = {f: i for i, f in enumerate(keys)}
             limits = [self.table_of[f].num_embeddings or -1 for f in keys]
+            limits_dev = (None if all(lim < 0 for lim in limits)
+                          else torch.tensor(limits, dtype=torch.int64, device=self.device))
             positions, tables_of = [], []
             for g in self.groups:
                 pos, tab = [], []
@@ -182,7 +168,7 @@ class Layout:
                 positions.append(pos)
                 tables_of.append(tab)
             dev = self.device
-            order = _Order(torch.tensor(limits, dtype=torch.int64, device=dev), positions,
+            order = _Order(limits_dev, positions,
                            [torch.tensor(p, dtype=torch.int64, device=dev) for p in positions],
                            tables_of, [torch.tensor(t, dtype=torch.int64, device=dev) for t in tables_of],
                            [p == list(range(len(keys))) for p in positions])
@@ -191,39 +177,64 @@ class Layout:
 
     def __call__(self, batch: object) -> Batch:
         kjt = as_kjt(batch)
-        batch_size, per_feature, counts = _check_structure(kjt, list(self.table_of))
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        _check_weights(kjt, bounds)
         keys = kjt.keys()
+        batch_size, per_feature = _check_structure(kjt, list(self.table_of))
         order = self._order(keys)
         values = kjt.values().to(device=self.device, dtype=torch.int64)
         per_feature = per_feature.to(self.device)
-        feature_counts = per_feature.sum(dim=1)
-        _check_all_ids(values, order.limits, feature_counts, [self.table_of[f] for f in keys], keys,
-                       bounds)
         weights = kjt.weights_or_none() if self.use_weights else None
         if weights is not None:
             weights = weights.to(device=self.device, dtype=torch.float32)
+        # one host read for every check that needs the data: ids per feature, negative lengths,
+        # bad ids, non-finite weights
+        feature_counts = per_feature.sum(dim=1)
+        flags = [_bad_ids(values, order.limits, feature_counts)]
+        if weights is not None:
+            flags.append(~torch.isfinite(weights).all())
+        summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)]).tolist()
+        nf = len(keys)
+        counts, negative, bad = summary[:nf], summary[nf : 2 * nf], summary[2 * nf :]
+        if any(negative):
+            raise ValueError(f"feature {keys[[n > 0 for n in negative].index(True)]!r}: negative lengths")
+        if sum(counts) != values.numel():
+            raise ValueError(f"batch lengths sum to {sum(counts)} but values has {values.numel()} ids")
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        if bad[0]:
+            i = keys.index(_first_bad(_bad_id_mask(values, order, bounds), bounds, keys)[1])
+            _check_ids(keys[i], self.table_of[keys[i]], values[bounds[i] : bounds[i + 1]])
+        if weights is not None and bad[1]:
+            pos, feature = _first_bad(~torch.isfinite(weights), bounds, keys)
+            raise ValueError(f"feature {feature!r}: non-finite weight {float(weights[pos])}")
         groups = []
         for g, pos, pos_dev, local, local_dev, identity in zip(
                 self.groups, order.positions, order.position_dev, order.table_of_feature,
                 order.table_of_feature_dev, order.identity):
+            n = sum(counts[i] for i in pos)
             if identity:
                 ids, w = values, weights
+                tables = local_dev.repeat_interleave(feature_counts, output_size=n)
             else:
                 ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
                 w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
-            n = sum(counts[i] for i in pos)
-            tables = local_dev[run_ids(torch.cumsum(feature_counts[pos_dev], 0), n)]
-            lengths = per_feature[pos_dev].reshape(-1)
+                tables = local_dev.repeat_interleave(feature_counts[pos_dev], output_size=n)
+            lengths = per_feature.view(-1) if identity else per_feature[pos_dev].reshape(-1)
             per_table = [0] * len(g)
             for i, t in zip(pos, local):
                 per_table[t] += counts[i]
             groups.append(GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w,
                                      [counts[i] for i in pos], per_table))
         return Batch(batch_size, groups)
+
+
+def _bad_id_mask(values: torch.Tensor, order: _Order, bounds: list[int]) -> torch.Tensor:
+    """bool (n,): the ids ``_bad_ids`` rejects (an error path)."""
+    if order.limits is None:
+        return values == RESERVED_KEY
+    limit = torch.cat([torch.full((b - a,), lim, dtype=torch.int64, device=values.device)
+                       for a, b, lim in zip(bounds, bounds[1:], order.limits.tolist())])
+    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

@@ -187,7 +187,8 @@ class _Collection(nn.Module):
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
         (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
         group = self._groups[g]
-        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs))
+        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs),
+                                                                  self.kernels)
         owner = owner_of(keys, self._salts[g][tables], self.world)
         send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
@@ -260,8 +261,9 @@ class _Collection(nn.Module):
                     continue
                 grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
             src, scale = self._grad_sources(g, state.batch.groups[g])
-            reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
-                                                gpf.unique_keys.numel(), gpf.sorted_ids)
+            with record_function("## reduce ##"):
+                reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
+                                                    gpf.unique_keys.numel(), gpf.sorted_ids)
             if sharded:  # gradients of this rank's distinct keys to their owners, summed there
                 got = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits,
                                self.process_group)
@@ -269,8 +271,11 @@ class _Collection(nn.Module):
                 reduced = self.kernels.reduce_grads(got, torch.arange(got.shape[0], device=self.device),
                                                     None, gpf.inverse, gpf.unique_keys.numel(),
                                                     gpf.sorted_ids)
-            self.kernels.optimizer_update(group.store, gpf.addresses, reduced, self.optimizer, self.step)
-        self._release(state)
+            with record_function("## update ##"):
+                self.kernels.optimizer_update(group.store, gpf.addresses, reduced, self.optimizer,
+                                              self.step)
+        with record_function("## release ##"):
+            self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:
         with self._mutating():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import InsertResult, Region
@@ -98,7 +99,7 @@ class IdOrder:
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
                  occurrences: torch.Tensor | None = None, grouped: bool = True):
     """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
@@ -111,20 +112,15 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
         by_table = torch.argsort(tables, stable=True)
         skeys, by_key = torch.sort(ids[by_table], stable=True)
         order = by_table[by_key]
-    stables = tables[order]
-    head = torch.ones_like(skeys, dtype=torch.bool)
-    head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
-    pair = torch.cumsum(head, 0) - 1
-    inverse = torch.empty_like(pair)
-    inverse[order] = pair
-    starts = head.nonzero().squeeze(1)
-    entries = torch.diff(starts, append=torch.full((1,), ids.numel(), device=ids.device))
+    if ids.numel() == 0:
+        return ids, tables, ids, ids, IdOrder(order, ids)
+    keys, utab, inverse, entries = kernels.sorted_runs(skeys, order, tables)
     if occurrences is None:
         counts = entries
     else:
-        counts = torch.zeros(starts.numel(), dtype=torch.int64, device=ids.device)
+        counts = torch.zeros(keys.numel(), dtype=torch.int64, device=ids.device)
         counts.index_add_(0, inverse, occurrences)
-    return skeys[starts], stables[starts], inverse, counts, IdOrder(order, entries)
+    return keys, utab, inverse, counts, IdOrder(order, entries)
 
 
 def contested(index, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
@@ -211,10 +207,12 @@ class TableGroup:
         """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
         each requester's distinct ids with their counts); ``grouped``: see ``unique_pairs``."""
-        unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, len(self.configs),
-                                                                 occurrences, grouped)
+        with record_function("## dedup ##"):
+            unique, utab, inverse, counts, sorted_ids = unique_pairs(
+                ids, tables, len(self.configs), self.kernels, occurrences, grouped)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
-        pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
+        with record_function("## resolve ##"):
+            pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
         pf.sorted_ids = sorted_ids
         return pf
 
@@ -250,6 +248,8 @@ class TableGroup:
         if res.any_miss:
             self._count((UNIQUE, utab, None), (HITS, ktab, res.found), (MISSES, ktab, ~res.found),
                         (CONFLICTS, ktab, ~placed), (EVICTIONS, res.evicted_tables, None))
+        elif store is None and contested is None:  # every pair stored and found: counts by region
+            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
         else:
             self._count((UNIQUE, utab, None), (HITS, ktab, None))
         generation = self.index.generation

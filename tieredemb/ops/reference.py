@@ -40,6 +40,22 @@ class TorchKernels:
         out = torch.zeros(num_bags, dim, dtype=torch.float32, device=rows.device)
         return out.index_add_(0, bag_of, rows)
 
+    def sorted_runs(self, skeys: torch.Tensor, order: torch.Tensor,
+                    tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The runs of equal (key, table) pairs in ids sorted by key: skeys int64 (n,) the sorted
+        keys, order int64 (n,) their positions in the batch, tables int64 (n,) the batch's tables
+        (in batch order; equal keys must come table-sorted). Returns the distinct keys (u,), their
+        tables (u,), inverse int64 (n,) batch position -> run, and each run's length (u,)."""
+        stables = tables[order]
+        head = torch.ones_like(skeys, dtype=torch.bool)
+        head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
+        pair = torch.cumsum(head, 0) - 1
+        inverse = torch.empty_like(pair)
+        inverse[order] = pair
+        starts = head.nonzero().squeeze(1)
+        entries = torch.diff(starts, append=torch.full((1,), skeys.numel(), device=skeys.device))
+        return skeys[starts], stables[starts], inverse, entries
+
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
                      scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,
                      sorted_ids: object | None = None) -> torch.Tensor:

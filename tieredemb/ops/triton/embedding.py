@@ -29,6 +29,7 @@ from tieredemb.storage.row_store import RowStore
 _TILE_ELEMS = 1024
 _MAX_ROWS = 128  # rows per program in gather / reduce_grads / optimizer_update
 _BAG_CHUNK = 8  # ids of one bag summed per loop iteration (bags of ~10 ids: one warp per bag)
+_RUN_BLOCK = 1024  # sorted ids per program in the dedup's passes
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
@@ -202,6 +203,38 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
         tl.store(out + key * D + cols, acc, mask=cmask)
 
 
+# ------------------------------------------------------------------------------------------ dedup
+@triton.jit
+def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
+    # head int32 (n,): 1 where a run of equal (key, table) starts in the sorted ids
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    prev = m & (i > 0)
+    k = tl.load(skeys + i, mask=m, other=0)
+    t = tl.load(tables + tl.load(order + i, mask=m, other=0), mask=m, other=0)
+    kp = tl.load(skeys + i - 1, mask=prev, other=0)
+    tp = tl.load(tables + tl.load(order + i - 1, mask=prev, other=0), mask=prev, other=0)
+    tl.store(head + i, ((i == 0) | (k != kp) | (t != tp)).to(tl.int32), mask=m)
+
+
+@triton.jit
+def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_out, inverse,
+                        starts, ends, n, BLOCK: tl.constexpr):
+    # run_end: inclusive prefix sum of head (run r covers the positions where run_end == r + 1)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    run = tl.load(run_end + i, mask=m, other=1) - 1
+    pos = tl.load(order + i, mask=m, other=0)
+    tl.store(inverse + pos, run, mask=m)
+    first = m & (tl.load(head + i, mask=m, other=0) != 0)
+    tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
+    tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
+    tl.store(starts + run, i, mask=first)
+    nxt = i + 1 < n
+    last = m & ((i + 1 == n) | (tl.load(head + i + 1, mask=m & nxt, other=0) != 0))
+    tl.store(ends + run, i + 1, mask=last)
+
+
 # -------------------------------------------------------------------------------- fused optimizer
 @triton.jit
 def _optimizer_kernel(
@@ -335,6 +368,23 @@ class TritonKernels:
             num_warps=_bag_warps(block_d),
         )
         return out
+
+    def sorted_runs(
+        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``sorted_runs`` in two passes around a prefix sum; one host sync (the
+        number of runs)."""
+        n, dev = skeys.numel(), skeys.device
+        grid = (triton.cdiv(n, _RUN_BLOCK),)
+        head = torch.empty(n, dtype=torch.int32, device=dev)
+        _run_heads_kernel[grid](skeys, order, tables, head, n, BLOCK=_RUN_BLOCK)
+        run_end = torch.cumsum(head, 0, dtype=torch.int64)
+        keys, runs_tables, inverse, starts, ends = (
+            torch.empty(n, dtype=torch.int64, device=dev) for _ in range(5))
+        _run_scatter_kernel[grid](skeys, order, tables, head, run_end, keys, runs_tables, inverse,
+                                  starts, ends, n, BLOCK=_RUN_BLOCK)
+        u = int(run_end[-1])
+        return keys[:u], runs_tables[:u], inverse, ends[:u] - starts[:u]
 
     def reduce_grads(
         self,

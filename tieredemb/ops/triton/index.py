@@ -12,6 +12,9 @@ and evictions; ``tests/index/test_triton_index.py`` checks that on random worklo
   and hands the r-th miss of the run the way of rank r. A bucket is written by its head program only,
   so there are no races and no atomics.
 
+- ``_find_touch``: the probe of ``find_or_insert``, which also locks and touches the keys found,
+  reads their row addresses and counts misses and keys per region, in one pass.
+
 Growth (``_grow``) and the other verbs are the reference's torch code (they call ``find``).
 """
 
@@ -64,6 +67,55 @@ def _find_kernel(
     first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)  # (BLOCK_K,)
     slot = tl.where(first < BLOCK_W, base + first, -1)
     tl.store(out_slots + i, slot, mask=in_range)
+
+
+@triton.jit
+def _find_touch_kernel(
+    keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
+    table_scores, table_locks, out_slots, out_values, per_region, n, num_buckets, width, num_regions,
+    step, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    # ``_find_kernel``, and then for the keys found (distinct slots: no two programs touch one):
+    # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
+    # out; per_region int64 (2R,) += misses per region, then keys per region (a histogram a program,
+    # one atomic add a bin; bin BINS - 1 collects what is not counted).
+    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_range = i < n
+    k = tl.load(keys + i, mask=in_range, other=0)
+    r = tl.zeros([BLOCK_K], dtype=tl.int64)
+    if REGIONS:
+        r = tl.load(tables + i, mask=in_range, other=0)
+        start = tl.load(region_start + r, mask=in_range, other=0)
+        nb = tl.load(region_buckets + r, mask=in_range, other=1).to(tl.uint64)
+        base = (start + _bucket_of(k, nb)) * width
+    else:
+        base = _bucket_of(k, num_buckets) * width
+    ways = tl.arange(0, BLOCK_W)
+    wmask = in_range[:, None] & (ways[None, :] < width)
+    stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
+    hit = wmask & (stored == k[:, None]) & (k[:, None] != RESERVED)
+    first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)
+    found = in_range & (first < BLOCK_W)
+    slot = tl.where(found, base + first, -1)
+    tl.store(out_slots + i, slot, mask=in_range)
+    tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
+    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=found, other=0) + 1, mask=found)
+    if POLICY == 0:
+        tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
+    else:
+        score = tl.load(table_scores + slot, mask=found, other=0)
+        lfu = score + tl.load(counts + i, mask=found, other=0)
+        if POLICY == 2:
+            lru = tl.zeros([BLOCK_K], dtype=tl.int64) + step
+            lfu = tl.where(tl.load(region_lfu + r, mask=found, other=0) != 0, lfu, lru)
+        tl.store(table_scores + slot, lfu, mask=found)
+    bins = tl.arange(0, BINS)
+    spare = BINS - 1
+    misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
+    tl.atomic_add(per_region + bins, misses.to(tl.int64), mask=bins < num_regions)
+    present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
+    tl.atomic_add(per_region + num_regions + bins, present.to(tl.int64), mask=bins < num_regions)
 
 
 @triton.jit
@@ -167,6 +219,30 @@ class TritonKeyIndex(KeyIndex):
             num_warps=4,
         )
         return out
+
+    def _find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int,
+                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``_find_touch`` in one kernel (probe, lock, touch, count per region)."""
+        n = keys.numel()
+        regions = len(self.regions)
+        slots = torch.empty(n, dtype=torch.int64, device=self.device)
+        values = torch.empty(n, dtype=torch.int64, device=self.device)
+        per_region = torch.zeros(2 * regions, dtype=torch.int64, device=self.device)
+        if n == 0:
+            return slots, values, per_region
+        policies = {r.policy for r in self.regions}
+        policy = 2 if len(policies) > 1 else int(policies == {"lfu"})
+        block_w = triton.next_power_of_2(self.width)
+        block_k = max(1, _FIND_TILE // block_w)
+        keys = keys.to(torch.int64).contiguous()
+        _find_touch_kernel[(triton.cdiv(n, block_k),)](
+            keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
+            self.keys, self.values, self.scores, self.locks, slots, values, per_region, n,
+            self.num_buckets, self.width, regions, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
+            POLICY=policy, BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w,
+            num_warps=4,
+        )
+        return slots, values, per_region
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
