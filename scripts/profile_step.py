@@ -1,7 +1,7 @@
 """Profile steady-state steps of the ``hbm`` workload: where the training thread spends its time and
 how many host syncs a step makes. Writes the full table to $OUT/profile.txt; prints a summary.
 
-    python3 scripts/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N]
+    python3 scripts/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
     args = p.parse_args()
     dev = torch.device("cuda")
     if args.workload == "hbm":
@@ -63,6 +64,9 @@ def main() -> None:
     for i in range(args.warmup):
         step(i)
     torch.cuda.synchronize()
+    if args.python:
+        python_profile(step, args)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
@@ -96,6 +100,24 @@ def main() -> None:
     for e in top:
         ms = e.self_cpu_time_total / 1e3 / args.steps
         print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
+
+
+def python_profile(step, args) -> None:
+    """Where the training thread's Python time goes (syncs show as time in item/tolist)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for i in range(args.warmup, args.warmup + args.steps):
+        step(i)
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"{args.optimizer}: {(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step under cProfile")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumtime").print_stats(45)
 
 
 def print_stage_ops(events, steps: int, top: int = 12) -> None:

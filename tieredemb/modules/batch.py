@@ -92,15 +92,20 @@ def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, 
     return batch_size, lengths.view(len(keys), batch_size).to(torch.int64)
 
 
-def _bad_ids(values: torch.Tensor, limits: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+def _run_of(counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 (n,) the run (feature) of each of ``positions`` (0 .. n-1) for runs of ``counts`` (int64
+    (F,), not checked yet: the result stays in [0, F) whatever they hold)."""
+    ends = torch.cumsum(counts, 0)
+    return torch.searchsorted(ends, positions, right=True).clamp_(max=counts.numel() - 1)
+
+
+def _bad_ids(values: torch.Tensor, limits: torch.Tensor | None, feature: torch.Tensor) -> torch.Tensor:
     """bool (): some id is out of its feature's [0, num_embeddings) or is the reserved key. values:
-    int64 (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); counts: int64
-    (F,) ids per feature, not checked yet (so nothing here may index out of range with them)."""
+    int64 (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); feature: int64
+    (n,) each id's feature."""
     if limits is None:  # raw ids only: the reserved key is the one bad value
         return (values == RESERVED_KEY).any()
-    ends = torch.cumsum(counts, 0)
-    feature = torch.searchsorted(ends, torch.arange(values.numel(), device=values.device), right=True)
-    limit = limits[feature.clamp_(max=limits.numel() - 1)]
+    limit = limits[feature]
     return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY).any()
 
 
@@ -188,7 +193,8 @@ class Layout:
         # one host read for every check that needs the data: ids per feature, negative lengths,
         # bad ids, non-finite weights
         feature_counts = per_feature.sum(dim=1)
-        flags = [_bad_ids(values, order.limits, feature_counts)]
+        feature = _run_of(feature_counts, torch.arange(values.numel(), device=self.device))
+        flags = [_bad_ids(values, order.limits, feature)]
         if weights is not None:
             flags.append(~torch.isfinite(weights).all())
         summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)]).tolist()
@@ -214,11 +220,11 @@ class Layout:
             n = sum(counts[i] for i in pos)
             if identity:
                 ids, w = values, weights
-                tables = local_dev.repeat_interleave(feature_counts, output_size=n)
+                tables = local_dev[feature]
             else:
                 ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
                 w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
-                tables = local_dev.repeat_interleave(feature_counts[pos_dev], output_size=n)
+                tables = local_dev[_run_of(feature_counts[pos_dev], torch.arange(n, device=self.device))]
             lengths = per_feature.view(-1) if identity else per_feature[pos_dev].reshape(-1)
             per_table = [0] * len(g)
             for i, t in zip(pos, local):

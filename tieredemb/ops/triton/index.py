@@ -72,14 +72,14 @@ def _find_kernel(
 @triton.jit
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
-    table_scores, table_locks, out_slots, out_values, per_region, n, num_buckets, width, num_regions,
-    step, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
+    table_scores, table_locks, out_slots, out_values, per_region, n, num_buckets, width, step,
+    RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
 ):
     # ``_find_kernel``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
-    # out; per_region int64 (2R,) += misses per region, then keys per region (a histogram a program,
-    # one atomic add a bin; bin BINS - 1 collects what is not counted).
+    # out; per_region int64 (programs, 2, BINS): this program's misses per region, then keys per
+    # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
     k = tl.load(keys + i, mask=in_range, other=0)
@@ -112,10 +112,11 @@ def _find_touch_kernel(
         tl.store(table_scores + slot, lfu, mask=found)
     bins = tl.arange(0, BINS)
     spare = BINS - 1
+    row = per_region + tl.program_id(0).to(tl.int64) * 2 * BINS
     misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
-    tl.atomic_add(per_region + bins, misses.to(tl.int64), mask=bins < num_regions)
+    tl.store(row + bins, misses.to(tl.int64))
     present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
-    tl.atomic_add(per_region + num_regions + bins, present.to(tl.int64), mask=bins < num_regions)
+    tl.store(row + BINS + bins, present.to(tl.int64))
 
 
 @triton.jit
@@ -227,22 +228,23 @@ class TritonKeyIndex(KeyIndex):
         regions = len(self.regions)
         slots = torch.empty(n, dtype=torch.int64, device=self.device)
         values = torch.empty(n, dtype=torch.int64, device=self.device)
-        per_region = torch.zeros(2 * regions, dtype=torch.int64, device=self.device)
         if n == 0:
-            return slots, values, per_region
+            return slots, values, torch.zeros(2 * regions, dtype=torch.int64, device=self.device)
         policies = {r.policy for r in self.regions}
         policy = 2 if len(policies) > 1 else int(policies == {"lfu"})
         block_w = triton.next_power_of_2(self.width)
         block_k = max(1, _FIND_TILE // block_w)
+        bins = triton.next_power_of_2(regions + 1)
+        programs = triton.cdiv(n, block_k)
+        partial = torch.empty(programs, 2, bins, dtype=torch.int64, device=self.device)
         keys = keys.to(torch.int64).contiguous()
-        _find_touch_kernel[(triton.cdiv(n, block_k),)](
+        _find_touch_kernel[(programs,)](
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
-            self.keys, self.values, self.scores, self.locks, slots, values, per_region, n,
-            self.num_buckets, self.width, regions, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
-            POLICY=policy, BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w,
-            num_warps=4,
+            self.keys, self.values, self.scores, self.locks, slots, values, partial, n,
+            self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
+            POLICY=policy, BINS=bins, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
         )
-        return slots, values, per_region
+        return slots, values, partial.sum(dim=0)[:, :regions].reshape(-1)
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
