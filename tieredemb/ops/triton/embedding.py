@@ -63,7 +63,7 @@ def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
 
 
 # ----------------------------------------------------------------------------------------- scatter
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
     ptr_table, addresses, rows_in, n, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
 ):
@@ -80,7 +80,7 @@ def _scatter_kernel(
 
 
 # ------------------------------------------------------------------------------------------ gather
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gather_kernel(
     ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
 ):
@@ -140,7 +140,7 @@ def _gather_pool_kernel(
 _PIECE = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unique"])
 def _reduce_pieces_kernel(
     grad_src,
     src_of_id,
@@ -186,7 +186,7 @@ def _reduce_pieces_kernel(
             tl.store(partial + pid * D + cols, acc, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unique"])
 def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, PIECE: tl.constexpr,
                         BLOCK_D: tl.constexpr):
     # grid: (k,) over the compacted keys of several pieces (num_unique: an empty slot); such a key
@@ -204,7 +204,7 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
 
 
 # ------------------------------------------------------------------------------------------ dedup
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
     # head int32 (n,): 1 where a run of equal (key, table) starts in the sorted ids
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -217,7 +217,7 @@ def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
     tl.store(head + i, ((i == 0) | (k != kp) | (t != tp)).to(tl.int32), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_out, inverse,
                         starts, ends, n, BLOCK: tl.constexpr):
     # run_end: inclusive prefix sum of head (run r covers the positions where run_end == r + 1)
@@ -236,7 +236,7 @@ def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_ou
 
 
 # -------------------------------------------------------------------------------- fused optimizer
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _optimizer_kernel(
     ptr_table,
     addresses,

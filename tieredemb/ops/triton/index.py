@@ -43,7 +43,7 @@ def _bucket_of(keys, num_buckets):
     return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def _find_kernel(
     keys, tables, region_start, region_buckets, table_keys, out_slots, n, num_buckets, width,
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
@@ -69,7 +69,7 @@ def _find_kernel(
     tl.store(out_slots + i, slot, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets", "step"])
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
     table_scores, table_locks, out_slots, out_values, per_region, n, num_buckets, width, step,
@@ -119,7 +119,7 @@ def _find_touch_kernel(
     tl.store(row + BINS + bins, present.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_kernel(
     keys,
     order,
