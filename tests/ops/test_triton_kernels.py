@@ -95,6 +95,12 @@ def test_gather_pool(gen, dim, scaled):
     got = TritonKernels().gather_pool(store, addr, offsets, scale, dim)
     want = TorchKernels().gather_pool(store, addr, offsets, scale, dim)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    # 3 features of 4 bags, sample-major: bag f * 4 + i at row i * 3 + f
+    got = TritonKernels().gather_pool(store, addr, offsets, scale, dim, features=3)
+    torch.testing.assert_close(got.view(4, 3, dim).transpose(0, 1).reshape(12, dim), want,
+                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(TorchKernels().gather_pool(store, addr, offsets, scale, dim, features=3), got,
+                               rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("dim", DIMS)

@@ -619,14 +619,23 @@ class EmbeddingBagCollection(_Collection):
                 position[g] += 1
         self._keys = [f for t in self.table_configs for f in t.feature_names]
         self._dims = [t.embedding_dim for t in self.table_configs for _ in t.feature_names]
+        # per group: its features, when they make one run of the output (the group's lookup then
+        # writes its rows sample-major, already in the output's layout), else 1
+        self._sample_major = [1] * len(self._groups)
+        for g, first, count in self._runs:
+            if first == 0 and count == position[g] and sum(r[0] == g for r in self._runs) == 1:
+                self._sample_major[g] = count
 
     def forward(self, kjt: object) -> KeyedTensor:
         state, outs = self._run(kjt)
         b = state.batch.batch_size
         blocks = []
         for g, first, count in self._runs:
-            # (F_g * B, D) feature-major -> (B, count * D) for features first .. first + count - 1
             dim = self._groups[g].dim
+            if self._sample_major[g] > 1:  # (B * F_g, D) sample-major: a view
+                blocks.append(outs[g].view(b, count * dim))
+                continue
+            # (F_g * B, D) feature-major -> (B, count * D) for features first .. first + count - 1
             block = outs[g][first * b : (first + count) * b].view(count, b, dim)
             blocks.append(block.transpose(0, 1).reshape(b, count * dim))
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
@@ -635,7 +644,8 @@ class EmbeddingBagCollection(_Collection):
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         gb = state.batch.groups[g]
         store, addresses = self._addressed(g, state)
-        return self.kernels.gather_pool(store, addresses, gb.offsets, self._scale(g, gb), self._groups[g].dim)
+        return self.kernels.gather_pool(store, addresses, gb.offsets, self._scale(g, gb), self._groups[g].dim,
+                                        self._sample_major[g])
 
     def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
         """float32 (n,) per-id factor: weight, divided by the bag length for mean pooling."""
@@ -650,7 +660,12 @@ class EmbeddingBagCollection(_Collection):
         return scale
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return bag_ids(gb.offsets, gb.ids.numel()), self._scale(g, gb)
+        bag = bag_ids(gb.offsets, gb.ids.numel())
+        features = self._sample_major[g]
+        if features > 1:  # bag f * B + i was written to row i * F + f
+            per_feature = gb.lengths.numel() // features
+            bag = bag % per_feature * features + bag // per_feature
+        return bag, self._scale(g, gb)
 
 
 class EmbeddingCollection(_Collection):

@@ -29,16 +29,21 @@ class TorchKernels:
         store.scatter(addresses, rows)
 
     def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
-                    scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+                    scale: torch.Tensor | None, dim: int, features: int = 1) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
-        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim)."""
+        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim).
+        ``features``: the bags are that many features' blocks of B bags; bag f * B + i goes to row
+        i * features + f (the rows are then (B, features * dim), sample-major)."""
         rows = store.gather(addresses, dim)  # (n, dim)
         if scale is not None:
             rows = rows * scale[:, None]
         num_bags = offsets.numel() - 1
         bag_of = bag_ids(offsets, addresses.numel())
         out = torch.zeros(num_bags, dim, dtype=torch.float32, device=rows.device)
-        return out.index_add_(0, bag_of, rows)
+        out.index_add_(0, bag_of, rows)
+        if features == 1:
+            return out
+        return out.view(features, num_bags // features, dim).transpose(0, 1).reshape(num_bags, dim)
 
     def sorted_runs(self, skeys: torch.Tensor, order: torch.Tensor,
                     tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,12 +107,17 @@ def _gather_pool_kernel(
     D,
     row_width,
     segment_rows,
+    bags_per_feature,
+    features,
     HAS_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag
+    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag. Bag f * B + b (B =
+    # bags_per_feature) goes to row b * features + f: (B, features * D) with each sample's features
+    # side by side.
     bag = tl.program_id(0).to(tl.int64)
+    out_row = (bag % bags_per_feature) * features + bag // bags_per_feature
     start = tl.load(offsets + bag)
     end = tl.load(offsets + bag + 1)
     cols = tl.arange(0, BLOCK_D)
@@ -129,7 +134,7 @@ def _gather_pool_kernel(
             s = tl.load(scale + ids, mask=in_bag, other=0.0)
             w = w * s[:, None]
         acc += tl.sum(w, axis=0)
-    tl.store(out + bag * D + cols, acc, mask=cmask)
+    tl.store(out + out_row * D + cols, acc, mask=cmask)
 
 
 # ------------------------------------------------------------------------------------ grad reduce
@@ -344,9 +349,12 @@ class TritonKernels:
         offsets: torch.Tensor,
         scale: torch.Tensor | None,
         dim: int,
+        features: int = 1,
     ) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
-        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim)."""
+        scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim).
+        ``features``: the bags are that many features' blocks of B bags; bag f * B + i goes to row
+        i * features + f (the rows are then (B, features * dim), sample-major)."""
         num_bags = offsets.numel() - 1
         out = torch.empty(num_bags, dim, dtype=torch.float32, device=offsets.device)
         if num_bags <= 0 or dim == 0:
@@ -362,6 +370,8 @@ class TritonKernels:
             dim,
             store.width,
             store.segment_rows,
+            num_bags // features,
+            features,
             HAS_SCALE=scale is not None,
             BLOCK_I=_BAG_CHUNK,
             BLOCK_D=block_d,
