@@ -145,6 +145,35 @@ def _gather_pool_kernel(
 _PIECE = 256
 
 
+@triton.jit(do_not_specialize=["u"])
+def _plan_scan_input_kernel(counts, scan_in, u, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+    # scan_in int64 (3, u): each key's ids, its pieces (at least one), whether it has several
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < u
+    c = tl.load(counts + i, mask=m, other=0)
+    tl.store(scan_in + i, c, mask=m)
+    tl.store(scan_in + u + i, tl.maximum((c + PIECE - 1) // PIECE, 1), mask=m)
+    tl.store(scan_in + 2 * u + i, (c > PIECE).to(tl.int64), mask=m)
+
+
+@triton.jit(do_not_specialize=["u"])
+def _plan_pieces_kernel(counts, scan, starts, piece_first, piece_key, candidates, u, PIECE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # from the inclusive scans of _plan_scan_input_kernel's rows: each key's first id and first
+    # piece, the key of every piece, and the keys of several pieces compacted into ``candidates``
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < u
+    c = tl.load(counts + i, mask=m, other=0)
+    pieces = tl.where(m, tl.maximum((c + PIECE - 1) // PIECE, 1), 0)
+    tl.store(starts + i, tl.load(scan + i, mask=m, other=0) - c, mask=m)
+    first = tl.load(scan + u + i, mask=m, other=0) - pieces
+    tl.store(piece_first + i, first, mask=m)
+    for j in range(0, tl.max(pieces, axis=0)):
+        tl.store(piece_key + first + j, i, mask=j < pieces)
+    several = m & (c > PIECE)
+    tl.store(candidates + tl.load(scan + 2 * u + i, mask=several, other=1) - 1, i, mask=several)
+
+
 @triton.jit(do_not_specialize=["num_unique"])
 def _reduce_pieces_kernel(
     grad_src,
@@ -421,31 +450,33 @@ class TritonKernels:
             counts = torch.bincount(inverse, minlength=num_unique)[:num_unique]
         else:
             order, counts = sorted_ids.order, sorted_ids.entries
-        starts = torch.cumsum(counts, 0) - counts
-        # a key without ids still gets a (one) piece: its program stores the zero row
-        pieces = torch.clamp((counts + _PIECE - 1) // _PIECE, min=1)
-        piece_end = torch.cumsum(pieces, 0)
-        grid = num_unique + n // _PIECE + 1  # >= the number of pieces, known without a host sync
-        piece_key = torch.searchsorted(piece_end, torch.arange(grid, device=dev), right=True)
+        # the plan: each key's first id (in ``order``), its pieces of _PIECE ids (a key without ids
+        # still gets one: its program stores the zero row), the key of every piece (grid: an upper
+        # bound of the pieces, known without a host sync; the rest hold num_unique and do nothing),
+        # and the k keys of several pieces (at most n // _PIECE) that need a second pass
+        grid = num_unique + n // _PIECE + 1
+        k = min(num_unique, n // _PIECE + 1)
+        u_grid = (triton.cdiv(num_unique, _RUN_BLOCK),)
+        scan_in = torch.empty(3, num_unique, dtype=torch.int64, device=dev)
+        _plan_scan_input_kernel[u_grid](counts, scan_in, num_unique, PIECE=_PIECE, BLOCK=_RUN_BLOCK)
+        scan = torch.cumsum(scan_in, dim=1)
+        starts, piece_first = (torch.empty(num_unique, dtype=torch.int64, device=dev) for _ in range(2))
+        piece_key = torch.full((grid + k,), num_unique, dtype=torch.int64, device=dev)
+        candidates = piece_key[grid:]  # k slots
+        _plan_pieces_kernel[u_grid](counts, scan, starts, piece_first, piece_key, candidates, num_unique,
+                                    PIECE=_PIECE, BLOCK=_RUN_BLOCK)
         out = torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         block_d = _block_d(dim)
         chunk = max(1, min(32, _TILE_ELEMS // block_d))
         _reduce_pieces_kernel[(grid,)](
             grad_src.contiguous(), src_of_id.contiguous(), inverse if scale is None else scale.contiguous(),
-            order, starts, counts, piece_key, piece_end - pieces, out, partial, num_unique, dim,
+            order, starts, counts, piece_key, piece_first, out, partial, num_unique, dim,
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
             num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
         )
-        # at most n // _PIECE keys have more than one piece: compact them into k slots (no sync; the
-        # slots left over hold num_unique, and their programs do nothing)
-        k = min(num_unique, n // _PIECE + 1)
-        multi = counts > _PIECE
-        slot = torch.where(multi, torch.cumsum(multi, 0) - 1, k)
-        candidates = torch.full((k + 1,), num_unique, dtype=torch.int64, device=dev)
-        candidates.scatter_(0, slot, torch.arange(num_unique, device=dev))
         _reduce_keys_kernel[(k,)](
-            partial, counts, piece_end - pieces, candidates, out, num_unique, dim, PIECE=_PIECE,
+            partial, counts, piece_first, candidates, out, num_unique, dim, PIECE=_PIECE,
             BLOCK_D=block_d, num_warps=1,
         )
         return out
