@@ -137,6 +137,20 @@ def test_reduce_grads_of_a_hot_key_in_several_pieces(gen, scaled):
     assert torch.equal(got[3], torch.zeros(dim, device=DEVICE))
 
 
+@pytest.mark.parametrize("features", [1, 3])
+def test_bag_rows(gen, features):
+    """Each id's output row: its bag, or sample-major (bag f * B + i -> row i * F + f); bags of up to
+    40 ids (several chunks of a program), empty bags included."""
+    offsets = random_offsets(gen, 12, 40)
+    n = int(offsets[-1])
+    lengths = torch.diff(offsets.cpu())
+    bags = torch.arange(12)
+    rows = bags % (12 // features) * features + bags // (12 // features)
+    want = torch.repeat_interleave(rows, lengths)
+    assert torch.equal(TritonKernels().bag_rows(offsets, n, features).cpu(), want)
+    assert torch.equal(TorchKernels().bag_rows(offsets.cpu(), n, features), want)
+
+
 @pytest.mark.parametrize("n", [1, 2500])
 def test_sorted_runs(gen, n):
     """Runs of equal (key, table) pairs in sorted ids, across program blocks: equal to the torch

@@ -68,6 +68,7 @@ class CollectionPrefetch:
     released: bool = False
     finalizer: weakref.finalize | None = field(default=None, repr=False)
     out_rows: list[int] = field(default_factory=list)  # rows of each group's output (forward)
+    stream: object | None = None  # the CUDA stream the batch was resolved on
 
 
 class _Lookup(torch.autograd.Function):
@@ -141,6 +142,7 @@ class _Collection(nn.Module):
         # stream waits for the previous one's event, so they happen in one order on host and GPU
         self._lock = threading.RLock()
         self._mutated: torch.cuda.Event | None = None
+        self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         self._prepare_outputs()
 
@@ -150,15 +152,19 @@ class _Collection(nn.Module):
     @contextmanager
     def _mutating(self):
         with self._lock:
-            cuda = self.device.type == "cuda"
-            if cuda and self._mutated is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._mutated)
+            if self.device.type != "cuda":
+                yield
+                return
+            stream = torch.cuda.current_stream(self.device)
+            if self._mutated is None:
+                self._mutated = torch.cuda.Event()  # one event, recorded again after each mutation
+            elif self._mutated_on != stream:  # on the same stream the order is already kept
+                stream.wait_event(self._mutated)
             try:
                 yield
             finally:
-                if cuda:
-                    self._mutated = torch.cuda.Event()
-                    self._mutated.record(torch.cuda.current_stream(self.device))
+                self._mutated.record(stream)
+                self._mutated_on = stream
 
     # ----------------------------------------------------------------------------- data path
     def prefetch(self, kjt: object) -> None:
@@ -181,7 +187,8 @@ class _Collection(nn.Module):
                                                  training))
                 else:
                     groups.append(self._prefetch_sharded(g, gb, training))
-        return CollectionPrefetch(batch, groups, training)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return CollectionPrefetch(batch, groups, training, stream=stream)
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -221,7 +228,9 @@ class _Collection(nn.Module):
             for group, gpf in zip(self._groups, state.groups):  # deferred insertions, if still due
                 group.settle(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
         if self.device.type == "cuda":
-            _hand_over(state, torch.cuda.current_stream(self.device))
+            stream = torch.cuda.current_stream(self.device)
+            if stream != state.stream:  # prefetched on another stream
+                _hand_over(state, stream)
         return state
 
     def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
@@ -660,12 +669,8 @@ class EmbeddingBagCollection(_Collection):
         return scale
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        bag = bag_ids(gb.offsets, gb.ids.numel())
-        features = self._sample_major[g]
-        if features > 1:  # bag f * B + i was written to row i * F + f
-            per_feature = gb.lengths.numel() // features
-            bag = bag % per_feature * features + bag // per_feature
-        return bag, self._scale(g, gb)
+        rows = self.kernels.bag_rows(gb.offsets, gb.ids.numel(), self._sample_major[g])
+        return rows, self._scale(g, gb)
 
 
 class EmbeddingCollection(_Collection):

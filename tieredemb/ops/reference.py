@@ -61,6 +61,15 @@ class TorchKernels:
         entries = torch.diff(starts, append=torch.full((1,), skeys.numel(), device=skeys.device))
         return skeys[starts], stables[starts], inverse, entries
 
+    def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
+        """int64 (n,) the output row of each id's bag (offsets int64 (b+1,)): the bag itself, or with
+        ``features`` (see ``gather_pool``) bag f * B + i -> row i * features + f."""
+        bag = bag_ids(offsets, n)
+        if features == 1:
+            return bag
+        per_feature = (offsets.numel() - 1) // features
+        return bag % per_feature * features + bag // per_feature
+
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
                      scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,
                      sorted_ids: object | None = None) -> torch.Tensor:
