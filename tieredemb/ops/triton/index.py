@@ -78,7 +78,7 @@ def _find_touch_kernel(
 ):
     # ``_find_kernel``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
-    # out; per_region int64 (programs, 2, BINS): this program's misses per region, then keys per
+    # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
@@ -112,11 +112,12 @@ def _find_touch_kernel(
         tl.store(table_scores + slot, lfu, mask=found)
     bins = tl.arange(0, BINS)
     spare = BINS - 1
-    row = per_region + tl.program_id(0).to(tl.int64) * 2 * BINS
+    programs = tl.num_programs(0)
+    column = per_region + tl.program_id(0)
     misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
-    tl.store(row + bins, misses.to(tl.int64))
+    tl.store(column + bins * programs, misses.to(tl.int64))
     present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
-    tl.store(row + BINS + bins, present.to(tl.int64))
+    tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["n", "num_buckets"])
@@ -236,7 +237,7 @@ class TritonKeyIndex(KeyIndex):
         block_k = max(1, _FIND_TILE // block_w)
         bins = triton.next_power_of_2(regions + 1)
         programs = triton.cdiv(n, block_k)
-        partial = torch.empty(programs, 2, bins, dtype=torch.int64, device=self.device)
+        partial = torch.empty(2, bins, programs, dtype=torch.int64, device=self.device)
         keys = keys.to(torch.int64).contiguous()
         _find_touch_kernel[(programs,)](
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
@@ -244,7 +245,7 @@ class TritonKeyIndex(KeyIndex):
             self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
             POLICY=policy, BINS=bins, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
         )
-        return slots, values, partial.sum(dim=0)[:, :regions].reshape(-1)
+        return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
