@@ -120,6 +120,50 @@ MODULES = {"ebc": te.EmbeddingBagCollection, "ec": te.EmbeddingCollection}
 CASES = [(m, name) for m in MODULES for name in bad_batches(pooled=m == "ebc")]
 
 
+def one_group_tables() -> list[te.TableConfig]:
+    """Tables of one width without admission: one table group, whose training prefetch is staged
+    (checks, dedup and probe read on the host at once; the probe is guarded by the checks)."""
+    return [te.TableConfig("small", 4, [SMALL], num_embeddings=10),
+            te.TableConfig("big", 4, [BIG, CTX], pooling="mean")]
+
+
+STAGED_CASES = [(m, name, k) for m in MODULES for name in bad_batches(pooled=m == "ebc")
+                for k in ("torch", "triton")
+                if k == "torch" or name in ("id = num_embeddings", "reserved key in a raw-id table",
+                                            "negative length", "lengths sum != number of ids", "nan weight")]
+
+
+@pytest.mark.parametrize("module_name, case, kernels", STAGED_CASES,
+                         ids=[f"{m}: {c} ({k})" for m, c, k in STAGED_CASES])
+def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels):
+    """As below, for a one-group collection: scores and lock counts of the index too (the staged
+    probe runs before the host sees the checks)."""
+    module = MODULES[module_name]
+    bad = bad_batches(pooled=module is te.EmbeddingBagCollection)[case]
+
+    def trained_one_group():
+        collection = module(one_group_tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1, kernels=kernels)
+        for i in range(3):
+            bags = {f: [[k + i for k in bag] for bag in b] for f, b in GOOD.items()}
+            loss_of(collection(Batch(bags).kjt())).backward()
+        return collection
+
+    victim, twin = trained_one_group(), trained_one_group()
+    assert len(victim._groups) == 1 and victim._groups[0].can_stage()
+    index = victim._groups[0].index
+    before = snapshot(victim, one_group_tables())
+    scores, locks = index.scores.clone(), index.locks.clone()
+    for call in (lambda: victim.prefetch(bad.kjt), lambda: loss_of(victim(bad.kjt)).backward()):
+        with pytest.raises((ValueError, TypeError)):
+            call()
+        assert_snapshot_equal(before, snapshot(victim, one_group_tables()))
+        assert torch.equal(index.scores, scores) and torch.equal(index.locks, locks)
+    good = Batch(GOOD).kjt()
+    for c in (victim, twin):
+        loss_of(c(good)).backward()
+    assert_snapshot_equal(snapshot(twin, one_group_tables()), snapshot(victim, one_group_tables()))
+
+
 @pytest.mark.parametrize("module_name, case", CASES, ids=[f"{m}: {c}" for m, c in CASES])
 def test_bad_batch_is_refused_and_changes_nothing(module_name, case):
     module = MODULES[module_name]

@@ -173,3 +173,30 @@ def test_empty_calls():
         assert index.find(none).numel() == 0
         res = index.find_or_insert(none, step=1)
         assert res.slots.numel() == 0 and res.evicted_keys.numel() == 0
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_find_touch_with_a_device_count_and_guard(guarded):
+    """find_touch on padded keys: only keys[:valid] count, and a nonzero guard changes nothing; the
+    Triton index equals the reference, whose sliced probe is the plain ``find``."""
+    regions = [Region("lru", None, 16), Region("lfu", None, 16)]
+    ref, tri = (cls(4, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex))
+    keys = torch.tensor([5, 6, 7, 8, 9, 10], dtype=torch.int64, device=DEVICE)
+    tables = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int64, device=DEVICE)
+    for index in (ref, tri):
+        index.find_or_insert(keys[:4], 1, tables=tables[:4])
+    before = {name: getattr(ref, name).clone() for name in ("keys", "values", "scores", "locks")}
+    padded = torch.cat([keys[2:], torch.full((3,), 99, dtype=torch.int64, device=DEVICE)])  # 4 real
+    ptables = torch.cat([tables[2:], torch.zeros(3, dtype=torch.int64, device=DEVICE)])
+    counts = torch.full_like(padded, 2)
+    valid = torch.tensor([4], device=DEVICE)
+    guard = torch.tensor([1 if guarded else 0], device=DEVICE)
+    got = tri.find_touch(padded, ptables, 3, counts, valid, guard)
+    want = ref.find_touch(padded, ptables, 3, counts, valid, guard)
+    assert torch.equal(got[0][:4], want[0][:4]) and torch.equal(got[1][:4], want[1][:4])
+    assert torch.equal(got[2], want[2])
+    assert torch.equal(want[0][:4] >= 0, torch.tensor([True, True, False, False], device=DEVICE))
+    assert got[2].tolist() == [1, 1, 2, 2]  # misses per region, keys per region (padding not counted)
+    assert_same_state(tri, ref, f"guarded={guarded}")
+    changed = [name for name, t in before.items() if not torch.equal(getattr(ref, name), t)]
+    assert changed == ([] if guarded else ["scores", "locks"])

@@ -172,6 +172,12 @@ def test_sorted_runs(gen, n):
     assert torch.equal(torch.stack([keys[ginv], utab[ginv]], 1), torch.stack([ids, tables], 1))
     assert torch.equal(torch.sort(entries).values, torch.sort(counts).values)
     assert torch.equal(entries[ginv], counts[inverse])
+    for kern in (TritonKernels(), TorchKernels()):  # padded to n, the count on the device
+        *padded, u = kern.sorted_runs_padded(skeys.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
+        assert u.tolist() == [keys.numel()]
+        assert all(t.numel() == n for t in padded)
+        for a, b in zip(padded, (keys, utab, ginv, entries)):
+            assert torch.equal(a[: b.numel()].cpu(), b)
 
 
 @pytest.mark.parametrize("grouped", [True, False])

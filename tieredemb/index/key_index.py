@@ -190,12 +190,19 @@ class KeyIndex:
         if counts is None:
             counts = torch.ones(n, dtype=torch.int64, device=self.device)
         # the keys found are locked (shielded from this call's evictions) and touched right away
-        slots, values, per_region = self._find_touch(keys, tables, step, counts)
-        found = slots >= 0
-        regions = len(self.regions)
+        slots, values, per_region = self.find_touch(keys, tables, step, counts)
         # one host read: misses and sizes per region (whether to insert, whether to grow first)
-        info = torch.cat([per_region[:regions], self._sizes]).tolist()
+        info = torch.cat([per_region[: len(self.regions)], self._sizes]).tolist()
+        return self.complete(keys, tables, step, counts, lock, slots, values, per_region, info)
+
+    def complete(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
+                 lock: bool, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
+                 info: list[int]) -> InsertResult:
+        """The rest of ``find_or_insert`` after ``find_touch``: ``info`` is the host copy of misses
+        per region, then ``_sizes``, read once (a caller may read them together with its own)."""
+        regions = len(self.regions)
         misses, sizes = info[:regions], info[regions:]
+        found = slots >= 0
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not any(misses):  # the steady state of a warm table: every key found
             if not lock:
@@ -226,20 +233,32 @@ class KeyIndex:
         self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
         return InsertResult(slots, found, values, *evicted)
 
-    def _find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int,
-                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
+                   valid: torch.Tensor | None = None,
+                   guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
         (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
-        per region."""
+        per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
+        every output is unspecified); ``guard``: int64 (1,) on the device, nothing changes unless it
+        is 0 (a batch whose checks are read later). Neither is read on the host by the Triton index."""
+        n = keys.numel()
+        if valid is not None:  # the reference reads the count (the CPU path: no sync to spare)
+            keys, tables, counts = keys[: int(valid)], tables[: int(valid)], counts[: int(valid)]
         slots = self.find(keys, tables)
         found = slots >= 0
         safe = slots.clamp(min=0)
-        self.locks.index_add_(0, safe, found.to(torch.int32))
-        self._touch(safe, found, tables, step, counts)
+        if guard is None or int(guard) == 0:
+            self.locks.index_add_(0, safe, found.to(torch.int32))
+            self._touch(safe, found, tables, step, counts)
         regions = len(self.regions)
         per_region = torch.cat([torch.bincount(tables[~found], minlength=regions),
                                 torch.bincount(tables, minlength=regions)])
-        return slots, torch.where(found, self.values[safe], -1), per_region
+        values = torch.where(found, self.values[safe], -1)
+        pad = n - slots.numel()
+        if pad:
+            slots, values = (torch.cat([t, torch.full((pad,), -1, dtype=t.dtype, device=t.device)])
+                             for t in (slots, values))
+        return slots, values, per_region
 
     def _region_bounded(self, tables: torch.Tensor) -> torch.Tensor:
         return self.bucket_evictable[self._start_dev[tables]]

@@ -130,6 +130,27 @@ def _first_bad(bad: torch.Tensor, bounds: list[int], features: list[str]) -> tup
 
 
 @dataclass
+class StagedBatch:
+    """``Layout.stage``'s result: the batch on the device, not yet read on the host."""
+
+    keys: list[str]
+    order: _Order
+    batch_size: int
+    values: torch.Tensor  # int64 (n,)
+    per_feature: torch.Tensor  # int64 (F, B) lengths
+    weights: torch.Tensor | None
+    feature_counts: torch.Tensor  # int64 (F,)
+    tables: torch.Tensor | None  # int64 (n,) the first group's table of each id, if ``identity``
+    summary: torch.Tensor  # int64 (2F + flags,): ids per feature, negative lengths per feature, flags
+
+    def guard(self) -> torch.Tensor:
+        """int64 (1,) on the device: 0 when every check that needs the data passes."""
+        nf = len(self.keys)
+        wrong_total = self.summary[:nf].sum() != self.values.numel()
+        return (self.summary[nf:].sum() + wrong_total).view(1)
+
+
+@dataclass
 class _Order:
     """What a batch layout needs to know about one order of the batch's features (device tensors
     built once per order, so laying out a batch copies nothing from the host)."""
@@ -181,6 +202,14 @@ class Layout:
         return order
 
     def __call__(self, batch: object) -> Batch:
+        staged = self.stage(batch)
+        return self.finish(staged, staged.summary.tolist())
+
+    def stage(self, batch: object) -> StagedBatch:
+        """What can be checked without reading the device, and the device half of the rest: one
+        int64 ``summary`` (ids per feature, negative lengths per feature, bad-id and non-finite-weight
+        flags) for ``finish`` to read; the first group's tables of ids when its features are the
+        batch's (``identity``)."""
         kjt = as_kjt(batch)
         keys = kjt.keys()
         batch_size, per_feature = _check_structure(kjt, list(self.table_of))
@@ -190,14 +219,20 @@ class Layout:
         weights = kjt.weights_or_none() if self.use_weights else None
         if weights is not None:
             weights = weights.to(device=self.device, dtype=torch.float32)
-        # one host read for every check that needs the data: ids per feature, negative lengths,
-        # bad ids, non-finite weights
         feature_counts = per_feature.sum(dim=1)
         feature = _run_of(feature_counts, torch.arange(values.numel(), device=self.device))
         flags = [_bad_ids(values, order.limits, feature)]
         if weights is not None:
             flags.append(~torch.isfinite(weights).all())
-        summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)]).tolist()
+        summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)])
+        tables = order.table_of_feature_dev[0][feature] if order.identity[0] else None
+        return StagedBatch(keys, order, batch_size, values, per_feature, weights, feature_counts, tables,
+                           summary)
+
+    def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
+        """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the
+        batch into its groups."""
+        keys, order, values, weights = staged.keys, staged.order, staged.values, staged.weights
         nf = len(keys)
         counts, negative, bad = summary[:nf], summary[nf : 2 * nf], summary[2 * nf :]
         if any(negative):
@@ -219,19 +254,19 @@ class Layout:
                 order.table_of_feature_dev, order.identity):
             n = sum(counts[i] for i in pos)
             if identity:
-                ids, w = values, weights
-                tables = local_dev[feature]
+                ids, w, tables = values, weights, staged.tables
             else:
                 ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
                 w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
-                tables = local_dev[_run_of(feature_counts[pos_dev], torch.arange(n, device=self.device))]
-            lengths = per_feature.view(-1) if identity else per_feature[pos_dev].reshape(-1)
+                ends = staged.feature_counts[pos_dev]
+                tables = local_dev[_run_of(ends, torch.arange(n, device=self.device))]
+            lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
             per_table = [0] * len(g)
             for i, t in zip(pos, local):
                 per_table[t] += counts[i]
             groups.append(GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w,
                                      [counts[i] for i in pos], per_table))
-        return Batch(batch_size, groups)
+        return Batch(staged.batch_size, groups)
 
 
 def _bad_id_mask(values: torch.Tensor, order: _Order, bounds: list[int]) -> torch.Tensor:

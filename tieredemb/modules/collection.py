@@ -30,7 +30,7 @@ from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules import state as table_state
-from tieredemb.modules.batch import Batch, GroupBatch, Layout, check_keys, check_tables
+from tieredemb.modules.batch import Batch, GroupBatch, Layout, StagedBatch, check_keys, check_tables
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
@@ -175,7 +175,13 @@ class _Collection(nn.Module):
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
         with record_function("## check_batch ##"):
-            batch = self._layout(kjt)
+            staged = self._layout.stage(kjt)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        group = self._groups[0]
+        if (self.training and len(self._groups) == 1 and self.process_group is None
+                and staged.order.identity[0] and group.can_stage()):
+            return self._resolve_staged(staged, group, stream)
+        batch = self._layout.finish(staged, staged.summary.tolist())
         training = self.training
         if training:
             self._clock += 1
@@ -187,8 +193,22 @@ class _Collection(nn.Module):
                                                  training))
                 else:
                     groups.append(self._prefetch_sharded(g, gb, training))
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         return CollectionPrefetch(batch, groups, training, stream=stream)
+
+    def _resolve_staged(self, staged: StagedBatch, group: TableGroup, stream: object) -> CollectionPrefetch:
+        """A training batch of one stageable group with one host read for the checks, the dedup and
+        the probe together (instead of one each): the probe changes nothing unless the checks pass,
+        so a bad batch still raises with no state changed."""
+        step = self._clock + 1
+        with record_function("## group.prefetch ##"):
+            pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
+            host = torch.cat([staged.summary, info]).tolist()
+        checks = staged.summary.numel()
+        batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
+        self._clock = step
+        with record_function("## group.prefetch ##"):
+            gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
+        return CollectionPrefetch(batch, [gpf], True, stream=stream)
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners

@@ -95,8 +95,35 @@ class IdOrder:
     entries: torch.Tensor
 
 
+@dataclass
+class StagedPrefetch:
+    """``TableGroup.stage_prefetch``'s device state, padded to the batch's n ids: the first u
+    entries of keys, tables, counts, slots and values are the batch's distinct pairs."""
+
+    keys: torch.Tensor
+    tables: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    order: torch.Tensor  # the dedup's sort of the ids (``IdOrder.order``)
+    slots: torch.Tensor
+    values: torch.Tensor
+    per_region: torch.Tensor
+    step: int
+
+
 # columns of the per-table device counters
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
+
+
+def sort_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
+               grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids sorted by key, equal keys in table order (pairs adjacent): (sorted keys, positions)."""
+    # a stable sort by key keeps the table order among equal keys
+    if grouped or num_tables == 1:
+        return torch.sort(ids, stable=True)
+    by_table = torch.argsort(tables, stable=True)
+    skeys, by_key = torch.sort(ids[by_table], stable=True)
+    return skeys, by_table[by_key]
 
 
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
@@ -105,13 +132,7 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kerne
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
     counts of their own), and the sort (``IdOrder``). ``grouped``: ids come grouped by table, as a
     batch lays them out (one sort instead of two). One host sync (the count)."""
-    # a stable sort by key keeps the table order among equal keys: pairs end up adjacent
-    if grouped or num_tables == 1:
-        skeys, order = torch.sort(ids, stable=True)
-    else:
-        by_table = torch.argsort(tables, stable=True)
-        skeys, by_key = torch.sort(ids[by_table], stable=True)
-        order = by_table[by_key]
+    skeys, order = sort_pairs(ids, tables, num_tables, grouped)
     if ids.numel() == 0:
         return ids, tables, ids, ids, IdOrder(order, ids)
     keys, utab, inverse, entries = kernels.sorted_runs(skeys, order, tables)
@@ -215,6 +236,45 @@ class TableGroup:
             pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
         pf.sorted_ids = sorted_ids
         return pf
+
+    def can_stage(self) -> bool:
+        """Whether a training prefetch can be staged (``stage_prefetch``): every key of a batch gets
+        a stored row (no admission policy, no bounded table)."""
+        return self.admission is None and not self.index.bounded
+
+    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
+                       guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
+        """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
+        dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
+        ``guard`` (int64 (1,) on the device) is nonzero. Reads nothing on the host: returns the
+        staged state and int64 (1 + R + R,) to read (with the caller's own) for ``finish_prefetch``."""
+        with record_function("## dedup ##"):
+            skeys, order = sort_pairs(ids, tables, len(self.configs), True)
+            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
+        with record_function("## resolve ##"):
+            slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
+        regions = len(self.configs)
+        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step)
+        return staged, torch.cat([count, per_region[:regions], self.index._sizes])
+
+    def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
+                        ids_per_table: list[int]) -> GroupPrefetch:
+        """The host half: ``info`` is the host copy of ``stage_prefetch``'s second result."""
+        u = info[0]
+        keys, utab, counts = staged.keys[:u], staged.tables[:u], staged.counts[:u]
+        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+        res = self.index.complete(keys, utab, staged.step, counts, True, staged.slots[:u],
+                                  staged.values[:u], staged.per_region, info[1:])
+        addresses = self._place_new(keys, utab, res)
+        if res.any_miss:
+            self._count((UNIQUE, utab, None), (HITS, utab, res.found), (MISSES, utab, ~res.found),
+                        (EVICTIONS, res.evicted_tables, None))
+        else:
+            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return GroupPrefetch(keys, utab, staged.inverse, addresses, keys, utab, res.slots,
+                             self.index.generation, empty,
+                             sorted_ids=IdOrder(staged.order, counts))
 
     def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:

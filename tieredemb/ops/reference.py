@@ -70,6 +70,14 @@ class TorchKernels:
         per_feature = (offsets.numel() - 1) // features
         return bag % per_feature * features + bag // per_feature
 
+    def sorted_runs_padded(self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor):
+        """``sorted_runs`` without reading the number of runs u on the host: keys, tables and lengths
+        come padded to n (entries past u unspecified), with u as int64 (1,) on the device."""
+        keys, runs_tables, inverse, entries = self.sorted_runs(skeys, order, tables)
+        pad = skeys.numel() - keys.numel()
+        keys, runs_tables, entries = (torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, entries))
+        return keys, runs_tables, inverse, entries, torch.tensor([skeys.numel() - pad], device=skeys.device)
+
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
                      scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,
                      sorted_ids: object | None = None) -> torch.Tensor:

@@ -431,8 +431,15 @@ class TritonKernels:
     def sorted_runs(
         self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference's ``sorted_runs`` in two passes around a prefix sum; one host sync (the
-        number of runs)."""
+        """The reference's ``sorted_runs``; one host sync (the number of runs)."""
+        keys, runs_tables, inverse, entries, count = self.sorted_runs_padded(skeys, order, tables)
+        u = int(count)
+        return keys[:u], runs_tables[:u], inverse, entries[:u]
+
+    def sorted_runs_padded(
+        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``sorted_runs_padded`` in two passes around a prefix sum, no host sync."""
         n, dev = skeys.numel(), skeys.device
         grid = (triton.cdiv(n, _RUN_BLOCK),)
         head = torch.empty(n, dtype=torch.int32, device=dev)
@@ -442,8 +449,7 @@ class TritonKernels:
             torch.empty(n, dtype=torch.int64, device=dev) for _ in range(5))
         _run_scatter_kernel[grid](skeys, order, tables, head, run_end, keys, runs_tables, inverse,
                                   starts, ends, n, BLOCK=_RUN_BLOCK)
-        u = int(run_end[-1])
-        return keys[:u], runs_tables[:u], inverse, ends[:u] - starts[:u]
+        return keys, runs_tables, inverse, ends.sub_(starts), run_end[-1:]
 
     def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
         """The reference's ``bag_rows``: a binary search a position (one program a bag was 4x

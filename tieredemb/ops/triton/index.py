@@ -12,7 +12,7 @@ and evictions; ``tests/index/test_triton_index.py`` checks that on random worklo
   and hands the r-th miss of the run the way of rank r. A bucket is written by its head program only,
   so there are no races and no atomics.
 
-- ``_find_touch``: the probe of ``find_or_insert``, which also locks and touches the keys found,
+- ``find_touch``: the probe of ``find_or_insert``, which also locks and touches the keys found,
   reads their row addresses and counts misses and keys per region, in one pass.
 
 Growth (``_grow``) and the other verbs are the reference's torch code (they call ``find``).
@@ -72,7 +72,7 @@ def _find_kernel(
 @triton.jit(do_not_specialize=["n", "num_buckets", "step"])
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
-    table_scores, table_locks, out_slots, out_values, per_region, n, num_buckets, width, step,
+    table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
 ):
@@ -80,8 +80,10 @@ def _find_touch_kernel(
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
     # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
+    # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (1,), nothing is changed
+    # unless it is 0
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_range = i < n
+    in_range = i < tl.minimum(n, tl.load(valid))
     k = tl.load(keys + i, mask=in_range, other=0)
     r = tl.zeros([BLOCK_K], dtype=tl.int64)
     if REGIONS:
@@ -100,6 +102,9 @@ def _find_touch_kernel(
     slot = tl.where(found, base + first, -1)
     tl.store(out_slots + i, slot, mask=in_range)
     tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
+    r_out = r  # the counts below include what a guarded batch would have touched
+    found_out = found
+    found = found & ((tl.zeros([BLOCK_K], dtype=tl.int64) + tl.load(guard)) == 0)
     tl.store(table_locks + slot, tl.load(table_locks + slot, mask=found, other=0) + 1, mask=found)
     if POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
@@ -114,9 +119,9 @@ def _find_touch_kernel(
     spare = BINS - 1
     programs = tl.num_programs(0)
     column = per_region + tl.program_id(0)
-    misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
+    misses = tl.histogram(tl.where(in_range & ~found_out, r_out, spare).to(tl.int32), BINS)
     tl.store(column + bins * programs, misses.to(tl.int64))
-    present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
+    present = tl.histogram(tl.where(in_range, r_out, spare).to(tl.int32), BINS)
     tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
 
 
@@ -222,9 +227,11 @@ class TritonKeyIndex(KeyIndex):
         )
         return out
 
-    def _find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int,
-                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference's ``_find_touch`` in one kernel (probe, lock, touch, count per region)."""
+    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
+                   valid: torch.Tensor | None = None,
+                   guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``find_touch`` in one kernel (probe, lock, touch, count per region); reads
+        nothing on the host."""
         n = keys.numel()
         regions = len(self.regions)
         slots = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -239,9 +246,14 @@ class TritonKeyIndex(KeyIndex):
         programs = triton.cdiv(n, block_k)
         partial = torch.empty(2, bins, programs, dtype=torch.int64, device=self.device)
         keys = keys.to(torch.int64).contiguous()
+        if valid is None or guard is None:
+            if not hasattr(self, "_unguarded"):  # constants, allocated once: (all valid, guard 0)
+                self._unguarded = torch.tensor([_INT64_MAX, 0], dtype=torch.int64, device=self.device)
+            valid = self._unguarded[:1] if valid is None else valid
+            guard = self._unguarded[1:] if guard is None else guard
         _find_touch_kernel[(programs,)](
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
-            self.keys, self.values, self.scores, self.locks, slots, values, partial, n,
+            self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
             self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
             POLICY=policy, BINS=bins, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
         )
