@@ -82,8 +82,16 @@ def _find_touch_kernel(
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
     # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (1,), nothing is changed
     # unless it is 0
+    bins = tl.arange(0, BINS)
+    programs = tl.num_programs(0)
+    column = per_region + tl.program_id(0)
+    real = tl.minimum(n, tl.load(valid))
+    if tl.program_id(0).to(tl.int64) * BLOCK_K >= real:  # all padding: counts nothing
+        tl.store(column + bins * programs, tl.zeros([BINS], dtype=tl.int64))
+        tl.store(column + (BINS + bins) * programs, tl.zeros([BINS], dtype=tl.int64))
+        return
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_range = i < tl.minimum(n, tl.load(valid))
+    in_range = i < real
     k = tl.load(keys + i, mask=in_range, other=0)
     r = tl.zeros([BLOCK_K], dtype=tl.int64)
     if REGIONS:
@@ -115,10 +123,7 @@ def _find_touch_kernel(
             lru = tl.zeros([BLOCK_K], dtype=tl.int64) + step
             lfu = tl.where(tl.load(region_lfu + r, mask=found, other=0) != 0, lfu, lru)
         tl.store(table_scores + slot, lfu, mask=found)
-    bins = tl.arange(0, BINS)
     spare = BINS - 1
-    programs = tl.num_programs(0)
-    column = per_region + tl.program_id(0)
     misses = tl.histogram(tl.where(in_range & ~found_out, r_out, spare).to(tl.int32), BINS)
     tl.store(column + bins * programs, misses.to(tl.int64))
     present = tl.histogram(tl.where(in_range, r_out, spare).to(tl.int32), BINS)
