@@ -3,6 +3,7 @@ cache-mode collection under a heavy dense MLP: plain loop vs pipeline (prefetch 
 with the prefetch thread, against the same model with every row in HBM.
 
     python3 scripts/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
+                                        [--reserve] [--prefill]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 import tieredemb as te
-from tieredemb.bench.cache import RankBatches, cache_shape
+from tieredemb.bench.cache import RankBatches, cache_shape, prefill
 from tieredemb.bench.cache import table_configs as cache_table_configs
 
 
@@ -70,6 +71,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=15)
+    p.add_argument("--reserve", action="store_true", help="page-lock the host store's rows up front")
+    p.add_argument("--prefill", action="store_true", help="start with the cache full (as bench cache)")
     args = p.parse_args()
     dev = torch.device("cuda")
     shape = cache_shape(args.scale)
@@ -80,10 +83,13 @@ def main() -> None:
     footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
 
     def ebc(cached: bool) -> te.EmbeddingBagCollection:
-        storage = (te.StorageConfig(hbm_budget=footprint // 10, backing=te.storage.HostMemory())
-                   if cached else None)
-        return te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
-                                         storage=storage, device=dev)
+        backing = te.storage.HostMemory(reserve_rows=shape.rows if args.reserve else 0)
+        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=backing) if cached else None
+        collection = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                               storage=storage, device=dev)
+        if args.prefill:
+            prefill(collection, shape, shape.rows // 10, dev, 0)
+        return collection
 
     print(f"{shape.num_tables} tables x {shape.rows} rows, batch {shape.batch_size}, MLP {args.layers} x "
           f"{args.hidden}; {torch.cuda.get_device_name()}")
