@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
+    p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
     args = p.parse_args()
     dev = torch.device("cuda")
     if args.workload == "hbm":
@@ -46,7 +47,8 @@ def main() -> None:
         shape = cache_shape(args.scale)
         configs = cache_table_configs(shape)
         footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
-        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=te.storage.HostMemory())
+        backing = te.storage.HostMemory(reserve_rows=shape.rows if args.reserve else 0)
+        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=backing)
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=storage, device=dev)
         prefill(ebc, shape, shape.rows // 10, dev, 0)  # the bench's steady state: the cache full
