@@ -114,12 +114,17 @@ class CacheGroup(TableGroup):
         dev = self.device
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-        # positions are computed once (one host sync each) and reused by index, not by mask
+        # positions are computed once and reused by index, not by mask: the pairs in flight in a
+        # scratch pad, the rest, and the misses among the rest (one host read for the three sizes)
         shared = self.in_flight.find(unique, utab)
-        in_pad = (shared >= 0).nonzero().squeeze(1)
-        rest = (shared < 0).nonzero().squeeze(1)
-        in_cache = self.index.find(unique[rest], utab[rest]) >= 0
-        miss = rest[(~in_cache).nonzero().squeeze(1)]
+        pad = shared >= 0
+        in_cache = self.index.find(unique, utab) >= 0
+        missing = ~pad & ~in_cache
+        n_pad, n_miss = torch.stack([pad.sum(), missing.sum()]).tolist()
+        in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
+        rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
+        miss = torch.nonzero_static(missing, size=n_miss).squeeze(1)
+        in_cache = in_cache[rest]
         with record_function("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
             # initial. May raise (a failed write-down or fetch): nothing has changed yet
@@ -136,7 +141,10 @@ class CacheGroup(TableGroup):
             outside = outside.nonzero().squeeze(1)
         else:
             outside = empty
-        miss_of_rest = (~in_cache).nonzero().squeeze(1)
+        if bound is None:  # every miss is among the rest
+            miss_of_rest = torch.nonzero_static(~in_cache, size=n_miss).squeeze(1)
+        else:
+            miss_of_rest = (~in_cache).nonzero().squeeze(1)
         if in_pad.numel():
             pad_slots = shared[in_pad]
             addresses[in_pad] = self.in_flight.values[pad_slots]

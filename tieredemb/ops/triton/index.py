@@ -309,5 +309,7 @@ class TritonKeyIndex(KeyIndex):
         )
         if out_slots is not slots:
             slots.copy_(out_slots)
+        if not self.bounded:  # only a bounded region evicts: nothing to select (and no host sync)
+            return empty, empty, empty, empty
         victim = ev_flag.nonzero().squeeze(1)  # one host sync for the four selections
         return ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]
