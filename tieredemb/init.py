@@ -52,10 +52,22 @@ def random_bits(seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
     ``table`` is one name, or several with ``tables`` (int64 (n,)) the position of each key's."""
     names = (table,) if isinstance(table, str) else tuple(table)
     bases = _table_bases(int(seed), names, stream, keys.device)
+    if keys.is_cuda and _triton_hashing() is not None:  # the same bits in one kernel
+        return _triton_hashing().random_bits(bases, keys, dim, tables)
     base = bases[0] if tables is None else bases[tables]
     per_key = splitmix64(keys.to(torch.int64) ^ base)  # (n,)
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN  # (dim,)
     return splitmix64(per_key[:, None] + cols[None, :])
+
+
+@functools.cache
+def _triton_hashing():
+    """``tieredemb.ops.triton.hashing``, or None without triton."""
+    try:
+        from tieredemb.ops.triton import hashing
+    except ImportError:
+        return None
+    return hashing
 
 
 def uniform01(bits: torch.Tensor) -> torch.Tensor:

@@ -266,3 +266,27 @@ def test_new_segment_seen(gen):
     store.segments[-1].copy_(torch.randn(8, 3, generator=gen))
     addr = torch.cat([addresses, more])
     assert torch.equal(kern.gather(store, addr, 3), TorchKernels().gather(store, addr, 3))
+
+
+def test_hashes_equal_the_torch_ones(gen):
+    """random_bits (initial rows) and the index's buckets: the same bits as the torch versions, on
+    the int64 extremes too; several tables, and one."""
+    from tieredemb.index.key_index import KeyIndex, Region
+    from tieredemb.init import _table_bases, random_bits
+    from tieredemb.ops.triton import hashing
+    from tieredemb.ops.triton.index import TritonKeyIndex
+
+    keys = torch.cat([torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345]),
+                      torch.randint(-(2**62), 2**62, (60,), generator=gen)])
+    tables = torch.randint(0, 3, (keys.numel(),), generator=gen)
+    names = ["a", "b", "c"]
+    for t, dim in ((tables, 5), (None, 130)):
+        want = random_bits(7, names if t is not None else "a", keys, dim, stream=1, tables=t)
+        bases = _table_bases(7, tuple(names) if t is not None else ("a",), 1, torch.device(DEVICE))
+        got = hashing.random_bits(bases, keys.to(DEVICE), dim, None if t is None else t.to(DEVICE))
+        assert torch.equal(got.cpu(), want)
+    regions = [Region("lru", None, 64), Region("lfu", 40), Region("lru", None, 1024)]
+    for kw in ({"regions": regions}, {"initial_slots": 4096}):
+        ref, tri = KeyIndex(4, device=DEVICE, **kw), TritonKeyIndex(4, device=DEVICE, **kw)
+        t = tables.to(DEVICE) if "regions" in kw else None
+        assert torch.equal(tri._bucket(keys.to(DEVICE), t), ref._bucket(keys.to(DEVICE), t))

@@ -26,21 +26,11 @@ import triton.language as tl
 
 from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
+from tieredemb.ops.triton.hashing import bucket_of as _bucket_of
+from tieredemb.ops.triton.hashing import buckets
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
-
-
-@triton.jit
-def _bucket_of(keys, num_buckets):
-    """int64 keys -> int64 bucket: ``(splitmix64(key) >> 32) * num_buckets >> 32`` (logical shifts)."""
-    x = keys.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-    x = x ^ (x >> 31)
-    hi = x >> 32
-    # (zeros + num_buckets): a uint64 tensor even when num_buckets arrives specialized as constant 1
-    return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["n", "num_buckets"])
@@ -231,6 +221,10 @@ class TritonKeyIndex(KeyIndex):
             num_warps=4,
         )
         return out
+
+    def _bucket(self, keys: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
+        one = len(self.regions) == 1
+        return buckets(keys, None if one else tables, self._start_dev, self._nb_dev, self.num_buckets)
 
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
                    valid: torch.Tensor | None = None,

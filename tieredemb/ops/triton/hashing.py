@@ -1,0 +1,91 @@
+"""The counter-based hashes of ``tieredemb.init`` and ``tieredemb.index.key_index`` in Triton: the
+same bits as the torch versions (uint64 wrap-around arithmetic), in one kernel instead of a dozen
+elementwise torch ops each."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N = 32  # keys per random_bits program (x BLOCK_D columns)
+
+
+@triton.jit
+def splitmix64(x):
+    """The splitmix64 finalizer on uint64 (``tieredemb.init.splitmix64``)."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def bucket_of(keys, num_buckets):
+    """int64 keys -> int64 bucket: ``(splitmix64(key) >> 32) * num_buckets >> 32`` (logical shifts)."""
+    hi = splitmix64(keys.to(tl.uint64, bitcast=True)) >> 32
+    # (zeros + num_buckets): a uint64 tensor even when num_buckets arrives specialized as constant 1
+    return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _random_bits_kernel(keys, tables, bases, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N), cdiv(dim, BLOCK_D)); out int64 (n, dim)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rmask = rows < n
+    k = tl.load(keys + rows, mask=rmask, other=0).to(tl.uint64, bitcast=True)
+    t = tl.zeros([BLOCK_N], dtype=tl.int64)
+    if HAS_TABLES:
+        t = tl.load(tables + rows, mask=rmask, other=0)
+    base = tl.load(bases + t, mask=rmask, other=0).to(tl.uint64, bitcast=True)
+    per_key = splitmix64(k ^ base)
+    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    bits = splitmix64(per_key[:, None] + step[None, :])
+    mask = rmask[:, None] & (cols[None, :] < dim)
+    tl.store(out + rows[:, None] * dim + cols[None, :], bits.to(tl.int64, bitcast=True), mask=mask)
+
+
+def random_bits(bases: torch.Tensor, keys: torch.Tensor, dim: int,
+                tables: torch.Tensor | None) -> torch.Tensor:
+    """``tieredemb.init.random_bits`` given the tables' bases (int64 (t,), on the keys' device)."""
+    n = keys.numel()
+    out = torch.empty(n, dim, dtype=torch.int64, device=keys.device)
+    if n == 0 or dim == 0:
+        return out
+    block_d = min(128, triton.next_power_of_2(dim))
+    keys = keys.to(torch.int64).contiguous()
+    _random_bits_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(dim, block_d))](
+        keys, keys if tables is None else tables.contiguous(), bases, out, n, dim,
+        HAS_TABLES=tables is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d)
+    return out
+
+
+@triton.jit(do_not_specialize=["n", "num_buckets"])
+def _bucket_kernel(keys, tables, region_start, region_buckets, out, n, num_buckets, REGIONS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    k = tl.load(keys + i, mask=m, other=0)
+    if REGIONS:
+        r = tl.load(tables + i, mask=m, other=0)
+        nb = tl.load(region_buckets + r, mask=m, other=1).to(tl.uint64)
+        b = tl.load(region_start + r, mask=m, other=0) + bucket_of(k, nb)
+    else:
+        b = bucket_of(k, num_buckets)
+    tl.store(out + i, b, mask=m)
+
+
+def buckets(keys: torch.Tensor, tables: torch.Tensor | None, region_start: torch.Tensor,
+            region_buckets: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``KeyIndex._bucket``: int64 (n,) the bucket of each key in its region (``tables``; None:
+    one region of ``num_buckets``)."""
+    n = keys.numel()
+    out = torch.empty(n, dtype=torch.int64, device=keys.device)
+    if n:
+        keys = keys.to(torch.int64).contiguous()
+        _bucket_kernel[(triton.cdiv(n, 1024),)](
+            keys, keys if tables is None else tables.contiguous(), region_start, region_buckets, out, n,
+            num_buckets, REGIONS=tables is not None, BLOCK=1024)
+    return out
