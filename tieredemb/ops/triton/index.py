@@ -273,7 +273,9 @@ class TritonKeyIndex(KeyIndex):
         # (bucket, key) order of the misses; the rest sort last under bucket = num_buckets
         bucket = torch.where(todo, self._bucket(keys, tables), self.num_buckets)
         order = torch.argsort(keys, stable=True)
-        order = order[torch.argsort(bucket[order], stable=True)]
+        # buckets fit 32 bits: the second radix sort makes half the passes
+        narrow = bucket.to(torch.int32) if self.num_buckets < 2**31 else bucket
+        order = order[torch.argsort(narrow[order], stable=True)]
         sorted_bucket = bucket[order]
         ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
         ev_keys, ev_values, ev_scores = (
