@@ -133,8 +133,10 @@ if [ "$run_bench" = 1 ] && [ "$run_cache" = 1 ]; then
             continue
         fi
         echo "== bench $workload (scale $cache_scale, ${limit}s)"
+        extra=()
+        [ "$workload" = cache ] && extra=(--reserve)  # the host store page-locked up front
         timeout "$limit" "${bench[@]}" "$workload" --device cuda --scale "$cache_scale" \
-            --steps "$cache_steps" --out "$OUT" 2>&1 | tee "$OUT/bench-$workload.log"
+            --steps "$cache_steps" --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench-$workload.log"
         rc=$?
         [ "$rc" = 0 ] || status=1
         if [ "$workload" = cache ]; then cache_rc=$rc; else ssd_rc=$rc; fi
