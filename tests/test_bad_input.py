@@ -142,7 +142,10 @@ def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels)
     bad = bad_batches(pooled=module is te.EmbeddingBagCollection)[case]
 
     def trained_one_group():
-        collection = module(one_group_tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1, kernels=kernels)
+        # Triton: the real kernels on a GPU, the interpreter on CPU tensors elsewhere
+        device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+        collection = module(one_group_tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1, kernels=kernels,
+                            device=device)
         for i in range(3):
             bags = {f: [[k + i for k in bag] for bag in b] for f, b in GOOD.items()}
             loss_of(collection(Batch(bags).kjt())).backward()
@@ -153,12 +156,14 @@ def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels)
     index = victim._groups[0].index
     before = snapshot(victim, one_group_tables())
     scores, locks = index.scores.clone(), index.locks.clone()
-    for call in (lambda: victim.prefetch(bad.kjt), lambda: loss_of(victim(bad.kjt)).backward()):
+    kjt = bad.kjt.to(victim.device)
+    for call in (lambda: victim.prefetch(kjt), lambda: loss_of(victim(kjt)).backward()):
         with pytest.raises((ValueError, TypeError)):
             call()
         assert_snapshot_equal(before, snapshot(victim, one_group_tables()))
         assert torch.equal(index.scores, scores) and torch.equal(index.locks, locks)
     good = Batch(GOOD).kjt()
+    good = good.to(victim.device)
     for c in (victim, twin):
         loss_of(c(good)).backward()
     assert_snapshot_equal(snapshot(twin, one_group_tables()), snapshot(victim, one_group_tables()))
