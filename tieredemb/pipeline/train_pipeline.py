@@ -136,7 +136,11 @@ class TrainPipeline:
                        if stash is not None else None)
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._prefetch_stream = torch.cuda.Stream(self.device) if cuda and prefetch_in_thread else None
+        # the prefetch stream at the highest priority (torch maps -100 to the device's highest): its
+        # small kernels, and the host syncs waiting on them, go ahead of the dense model's queued
+        # blocks instead of behind whole GEMMs
+        self._prefetch_stream = (torch.cuda.Stream(self.device, priority=-100)
+                                 if cuda and prefetch_in_thread else None)
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredemb-prefetch")
             if prefetch_in_thread
