@@ -75,6 +75,7 @@ class InsertResult:
     evicted_tables: torch.Tensor
     any_miss: bool = True  # host-side: False when every key was found (nothing inserted or evicted)
     region_keys: torch.Tensor | None = None  # int64 (R,) keys per region, when every key was found
+    inserted_count: int | None = None  # host-side: keys inserted, when known without a read (else None)
 
     @property
     def inserted(self) -> torch.Tensor:
@@ -216,13 +217,13 @@ class KeyIndex:
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
             failed = miss & (slots < 0) & ~self._region_bounded(tables)
-            grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
+            grow = self._per_region(tables, failed)
         while any(grow):  # a full bucket in an unbounded region: double it, place the rest
             self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
             slots = torch.where(slots >= 0, self.find(keys, tables), slots)
             self._insert(keys, tables, slots, failed)
             failed = failed & (slots < 0)
-            grow = torch.bincount(tables[failed], minlength=len(self.regions)).tolist()
+            grow = self._per_region(tables, failed)
         placed = slots >= 0
         safe = slots.clamp(min=0)
         values = torch.where(placed, self.values[safe], -1)
@@ -231,7 +232,14 @@ class KeyIndex:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
         self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
         self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
-        return InsertResult(slots, found, values, *evicted)
+        # without a bounded region every miss took an empty slot: the host knows how many
+        inserted = None if self.bounded else sum(misses)
+        return InsertResult(slots, found, values, *evicted, inserted_count=inserted)
+
+    def _per_region(self, tables: torch.Tensor, mask: torch.Tensor) -> list[int]:
+        """How many of ``mask`` (bool (n,)) fall in each region (one host read)."""
+        counts = torch.zeros(len(self.regions), dtype=torch.int64, device=self.device)
+        return counts.index_add_(0, tables, mask.to(torch.int64)).tolist()
 
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
                    valid: torch.Tensor | None = None,

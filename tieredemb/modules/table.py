@@ -389,6 +389,10 @@ class TableGroup:
         """Row addresses for the keys ``res`` inserted: the victim's row where one was evicted (its
         owner's row already written elsewhere by the caller), else a fresh row, assigned in the
         index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
+        if res.inserted_count is not None:  # an index that cannot evict: every insert is new
+            need = inserted = torch.nonzero_static(res.inserted, size=res.inserted_count).squeeze(1)
+            self.index.assign(res.slots[need], self.store.allocate(need.numel()))
+            return inserted
         inserted = res.inserted.nonzero().squeeze(1)
         need = inserted[res.values[inserted] < 0]  # -1: an empty slot, no victim's row to reuse
         self.index.assign(res.slots[need], self.store.allocate(need.numel()))

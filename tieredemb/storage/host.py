@@ -143,7 +143,9 @@ class HostMemoryBackend(Backend):
         res = self._index.find_or_insert(keys, self._step, tables=tables)
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
             addresses = res.values.clone()
-            new = ((res.slots >= 0) & (addresses < 0)).nonzero().squeeze(1)
+            fresh = (res.slots >= 0) & (addresses < 0)
+            new = (fresh.nonzero() if res.inserted_count is None  # unbounded: the count is known
+                   else torch.nonzero_static(fresh, size=res.inserted_count)).squeeze(1)
             fresh = self._store.allocate(new.numel())
             addresses[new] = fresh
             self._index.assign(res.slots[new], fresh)
