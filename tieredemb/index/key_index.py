@@ -145,6 +145,11 @@ class KeyIndex:
         nb = self.num_buckets if region is None else self.region_buckets[region]
         return nb * self.width
 
+    @property
+    def sizes_on_device(self) -> torch.Tensor:
+        """int64 (R,) keys stored per region, on the index device (read it with other values)."""
+        return self._sizes
+
     def size(self, region: int | None = None) -> int:
         """Keys stored in ``region`` (None: all). Reads a device value."""
         return int(self._sizes.sum() if region is None else self._sizes[region])

@@ -255,7 +255,7 @@ class TableGroup:
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
         regions = len(self.configs)
         staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step)
-        return staged, torch.cat([count, per_region[:regions], self.index._sizes])
+        return staged, torch.cat([count, per_region[:regions], self.index.sizes_on_device])
 
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
                         ids_per_table: list[int]) -> GroupPrefetch:
@@ -266,11 +266,7 @@ class TableGroup:
         res = self.index.complete(keys, utab, staged.step, counts, True, staged.slots[:u],
                                   staged.values[:u], staged.per_region, info[1:])
         addresses = self._place_new(keys, utab, res)
-        if res.any_miss:
-            self._count((UNIQUE, utab, None), (HITS, utab, res.found), (MISSES, utab, ~res.found),
-                        (EVICTIONS, res.evicted_tables, None))
-        else:
-            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
+        self._count_probe(utab, utab, res, every_pair=True)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return GroupPrefetch(keys, utab, staged.inverse, addresses, keys, utab, res.slots,
                              self.index.generation, empty,
@@ -305,13 +301,7 @@ class TableGroup:
         res = self.index.find_or_insert(keys, step, kcounts, lock=True, tables=ktab)
         addresses = self._place_new(keys, ktab, res)  # (k,), -1 for conflict misses
         placed = res.slots >= 0
-        if res.any_miss:
-            self._count((UNIQUE, utab, None), (HITS, ktab, res.found), (MISSES, ktab, ~res.found),
-                        (CONFLICTS, ktab, ~placed), (EVICTIONS, res.evicted_tables, None))
-        elif store is None and contested is None:  # every pair stored and found: counts by region
-            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
-        else:
-            self._count((UNIQUE, utab, None), (HITS, ktab, None))
+        self._count_probe(utab, ktab, res, every_pair=store is None and contested is None)
         generation = self.index.generation
         if store is None and not self.index.bounded:  # every key got a row: no scratch
             return GroupPrefetch(unique, utab, inverse, addresses, keys, ktab, res.slots, generation,
@@ -336,6 +326,19 @@ class TableGroup:
             pf.deferred = (deferred, step, counts[deferred])
             self._pending.append(pf)
         return pf
+
+    def _count_probe(self, utab: torch.Tensor, ktab: torch.Tensor, res: InsertResult,
+                     every_pair: bool) -> None:
+        """Counters of one batch's insert: unique pairs (tables ``utab``), and hits, misses,
+        conflicts and evictions among the pairs inserted (tables ``ktab``); ``every_pair``: those are
+        all the batch's pairs (then a batch without misses adds the index's counts per region)."""
+        if res.any_miss:
+            self._count((UNIQUE, utab, None), (HITS, ktab, res.found), (MISSES, ktab, ~res.found),
+                        (CONFLICTS, ktab, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
+        elif every_pair:
+            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
+        else:
+            self._count((UNIQUE, utab, None), (HITS, ktab, None))
 
     def _contested(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
         return contested(self.index, keys, tables)
@@ -391,10 +394,9 @@ class TableGroup:
         index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
         if res.inserted_count is not None:  # an index that cannot evict: every insert is new
             need = inserted = torch.nonzero_static(res.inserted, size=res.inserted_count).squeeze(1)
-            self.index.assign(res.slots[need], self.store.allocate(need.numel()))
-            return inserted
-        inserted = res.inserted.nonzero().squeeze(1)
-        need = inserted[res.values[inserted] < 0]  # -1: an empty slot, no victim's row to reuse
+        else:
+            inserted = res.inserted.nonzero().squeeze(1)
+            need = inserted[res.values[inserted] < 0]  # -1: an empty slot, no victim's row to reuse
         self.index.assign(res.slots[need], self.store.allocate(need.numel()))
         return inserted
 
