@@ -100,13 +100,13 @@ def _run_of(counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _bad_ids(values: torch.Tensor, limits: torch.Tensor | None, feature: torch.Tensor) -> torch.Tensor:
-    """bool (): some id is out of its feature's [0, num_embeddings) or is the reserved key. values:
-    int64 (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); feature: int64
-    (n,) each id's feature."""
+    """bool (n,): ids out of their feature's [0, num_embeddings), or the reserved key. values: int64
+    (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); feature: int64 (n,)
+    each id's feature."""
     if limits is None:  # raw ids only: the reserved key is the one bad value
-        return (values == RESERVED_KEY).any()
+        return values == RESERVED_KEY
     limit = limits[feature]
-    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY).any()
+    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
 
 
 def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
@@ -221,7 +221,7 @@ class Layout:
             weights = weights.to(device=self.device, dtype=torch.float32)
         feature_counts = per_feature.sum(dim=1)
         feature = _run_of(feature_counts, torch.arange(values.numel(), device=self.device))
-        flags = [_bad_ids(values, order.limits, feature)]
+        flags = [_bad_ids(values, order.limits, feature).any()]
         if weights is not None:
             flags.append(~torch.isfinite(weights).all())
         summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)])
@@ -243,7 +243,8 @@ class Layout:
         for c in counts:
             bounds.append(bounds[-1] + c)
         if bad[0]:
-            i = keys.index(_first_bad(_bad_id_mask(values, order, bounds), bounds, keys)[1])
+            feature = _run_of(staged.feature_counts, torch.arange(values.numel(), device=self.device))
+            i = keys.index(_first_bad(_bad_ids(values, order.limits, feature), bounds, keys)[1])
             _check_ids(keys[i], self.table_of[keys[i]], values[bounds[i] : bounds[i + 1]])
         if weights is not None and bad[1]:
             pos, feature = _first_bad(~torch.isfinite(weights), bounds, keys)
@@ -267,15 +268,6 @@ class Layout:
             groups.append(GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w,
                                      [counts[i] for i in pos], per_table))
         return Batch(staged.batch_size, groups)
-
-
-def _bad_id_mask(values: torch.Tensor, order: _Order, bounds: list[int]) -> torch.Tensor:
-    """bool (n,): the ids ``_bad_ids`` rejects (an error path)."""
-    if order.limits is None:
-        return values == RESERVED_KEY
-    limit = torch.cat([torch.full((b - a,), lim, dtype=torch.int64, device=values.device)
-                       for a, b, lim in zip(bounds, bounds[1:], order.limits.tolist())])
-    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:
