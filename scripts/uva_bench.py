@@ -42,6 +42,35 @@ def timed(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_engine(store: RowStore, addresses: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, record,
+                repeat: int) -> None:
+    """Rows compacted on the host (``index_select`` per segment into pinned staging) then one copy up;
+    and one copy down, then ``index_copy_`` into the segments."""
+    n = addresses.numel()
+    segs = list(store.segments)
+    cpu_addr = addresses.cpu()
+    seg_of, off = cpu_addr // store.segment_rows, cpu_addr % store.segment_rows
+    staging = torch.empty(n, D, pin_memory=True)
+    order = torch.argsort(seg_of)
+    bounds = torch.searchsorted(seg_of[order], torch.arange(len(segs) + 1)).tolist()
+    parts = [(s, order[bounds[s] : bounds[s + 1]]) for s in range(len(segs)) if bounds[s + 1] > bounds[s]]
+
+    def compact_and_copy():
+        for s, part in parts:
+            staging[part] = segs[s].index_select(0, off[part])
+        out.copy_(staging, non_blocking=True)
+
+    def copy_and_spread():
+        staging.copy_(rows, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        for s, part in parts:
+            segs[s].index_copy_(0, off[part], staging[part])
+
+    record(f"copy engine: host index_select + H2D ({torch.get_num_threads()} threads)",
+           timed(compact_and_copy, repeat))
+    record("copy engine: D2H + host index_copy_", timed(copy_and_spread, repeat))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=1 << 22)
@@ -84,32 +113,18 @@ def main() -> None:
         record(f"UVA gather, {rows_per_program} rows x {warps} warps a program", timed(gather, args.repeat))
         record(f"UVA scatter, {rows_per_program} rows x {warps} warps a program", timed(scatter, args.repeat))
 
-    # copy engine: compact on the host (index_select over the segments), then one copy
-    segs = [s for s in store.segments]
-    cpu_addr = addresses.cpu()
-    seg_of, off = cpu_addr // store.segment_rows, cpu_addr % store.segment_rows
-    staging = torch.empty(args.n, D, pin_memory=True)
-    order = torch.argsort(seg_of)
-    bounds = torch.searchsorted(seg_of[order], torch.arange(len(segs) + 1)).tolist()
+    # what limits the random case: the same kernel over sorted random rows, and over consecutive rows
+    for name, addr in (("sorted random rows", torch.sort(addresses).values),
+                       ("consecutive rows", torch.arange(args.n, device=dev))):
+        grid = (triton.cdiv(args.n, 64),)
 
-    def compact_and_copy():
-        for s in range(len(segs)):
-            part = order[bounds[s] : bounds[s + 1]]
-            if part.numel():
-                staging[part] = segs[s].index_select(0, off[part])
-        out.copy_(staging, non_blocking=True)
+        def gather_of(a=addr, g=grid):
+            _gather_kernel[g](ptrs, a, out, args.n, D, D, store.segment_rows, BLOCK_N=64, BLOCK_D=D,
+                              num_warps=8)
 
-    def copy_and_spread():
-        staging.copy_(rows, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        for s in range(len(segs)):
-            part = order[bounds[s] : bounds[s + 1]]
-            if part.numel():
-                segs[s].index_copy_(0, off[part], staging[part])
+        record(f"UVA gather, 64 rows x 8 warps, {name}", timed(gather_of, args.repeat))
 
-    record(f"copy engine: host index_select + H2D ({torch.get_num_threads()} threads)",
-           timed(compact_and_copy, args.repeat))
-    record("copy engine: D2H + host index_copy_", timed(copy_and_spread, args.repeat))
+    copy_engine(store, addresses, rows, out, record, args.repeat)
 
     # both directions at once: gather on one stream, scatter of other rows on another
     others = torch.randperm(args.rows, generator=gen)[: args.n].to(dev)
