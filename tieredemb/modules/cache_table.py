@@ -307,9 +307,8 @@ class CacheGroup(TableGroup):
         got = self._get(keys, tables)
         rows = got.rows.to(self.device)
         found = got.found.to(self.device)
-        new = (~found).nonzero().squeeze(1)
-        if new.numel():
-            rows[new] = self._initial_rows(keys[new], tables[new])
+        if keys.numel():  # initial rows for all, kept where the store had none: no host read
+            rows = torch.where(found[:, None], rows, self._initial_rows(keys, tables))
         return Fetched(rows, found)
 
     def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
