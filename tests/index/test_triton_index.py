@@ -77,6 +77,10 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
         want = ref.find_or_insert(keys, step, counts, lock=lock, tables=tables)
         got = tri.find_or_insert(keys, step, counts, lock=lock, tables=tables)
         assert_same_result(got, want, msg)
+        for res in (got, want):  # the host-side counts agree with the tensors
+            assert res.inserted_count == int(res.inserted.sum()), msg
+            assert res.unplaced == int(((res.slots < 0) & ~res.found).sum()), msg
+            assert res.new_rows == int((res.inserted & (res.values < 0)).sum()), msg
         assert_same_state(tri, ref, msg)
         fresh = want.inserted & (want.values < 0)  # the caller gives new rows an address
         addresses = torch.arange(next_address, next_address + int(fresh.sum()), device=DEVICE)

@@ -75,7 +75,13 @@ class InsertResult:
     evicted_tables: torch.Tensor
     any_miss: bool = True  # host-side: False when every key was found (nothing inserted or evicted)
     region_keys: torch.Tensor | None = None  # int64 (R,) keys per region, when every key was found
-    inserted_count: int | None = None  # host-side: keys inserted, when known without a read (else None)
+    inserted_count: int | None = None  # host-side: keys inserted (None: not known without a read)
+    unplaced: int | None = None  # host-side: conflict misses, keys left without a slot
+
+    @property
+    def new_rows(self) -> int | None:
+        """Host-side: inserted keys that took an empty slot (the others took a victim's row)."""
+        return None if self.inserted_count is None else self.inserted_count - self.evicted_keys.numel()
 
     @property
     def inserted(self) -> torch.Tensor:
@@ -214,15 +220,18 @@ class KeyIndex:
             if not lock:
                 self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
             return InsertResult(slots, found, values, empty, empty, empty, empty, any_miss=False,
-                                region_keys=per_region[regions:])
+                                region_keys=per_region[regions:], inserted_count=0, unplaced=0)
         miss = ~found
         if self._reserve([s + m for s, m in zip(sizes, misses)]):
             slots = self.find(keys, tables)  # the rehash moved every slot
-        evicted = self._insert(keys, tables, slots, miss)
+        evicted, unplaced = self._insert(keys, tables, slots, miss)
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
             failed = miss & (slots < 0) & ~self._region_bounded(tables)
             grow = self._per_region(tables, failed)
+        # keys left without a slot (conflict misses of bounded regions): those of unbounded regions
+        # are placed by the growth below
+        unplaced = 0 if unplaced is None else unplaced - sum(grow)
         while any(grow):  # a full bucket in an unbounded region: double it, place the rest
             self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
             slots = torch.where(slots >= 0, self.find(keys, tables), slots)
@@ -237,9 +246,8 @@ class KeyIndex:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
         self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
         self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
-        # without a bounded region every miss took an empty slot: the host knows how many
-        inserted = None if self.bounded else sum(misses)
-        return InsertResult(slots, found, values, *evicted, inserted_count=inserted)
+        return InsertResult(slots, found, values, *evicted, inserted_count=sum(misses) - unplaced,
+                            unplaced=unplaced)
 
     def _per_region(self, tables: torch.Tensor, mask: torch.Tensor) -> list[int]:
         """How many of ``mask`` (bool (n,)) fall in each region (one host read)."""
@@ -279,12 +287,13 @@ class KeyIndex:
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
 
-        Returns the evicted (keys, values, scores, tables).
-        """
+        Returns the evicted (keys, values, scores, tables), and how many of keys[todo] found no way
+        (None where the index does not know it without a host read: nothing is left unplaced once an
+        unbounded region has grown)."""
         idx = todo.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if idx.numel() == 0:
-            return empty, empty, empty, empty
+            return (empty, empty, empty, empty), 0
         mk, mt = keys[idx], tables[idx]
         bucket = self._bucket(mk, mt)
         # misses sorted by (bucket, key): the deterministic order in which they claim ways
@@ -308,7 +317,7 @@ class KeyIndex:
         self.keys[s] = mk[ok]
         self.scores[s] = 0
         self.locks[s] = 1
-        return evicted
+        return evicted, int(idx.numel() - s.numel())
 
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
         """Ways of each bucket in claim order: empty by way, then evictable by (score, way)."""

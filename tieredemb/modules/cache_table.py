@@ -165,14 +165,15 @@ class CacheGroup(TableGroup):
                                             tables=utab[keep])
         with record_function("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        placed = (res.slots >= 0).nonzero().squeeze(1)
         self._fill_inserted(res, fetched.rows, row_of[keep])
-        if placed.numel() == keep.numel():  # no conflict miss: every kept key got a cache row
-            placed_keys, conflict = keep, empty
+        if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
+            placed_keys, conflict, locked_slots = keep, empty, res.slots
             addresses[keep] = self._slot_rows(res)
         else:
+            placed = (res.slots >= 0).nonzero().squeeze(1)
             placed_keys, conflict = keep[placed], keep[(res.slots < 0).nonzero().squeeze(1)]
             addresses[placed_keys] = self._slot_rows(res)[placed]
+            locked_slots = res.slots[placed]
         # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
         owed = self._scratch(fetched.rows[row_of[conflict]], addresses, conflict)
         private = self._scratch(fetched.rows[row_of[dropped]], addresses, dropped)
@@ -185,7 +186,7 @@ class CacheGroup(TableGroup):
                     (NOT_ADMITTED, utab[refused], None))
         owed_pos = torch.cat([in_pad, conflict])
         pf = CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
-                           res.slots[placed] if conflict.numel() else res.slots, self.index.generation,
+                           locked_slots, self.index.generation,
                            private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos],
                            bound=bound)
         if deferring is not None:

@@ -149,16 +149,16 @@ class HostMemoryBackend(Backend):
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
             addresses = res.values.clone()
             fresh = (res.slots >= 0) & (addresses < 0)
-            new = (fresh.nonzero() if res.inserted_count is None  # unbounded: the count is known
-                   else torch.nonzero_static(fresh, size=res.inserted_count)).squeeze(1)
+            new = (fresh.nonzero() if res.new_rows is None
+                   else torch.nonzero_static(fresh, size=res.new_rows)).squeeze(1)
             fresh = self._store.allocate(new.numel())
             addresses[new] = fresh
             self._index.assign(res.slots[new], fresh)
         else:
             addresses = res.values
         rows = rows.to(device=self.device, dtype=torch.float32)
-        if self.capacity is not None:  # a full bucket of a bounded store skips the key
-            placed = (res.slots >= 0).nonzero().squeeze(1)
+        if self.capacity is not None and res.unplaced != 0:  # a full bucket of a bounded store skips
+            placed = (res.slots >= 0).nonzero().squeeze(1)  # the key
             addresses, rows = addresses[placed], rows[placed]
         self._scatter(addresses, rows)
 

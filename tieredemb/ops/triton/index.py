@@ -261,12 +261,13 @@ class TritonKeyIndex(KeyIndex):
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
 
-        Returns the evicted (keys, values, scores, tables), in the reference's order.
+        Returns the evicted (keys, values, scores, tables), in the reference's order, and the keys
+        left without a way (None without a bounded region: the caller grows the index for them).
         """
         n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if n == 0:
-            return empty, empty, empty, empty
+            return (empty, empty, empty, empty), 0
         keys = keys.to(torch.int64).contiguous()
         slots.masked_fill_(todo, -1)  # a miss that finds no way stays -1
         out_slots = slots if slots.is_contiguous() else slots.contiguous()
@@ -306,6 +307,9 @@ class TritonKeyIndex(KeyIndex):
         if out_slots is not slots:
             slots.copy_(out_slots)
         if not self.bounded:  # only a bounded region evicts: nothing to select (and no host sync)
-            return empty, empty, empty, empty
-        victim = ev_flag.nonzero().squeeze(1)  # one host sync for the four selections
-        return ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]
+            return (empty, empty, empty, empty), None
+        # one host read: the victims (for the four selections) and the keys left without a way
+        victims, unplaced = torch.stack([ev_flag.sum(dtype=torch.int64),
+                                         (todo & (slots < 0)).sum()]).tolist()
+        victim = torch.nonzero_static(ev_flag, size=victims).squeeze(1)
+        return (ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]), unplaced
