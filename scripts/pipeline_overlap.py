@@ -3,7 +3,7 @@ cache-mode collection under a heavy dense MLP: plain loop vs pipeline (prefetch 
 with the prefetch thread, against the same model with every row in HBM.
 
     python3 scripts/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
-                                        [--reserve] [--prefill]
+                                        [--reserve] [--prefill] [--stages]
 """
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ def run(label: str, ebc: te.EmbeddingBagCollection, batches: list, args, pipelin
                     return
     steps(warm)
     torch.cuda.synchronize()
+    if args.stages and pipelined:  # where each thread's host time goes, per step
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps(timed)
+            torch.cuda.synchronize()
+        for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total):
+            if e.key.startswith("##"):
+                print(f"    {label[:24]:24s} {e.key:28s} {e.count / len(timed):5.1f} a step "
+                      f"{e.cpu_time_total / 1e3 / len(timed):7.2f} ms")
     t0 = time.perf_counter()
     steps(timed)
     torch.cuda.synchronize()
@@ -73,6 +83,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--reserve", action="store_true", help="page-lock the host store's rows up front")
     p.add_argument("--prefill", action="store_true", help="start with the cache full (as bench cache)")
+    p.add_argument("--stages", action="store_true",
+                   help="also profile the pipelined runs: host time per labelled stage")
     args = p.parse_args()
     dev = torch.device("cuda")
     shape = cache_shape(args.scale)
