@@ -512,6 +512,8 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     for part in parts:
         tensors += [getattr(part, f.name) for f in fields(part)
                     if isinstance(getattr(part, f.name), torch.Tensor)]
+        if getattr(part, "sorted_ids", None) is not None:  # the dedup's sort, read by the backward
+            tensors += [part.sorted_ids.order, part.sorted_ids.entries]
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
