@@ -15,7 +15,7 @@ Layout of ``path`` (a directory)::
         <collection>/<table>/r<rank>-admission.safetensors  keys and counts toward admission
 
 Files are safetensors (no pickle anywhere: loading a checkpoint runs no code). Rows are written one
-chunk at a time: a chunk and its serialized copy fit in ``buffer_bytes`` (256 MiB by default),
+chunk at a time: a chunk and its two serialized copies fit in ``buffer_bytes`` (256 MiB by default),
 whatever the table size. A save goes
 into a new version directory, every file fsynced, and only then does ``LATEST`` move to it (write,
 fsync, ``os.replace``): a crash at any point leaves the previous version loadable. Versions the new
@@ -150,8 +150,9 @@ def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer
         collection.flush()
         for table, meta in collection._checkpoint_meta()["tables"].items():
             name = f"{cname}/{table}"
-            # a chunk and its serialized copy are alive at once: half the buffer each
-            rows_per_chunk = max(1, buffer_bytes // (2 * (4 * meta["width"] + 16)))
+            # a chunk, safetensors' bytes copy of it and the serialized file are alive at once:
+            # a third of the buffer each
+            rows_per_chunk = max(1, buffer_bytes // (3 * (4 * meta["width"] + 16)))
             base = None if previous is None else previous.get(name, _EMPTY_PRINT)
             seen = None if base is None else torch.zeros(base[0].numel(), dtype=torch.bool)
             entries, all_keys, all_hashes = files.setdefault(name, []), [], []
@@ -195,9 +196,16 @@ _EMPTY_PRINT = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.in
 def row_hash(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """int64 (n,): a 64-bit hash of each row's float32 bits and its score (a changed row is missed
     with probability ~2**-64)."""
-    bits = rows.contiguous().view(torch.int32).to(torch.int64)
-    weights = splitmix64(torch.arange(1, bits.shape[1] + 1, dtype=torch.int64))
-    return splitmix64((bits * weights).sum(1) ^ splitmix64(scores.to(torch.int64)))
+    rows = rows.contiguous()
+    weights = splitmix64(torch.arange(1, rows.shape[1] + 1, dtype=torch.int64, device=rows.device))
+    mixed = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+    # in blocks of rows: the int64 widening of a whole chunk would take 4x the chunk's own bytes (a
+    # save's memory is the chunk and its serialized copy; a 4 MB chunk's hash briefly held 16 MB more)
+    step = max(1, (1 << 17) // max(1, rows.shape[1]))
+    for lo in range(0, rows.shape[0], step):
+        bits = rows[lo : lo + step].view(torch.int32).to(torch.int64)
+        mixed[lo : lo + step] = (bits * weights).sum(1)
+    return splitmix64(mixed ^ splitmix64(scores.to(torch.int64)))
 
 
 def _fingerprint(keys: list[torch.Tensor], hashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
