@@ -151,6 +151,14 @@ def test_bag_rows(gen, features):
     assert torch.equal(TorchKernels().bag_rows(offsets.cpu(), n, features), want)
 
 
+def test_sorted_runs_of_no_ids():
+    """No ids: no runs, and the device count says 0 (a caller reads it with other values)."""
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    for kern in (TritonKernels(), TorchKernels()):
+        *padded, u = kern.sorted_runs_padded(empty, empty, empty)
+        assert u.tolist() == [0] and all(t.numel() == 0 for t in padded)
+
+
 @pytest.mark.parametrize("n", [1, 2500])
 def test_sorted_runs(gen, n):
     """Runs of equal (key, table) pairs in sorted ids, across program blocks: equal to the torch

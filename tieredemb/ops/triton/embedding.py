@@ -441,6 +441,8 @@ class TritonKernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs_padded`` in two passes around a prefix sum, no host sync."""
         n, dev = skeys.numel(), skeys.device
+        if n == 0:
+            return skeys, tables, skeys, skeys, torch.zeros(1, dtype=torch.int64, device=dev)
         grid = (triton.cdiv(n, _RUN_BLOCK),)
         head = torch.empty(n, dtype=torch.int32, device=dev)
         _run_heads_kernel[grid](skeys, order, tables, head, n, BLOCK=_RUN_BLOCK)
