@@ -33,16 +33,13 @@ _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
 
 
-@triton.jit(do_not_specialize=["n", "num_buckets"])
-def _find_kernel(
-    keys, tables, region_start, region_buckets, table_keys, out_slots, n, num_buckets, width,
-    RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
-):
-    # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1.
-    # REGIONS: keys carry their region in ``tables``; else one region of ``num_buckets``.
-    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_range = i < n
+@triton.jit
+def _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets, width,
+           RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The slots of keys[i] (int64 (BLOCK_K,), -1 where absent) and their regions. REGIONS: keys
+    carry their region in ``tables``; else one region of ``num_buckets``."""
     k = tl.load(keys + i, mask=in_range, other=0)
+    r = tl.zeros([BLOCK_K], dtype=tl.int64)
     if REGIONS:
         r = tl.load(tables + i, mask=in_range, other=0)
         start = tl.load(region_start + r, mask=in_range, other=0)
@@ -55,7 +52,19 @@ def _find_kernel(
     stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
     hit = wmask & (stored == k[:, None]) & (k[:, None] != RESERVED)  # the empty mark is never found
     first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)  # (BLOCK_K,)
-    slot = tl.where(first < BLOCK_W, base + first, -1)
+    return tl.where(in_range & (first < BLOCK_W), base + first, -1), r
+
+
+@triton.jit(do_not_specialize=["n", "num_buckets"])
+def _find_kernel(
+    keys, tables, region_start, region_buckets, table_keys, out_slots, n, num_buckets, width,
+    RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    # grid: (cdiv(n, BLOCK_K),); out_slots: int64 (n,), slot of the first way holding the key, or -1.
+    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_range = i < n
+    slot, _ = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
+                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W)
     tl.store(out_slots + i, slot, mask=in_range)
 
 
@@ -66,7 +75,7 @@ def _find_touch_kernel(
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
 ):
-    # ``_find_kernel``, and then for the keys found (distinct slots: no two programs touch one):
+    # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
     # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
@@ -82,41 +91,27 @@ def _find_touch_kernel(
         return
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < real
-    k = tl.load(keys + i, mask=in_range, other=0)
-    r = tl.zeros([BLOCK_K], dtype=tl.int64)
-    if REGIONS:
-        r = tl.load(tables + i, mask=in_range, other=0)
-        start = tl.load(region_start + r, mask=in_range, other=0)
-        nb = tl.load(region_buckets + r, mask=in_range, other=1).to(tl.uint64)
-        base = (start + _bucket_of(k, nb)) * width
-    else:
-        base = _bucket_of(k, num_buckets) * width
-    ways = tl.arange(0, BLOCK_W)
-    wmask = in_range[:, None] & (ways[None, :] < width)
-    stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
-    hit = wmask & (stored == k[:, None]) & (k[:, None] != RESERVED)
-    first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)
-    found = in_range & (first < BLOCK_W)
-    slot = tl.where(found, base + first, -1)
+    slot, r = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
+                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W)
+    found = slot >= 0
     tl.store(out_slots + i, slot, mask=in_range)
     tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
-    r_out = r  # the counts below include what a guarded batch would have touched
-    found_out = found
-    found = found & ((tl.zeros([BLOCK_K], dtype=tl.int64) + tl.load(guard)) == 0)
-    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=found, other=0) + 1, mask=found)
+    # the counts below include what a guarded batch would have touched
+    touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int64) + tl.load(guard)) == 0)
+    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
     if POLICY == 0:
-        tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
+        tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
     else:
-        score = tl.load(table_scores + slot, mask=found, other=0)
-        lfu = score + tl.load(counts + i, mask=found, other=0)
+        score = tl.load(table_scores + slot, mask=touch, other=0)
+        lfu = score + tl.load(counts + i, mask=touch, other=0)
         if POLICY == 2:
             lru = tl.zeros([BLOCK_K], dtype=tl.int64) + step
-            lfu = tl.where(tl.load(region_lfu + r, mask=found, other=0) != 0, lfu, lru)
-        tl.store(table_scores + slot, lfu, mask=found)
+            lfu = tl.where(tl.load(region_lfu + r, mask=touch, other=0) != 0, lfu, lru)
+        tl.store(table_scores + slot, lfu, mask=touch)
     spare = BINS - 1
-    misses = tl.histogram(tl.where(in_range & ~found_out, r_out, spare).to(tl.int32), BINS)
+    misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
     tl.store(column + bins * programs, misses.to(tl.int64))
-    present = tl.histogram(tl.where(in_range, r_out, spare).to(tl.int32), BINS)
+    present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
     tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
 
 
@@ -222,6 +217,11 @@ class TritonKeyIndex(KeyIndex):
         )
         return out
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # find_touch's defaults, device constants: every key valid, guard 0
+        self._unguarded = torch.tensor([_INT64_MAX, 0], dtype=torch.int64, device=self.device)
+
     def _bucket(self, keys: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
         one = len(self.regions) == 1
         return buckets(keys, None if one else tables, self._start_dev, self._nb_dev, self.num_buckets)
@@ -245,11 +245,8 @@ class TritonKeyIndex(KeyIndex):
         programs = triton.cdiv(n, block_k)
         partial = torch.empty(2, bins, programs, dtype=torch.int64, device=self.device)
         keys = keys.to(torch.int64).contiguous()
-        if valid is None or guard is None:
-            if not hasattr(self, "_unguarded"):  # constants, allocated once: (all valid, guard 0)
-                self._unguarded = torch.tensor([_INT64_MAX, 0], dtype=torch.int64, device=self.device)
-            valid = self._unguarded[:1] if valid is None else valid
-            guard = self._unguarded[1:] if guard is None else guard
+        valid = self._unguarded[:1] if valid is None else valid
+        guard = self._unguarded[1:] if guard is None else guard
         _find_touch_kernel[(programs,)](
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
             self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
