@@ -1,7 +1,8 @@
 """Profile steady-state steps of the ``hbm`` workload: where the training thread spends its time and
 how many host syncs a step makes. Writes the full table to $OUT/profile.txt; prints a summary.
 
-    python3 scripts/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python]
+    python3 scripts/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python | --host]
+                                    [--autograd-threads]
 """
 
 from __future__ import annotations
@@ -31,9 +32,38 @@ def main() -> None:
     p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
+    p.add_argument("--host", action="store_true",
+                   help="host time of each labelled stage, timed without a profiler")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
+    p.add_argument("--autograd-threads", action="store_true",
+                   help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
+    torch.autograd.set_multithreading_enabled(args.autograd_threads)
     dev = torch.device("cuda")
+    ebc, shape, batches = build(args, dev)
+    grad = upstream_grad(shape, dev, 0)
+
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps)]  # made outside the profile
+    torch.cuda.synchronize()
+
+    def step(i: int) -> None:
+        kjt = kjts[i]
+        ebc.prefetch(kjt)
+        ebc(kjt).values().backward(grad)
+
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    if args.python:
+        python_profile(step, args)
+    elif args.host:
+        host_times(ebc, kjts, grad, args)
+    else:
+        torch_profile(step, args)
+
+
+def build(args, dev: torch.device):
+    """The collection of the workload, its shape and its batches."""
     if args.workload == "hbm":
         shape = HbmShape().scaled(args.scale)
         ebc = te.EmbeddingBagCollection(shape.table_configs(),
@@ -53,22 +83,11 @@ def main() -> None:
                                         storage=storage, device=dev)
         prefill(ebc, shape, shape.rows // 10, dev, 0)  # the bench's steady state: the cache full
         batches = RankBatches(shape, dev, 0)
-    grad = upstream_grad(shape, dev, 0)
+    return ebc, shape, batches
 
-    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps)]  # made outside the profile
-    torch.cuda.synchronize()
 
-    def step(i: int) -> None:
-        kjt = kjts[i]
-        ebc.prefetch(kjt)
-        ebc(kjt).values().backward(grad)
-
-    for i in range(args.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    if args.python:
-        python_profile(step, args)
-        return
+def torch_profile(step, args) -> None:
+    """The torch profiler over the timed steps: syncs, stages, top GPU and CPU ops."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
@@ -120,6 +139,79 @@ def python_profile(step, args) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumtime").print_stats(45)
+
+
+def host_times(ebc, kjts, grad, args) -> None:
+    """Wall time of the training thread in prefetch, forward and backward, and in each ``## stage ##``
+    label inside them, timed with perf_counter (``record_function`` swapped for a timer): what the
+    host spends where when no profiler slows each call down."""
+    import contextlib
+
+    from tieredemb.modules import collection, table
+
+    spent: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timer(name):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    for mod in (collection, table):
+        mod.record_function = timer
+
+    def timed(owner, attr, label, static=False):
+        fn = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            with timer(label):
+                return fn(*a, **k)
+
+        setattr(owner, attr, staticmethod(wrapper) if static else wrapper)
+
+    marks: dict[str, float] = {}
+    inner = collection._Lookup.backward
+
+    def lookup_backward(*a):  # engine latency: backward() call -> here, and here -> return
+        marks["in"] = time.perf_counter()
+        try:
+            return inner(*a)
+        finally:
+            marks["out"] = time.perf_counter()
+
+    collection._Lookup.backward = staticmethod(lookup_backward)
+    timed(collection._Collection, "_backward", "  _Collection._backward")
+    timed(type(ebc), "_grad_sources", "  _grad_sources")
+    timed(collection._Collection, "_take_prefetched", "  _take_prefetched")
+    timed(type(ebc), "_lookup", "  _lookup")
+    timed(ebc._layout, "finish", "  layout.finish")
+    timed(torch.Tensor, "tolist", "  tolist (host read)")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        kjt = kjts[i]
+        with timer("prefetch"):
+            ebc.prefetch(kjt)
+        with timer("forward"):
+            out = ebc(kjt).values()
+        t_call = time.perf_counter()
+        with timer("backward"):
+            out.backward(grad)
+        t_back = time.perf_counter()
+        for name, took in (("  engine: call -> Function", marks["in"] - t_call),
+                           ("  _Lookup.backward", marks["out"] - marks["in"]),
+                           ("  engine: Function -> return", t_back - marks["out"])):
+            spent[name] = spent.get(name, 0.0) + took
+        del out
+    with timer("final sync"):
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps, timers only)")
+    print("host ms a step (labels nest inside prefetch/forward/backward):")
+    for name, s in spent.items():
+        print(f"  {name:24s} {s / args.steps * 1e3:8.3f}")
 
 
 def print_stage_ops(events, steps: int, top: int = 12) -> None:

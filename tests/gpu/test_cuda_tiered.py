@@ -102,3 +102,27 @@ def test_host_memory_backend_with_a_gpu_index_matches_the_dict_backend() -> None
     scanned = {k: r for ks, rs in backend.scan(chunk_rows=50) for k, r in zip(ks.tolist(), rs.cpu())}
     assert sorted(scanned) == sorted(ref._rows)
     assert all(torch.equal(scanned[k], ref._rows[k]) for k in scanned)
+
+
+@pytest.mark.parametrize("autograd_threads", [False, True])
+def test_pipeline_backward_thread(autograd_threads) -> None:
+    """TrainPipeline's backward runs on the training thread unless asked for autograd's device
+    threads (the hand-over costs a fraction of a millisecond a step: docs/performance.md)."""
+    import threading
+
+    gpu = build(None, torch.device("cuda"))
+    seen = []
+
+    class Hooked(Model):
+        def forward(self, batch: dict) -> torch.Tensor:
+            out = self.ebc(batch["kjt"]).values()
+            out.register_hook(lambda g: seen.append(threading.get_ident()))
+            return (out * batch["grad"]).sum()
+
+    pipe = te.TrainPipeline(Hooked(gpu), None, device=torch.device("cuda"), autograd_threads=autograd_threads)
+    it = iter(batches(3, 8))
+    for _ in range(3):
+        pipe.progress(it)
+    main = threading.get_ident()
+    assert len(seen) == 3
+    assert all((t != main) == autograd_threads for t in seen)

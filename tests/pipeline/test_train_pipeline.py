@@ -493,6 +493,19 @@ def test_prefetch_in_thread_trains_like_a_plain_loop():
     assert_same_training(model, want_model, got, want)
 
 
+@pytest.mark.parametrize("autograd_threads", [False, True])
+def test_backward_runs_with_autograd_multithreading_as_asked(autograd_threads):
+    """The pipeline's backward runs with autograd's worker threads off by default (on CUDA the
+    backward then runs on the training thread) and leaves the process-wide setting as it found it."""
+    model, opt = build(te.EmbeddingBagCollection)
+    seen = []
+    model.bottom.weight.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+    pipeline = TrainPipeline(model, opt, autograd_threads=autograd_threads)
+    pipelined(pipeline, make_batches(3))
+    assert seen == [autograd_threads] * 3
+    assert torch._C._is_multithreading_enabled()
+
+
 def test_close_releases_batches_in_flight():
     model, opt = build(te.EmbeddingBagCollection)
     pipeline = TrainPipeline(model, opt)

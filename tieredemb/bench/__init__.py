@@ -130,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="then train the fastest strategy and stash off this many steps and compare rows")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    for p in (hbm, sub.choices["cache"], sub.choices["ssd"], s):
+        p.add_argument("--autograd-threads", action="store_true",
+                       help="run backward on autograd's per-device threads (torch's default); without "
+                            "it every configuration, ours and the peers', runs backward on the calling "
+                            "thread, as TrainPipeline does")
     pl = sub.add_parser("plot", help="PNG plots of bench reports: step time by configuration; from several "
                                      "cache reports, step time and hit rate against cache size or alpha")
     pl.add_argument("reports", nargs="+", help="JSON reports of tieredemb bench")
@@ -162,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("tieredemb bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
+    if hasattr(args, "autograd_threads"):
+        with torch.autograd.set_multithreading_enabled(args.autograd_threads):
+            return _dispatch(args, argv, device)
+    return _dispatch(args, argv, device)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -> int:
     if args.workload in ("cache", "ssd"):
         return _main_cache(args, argv, device)
     if args.workload == "checkpoint":

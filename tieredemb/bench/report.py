@@ -153,6 +153,8 @@ def machine_info(device: torch.device) -> dict:
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # False: backward ran on the calling thread (the bench's default, as in TrainPipeline)
+        "autograd_multithreading": torch._C._is_multithreading_enabled(),
         "git_commit": _git_commit(),
     }
     try:

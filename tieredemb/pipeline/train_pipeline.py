@@ -91,6 +91,11 @@ class TrainPipeline:
             brings them back.
         prefetch_in_thread: run each prefetch on a background thread and the prefetch stream (see
             above; default False).
+        autograd_threads: run each backward on autograd's per-device worker threads (torch's own
+            default). False (the default) runs it on the training thread
+            (``torch.autograd.set_multithreading_enabled(False)`` around ``loss.backward()`` only):
+            the hand-over to a worker and back cost ~0.4 ms a step on the H200 host measured
+            (``docs/performance.md``), a quarter of an all-in-HBM embedding step.
 
     Batches: any object with ``.to(device, non_blocking=True)`` returning the moved batch (as
     TorchRec's ``Batch``), or a dict, list, tuple or dataclass of tensors and KeyedJaggedTensors (moved
@@ -127,9 +132,11 @@ class TrainPipeline:
         stash: object | None = None,
         *,
         prefetch_in_thread: bool = False,
+        autograd_threads: bool = False,
     ) -> None:
         self._model = model
         self._optimizer = optimizer
+        self._autograd_threads = autograd_threads
         self.device = torch.device(device) if device is not None else _default_device(model)
         self._collections = [(m, _features(m)) for m in model.modules() if isinstance(m, _Collection)]
         self._stash = (Stash([c for c, _ in self._collections], stash, model)
@@ -305,7 +312,8 @@ class TrainPipeline:
         with record_function("## backward ##"):
             if self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with torch.autograd.set_multithreading_enabled(self._autograd_threads):
+                loss.backward()
 
     def _optimizer_step(self) -> None:
         with record_function("## optimizer ##"):
