@@ -194,7 +194,7 @@ def test_find_touch_with_a_device_count_and_guard(guarded):
     ptables = torch.cat([tables[2:], torch.zeros(3, dtype=torch.int64, device=DEVICE)])
     counts = torch.full_like(padded, 2)
     valid = torch.tensor([4], device=DEVICE)
-    guard = torch.tensor([1 if guarded else 0], device=DEVICE)
+    guard = torch.tensor([0, 0, 0, -3 if guarded else 0], device=DEVICE)  # any nonzero entry guards
     got = tri.find_touch(padded, ptables, 3, counts, valid, guard)
     want = ref.find_touch(padded, ptables, 3, counts, valid, guard)
     assert torch.equal(got[0][:4], want[0][:4]) and torch.equal(got[1][:4], want[1][:4])

@@ -298,3 +298,60 @@ def test_hashes_equal_the_torch_ones(gen):
         ref, tri = KeyIndex(4, device=DEVICE, **kw), TritonKeyIndex(4, device=DEVICE, **kw)
         t = tables.to(DEVICE) if "regions" in kw else None
         assert torch.equal(tri._bucket(keys.to(DEVICE), t), ref._bucket(keys.to(DEVICE), t))
+
+
+def _batch(gen, nf: int, b: int, limit: int | None):
+    lengths = torch.randint(0, 40, (nf, b), generator=gen)
+    lengths[0] = 0  # an empty feature
+    n = int(lengths.sum())
+    values = torch.randint(0, limit or 1 << 40, (n,), generator=gen)
+    limits = None if limit is None else torch.full((nf,), limit)
+    if limits is not None:
+        limits[1] = -1  # a raw-id feature among bounded ones
+    return lengths, values, limits
+
+
+@pytest.mark.parametrize("limited", [False, True])
+@pytest.mark.parametrize("fault", ["none", "bad id", "reserved key", "negative length", "short", "nan weight"])
+def test_batch_checks(gen, monkeypatch, limited, fault):
+    """The fused checks give the reference's summary (ids and negative lengths per feature, flags,
+    the total's offset) and tables, on batches that pass and batches with each fault; the blocks of
+    ids straddle features (lengths up to 39 over 1024-id programs), a feature's lengths span several
+    programs."""
+    from tieredemb.config import RESERVED_KEY
+    from tieredemb.ops.triton import checks
+
+    monkeypatch.setattr(checks, "_LENGTHS_BLOCK", 16)
+    nf, b = 5, 70
+    lengths, values, limits = _batch(gen, nf, b, 100 if limited else None)
+    weights = torch.rand(values.numel(), generator=gen)
+    at = values.numel() * 2 // 3  # in a later feature
+    if fault == "bad id":
+        values[at] = 100 if limited else RESERVED_KEY
+    elif fault == "reserved key":
+        values[at] = RESERVED_KEY
+    elif fault == "negative length":
+        lengths[3, 5] = -2
+    elif fault == "short":
+        values = values[:-3]
+        weights = weights[:-3]
+    elif fault == "nan weight":
+        weights[at] = float("nan")
+    table_of_feature = torch.tensor([0, 1, 1, 2, 0])
+    args = [t.to(DEVICE) if t is not None else None for t in (values, lengths, limits, table_of_feature, weights)]
+    got_summary, got_tables = TritonKernels().batch_checks(*args)
+    want_summary, want_tables = TorchKernels().batch_checks(*args)
+    assert got_summary.tolist() == want_summary.tolist()
+    assert torch.equal(got_tables, want_tables)
+    assert (want_summary[nf:] == 0).all().item() == (fault == "none")
+    got_summary, got_tables = TritonKernels().batch_checks(*args[:3], None, None)  # no tables, weights
+    assert got_tables is None
+    assert got_summary.tolist()[: 2 * nf + 1] == want_summary.tolist()[: 2 * nf + 1]
+
+
+def test_batch_checks_of_no_ids(gen):
+    lengths = torch.zeros(3, 4, dtype=torch.int64, device=DEVICE)
+    values = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    got, tables = TritonKernels().batch_checks(values, lengths, None, torch.arange(3, device=DEVICE), None)
+    assert got.tolist() == TorchKernels().batch_checks(values, lengths, None, None, None)[0].tolist()
+    assert got.tolist() == [0] * 9 and tables.numel() == 0

@@ -260,15 +260,15 @@ class KeyIndex:
         """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
         (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
         per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
-        every output is unspecified); ``guard``: int64 (1,) on the device, nothing changes unless it
-        is 0 (a batch whose checks are read later). Neither is read on the host by the Triton index."""
+        every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
+        is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index."""
         n = keys.numel()
         if valid is not None:  # the reference reads the count (the CPU path: no sync to spare)
             keys, tables, counts = keys[: int(valid)], tables[: int(valid)], counts[: int(valid)]
         slots = self.find(keys, tables)
         found = slots >= 0
         safe = slots.clamp(min=0)
-        if guard is None or int(guard) == 0:
+        if guard is None or not bool(guard.any()):
             self.locks.index_add_(0, safe, found.to(torch.int32))
             self._touch(safe, found, tables, step, counts)
         regions = len(self.regions)

@@ -11,6 +11,9 @@ import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.jagged import KeyedJaggedTensor, _offsets_from_lengths, as_kjt
+from tieredemb.ops.reference import TorchKernels
+from tieredemb.ops.reference import bad_ids as _bad_ids
+from tieredemb.ops.reference import run_of as _run_of
 
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -92,23 +95,6 @@ def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, 
     return batch_size, lengths.view(len(keys), batch_size).to(torch.int64)
 
 
-def _run_of(counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int64 (n,) the run (feature) of each of ``positions`` (0 .. n-1) for runs of ``counts`` (int64
-    (F,), not checked yet: the result stays in [0, F) whatever they hold)."""
-    ends = torch.cumsum(counts, 0)
-    return torch.searchsorted(ends, positions, right=True).clamp_(max=counts.numel() - 1)
-
-
-def _bad_ids(values: torch.Tensor, limits: torch.Tensor | None, feature: torch.Tensor) -> torch.Tensor:
-    """bool (n,): ids out of their feature's [0, num_embeddings), or the reserved key. values: int64
-    (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); feature: int64 (n,)
-    each id's feature."""
-    if limits is None:  # raw ids only: the reserved key is the one bad value
-        return values == RESERVED_KEY
-    limit = limits[feature]
-    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)
-
-
 def _check_ids(feature: str, table: TableConfig, ids: torch.Tensor) -> None:
     if ids.numel() == 0:
         return
@@ -141,13 +127,11 @@ class StagedBatch:
     weights: torch.Tensor | None
     feature_counts: torch.Tensor  # int64 (F,)
     tables: torch.Tensor | None  # int64 (n,) the first group's table of each id, if ``identity``
-    summary: torch.Tensor  # int64 (2F + flags,): ids per feature, negative lengths per feature, flags
+    summary: torch.Tensor  # int64 (2F + 3,): ``TorchKernels.batch_checks``' summary
 
     def guard(self) -> torch.Tensor:
-        """int64 (1,) on the device: 0 when every check that needs the data passes."""
-        nf = len(self.keys)
-        wrong_total = self.summary[:nf].sum() != self.values.numel()
-        return (self.summary[nf:].sum() + wrong_total).view(1)
+        """int64 (F + 3,) on the device: all zero when every check that needs the data passes."""
+        return self.summary[len(self.keys):]
 
 
 @dataclass
@@ -167,10 +151,11 @@ class Layout:
     """Checks batches against a collection's tables and cuts them into per-group id lists.
 
     Args: the tables, the groups (lists of table positions), the device, whether per-id weights
-    are used (``EmbeddingBagCollection``)."""
+    are used (``EmbeddingBagCollection``), the kernels (``batch_checks``; default the torch ones)."""
 
     def __init__(self, tables: list[TableConfig], groups: list[list[int]], device: torch.device,
-                 use_weights: bool) -> None:
+                 use_weights: bool, kernels: object | None = None) -> None:
+        self.kernels = TorchKernels() if kernels is None else kernels
         self.tables = tables
         self.groups = groups
         self.device = device
@@ -207,34 +192,29 @@ class Layout:
 
     def stage(self, batch: object) -> StagedBatch:
         """What can be checked without reading the device, and the device half of the rest: one
-        int64 ``summary`` (ids per feature, negative lengths per feature, bad-id and non-finite-weight
-        flags) for ``finish`` to read; the first group's tables of ids when its features are the
-        batch's (``identity``)."""
+        int64 ``summary`` (``TorchKernels.batch_checks``) for ``finish`` to read; the first group's
+        tables of ids when its features are the batch's (``identity``)."""
         kjt = as_kjt(batch)
         keys = kjt.keys()
         batch_size, per_feature = _check_structure(kjt, list(self.table_of))
         order = self._order(keys)
-        values = kjt.values().to(device=self.device, dtype=torch.int64)
+        values = kjt.values().to(device=self.device, dtype=torch.int64).contiguous()
         per_feature = per_feature.to(self.device)
         weights = kjt.weights_or_none() if self.use_weights else None
         if weights is not None:
             weights = weights.to(device=self.device, dtype=torch.float32)
-        feature_counts = per_feature.sum(dim=1)
-        feature = _run_of(feature_counts, torch.arange(values.numel(), device=self.device))
-        flags = [_bad_ids(values, order.limits, feature).any()]
-        if weights is not None:
-            flags.append(~torch.isfinite(weights).all())
-        summary = torch.cat([feature_counts, (per_feature < 0).sum(dim=1), torch.stack(flags)])
-        tables = order.table_of_feature_dev[0][feature] if order.identity[0] else None
-        return StagedBatch(keys, order, batch_size, values, per_feature, weights, feature_counts, tables,
-                           summary)
+        summary, tables = self.kernels.batch_checks(
+            values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
+            weights)
+        return StagedBatch(keys, order, batch_size, values, per_feature, weights, summary[: len(keys)],
+                           tables, summary)
 
     def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the
         batch into its groups."""
         keys, order, values, weights = staged.keys, staged.order, staged.values, staged.weights
         nf = len(keys)
-        counts, negative, bad = summary[:nf], summary[nf : 2 * nf], summary[2 * nf :]
+        counts, negative, bad = summary[:nf], summary[nf : 2 * nf], summary[2 * nf : 2 * nf + 2]
         if any(negative):
             raise ValueError(f"feature {keys[[n > 0 for n in negative].index(True)]!r}: negative lengths")
         if sum(counts) != values.numel():

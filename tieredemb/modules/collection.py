@@ -131,7 +131,7 @@ class _Collection(nn.Module):
         self._salts = [table_salts(g.names, self.device) for g in self._groups]
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
-        self._layout = Layout(tables, members, self.device, self._uses_weights)
+        self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queued: list[tuple[object, CollectionPrefetch]] = []

@@ -246,7 +246,7 @@ class TableGroup:
                        guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
         """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
-        ``guard`` (int64 (1,) on the device) is nonzero. Reads nothing on the host: returns the
+        ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
         staged state and int64 (1 + R + R,) to read (with the caller's own) for ``finish_prefetch``."""
         with record_function("## dedup ##"):
             skeys, order = sort_pairs(ids, tables, len(self.configs), True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
@@ -61,6 +62,25 @@ class TorchKernels:
         entries = torch.diff(starts, append=torch.full((1,), skeys.numel(), device=skeys.device))
         return skeys[starts], stables[starts], inverse, entries
 
+    def batch_checks(self, values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
+                     table_of_feature: torch.Tensor | None,
+                     weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device half of a batch's checks. values: int64 (n,) ids, feature-major; per_feature:
+        int64 (F, B) lengths; limits: int64 (F,) each feature's num_embeddings or -1 (None: all -1);
+        table_of_feature: int64 (F,) or None; weights: float32 (n,) or None. Returns ``summary`` int64
+        (2F + 3,): ids per feature, negative lengths per feature, a bad-id flag (out of range, or
+        the reserved key), a non-finite-weight flag, the lengths' total minus n (everything after
+        the first F entries is zero when the batch passes), and each id's table
+        (``table_of_feature`` of its feature; None without it)."""
+        counts = per_feature.sum(dim=1)
+        feature = run_of(counts, torch.arange(values.numel(), device=values.device))
+        nonfinite = (~torch.isfinite(weights).all() if weights is not None
+                     else torch.zeros((), dtype=torch.bool, device=values.device))
+        summary = torch.cat([counts, (per_feature < 0).sum(dim=1),
+                             torch.stack([bad_ids(values, limits, feature).any(), nonfinite]).to(torch.int64),
+                             (counts.sum() - values.numel()).view(1)])
+        return summary, (table_of_feature[feature] if table_of_feature is not None else None)
+
     def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
         """int64 (n,) the output row of each id's bag (offsets int64 (b+1,)): the bag itself, or with
         ``features`` (see ``gather_pool``) bag f * B + i -> row i * features + f."""
@@ -112,3 +132,20 @@ def run_ids(ends: torch.Tensor, n: int) -> torch.Tensor:
     marks = torch.zeros(n + 1, dtype=torch.int64, device=ends.device)
     marks.index_add_(0, ends, torch.ones_like(ends))
     return torch.cumsum(marks[:n], 0)
+
+
+def run_of(counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 (n,) the run (feature) of each of ``positions`` (0 .. n-1) for runs of ``counts`` (int64
+    (F,), not checked yet: the result stays in [0, F) whatever they hold)."""
+    ends = torch.cumsum(counts, 0)
+    return torch.searchsorted(ends, positions, right=True).clamp_(max=counts.numel() - 1)
+
+
+def bad_ids(values: torch.Tensor, limits: torch.Tensor | None, feature: torch.Tensor) -> torch.Tensor:
+    """bool (n,): ids out of their feature's [0, num_embeddings), or the reserved key. values: int64
+    (n,) feature-major; limits: int64 (F,) num_embeddings or -1 (None: all -1); feature: int64 (n,)
+    each id's feature."""
+    if limits is None:  # raw ids only: the reserved key is the one bad value
+        return values == RESERVED_KEY
+    limit = limits[feature]
+    return torch.where(limit >= 0, (values < 0) | (values >= limit), values == RESERVED_KEY)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tieredemb.ops.triton.checks import batch_checks
 from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
@@ -452,6 +453,12 @@ class TritonKernels:
         _run_scatter_kernel[grid](skeys, order, tables, head, run_end, keys, runs_tables, inverse,
                                   starts, ends, n, BLOCK=_RUN_BLOCK)
         return keys, runs_tables, inverse, ends.sub_(starts), run_end[-1:]
+
+    def batch_checks(self, values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
+                     table_of_feature: torch.Tensor | None,
+                     weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reference's ``batch_checks`` in two kernels (``checks.py``)."""
+        return batch_checks(values, per_feature, limits, table_of_feature, weights)
 
     def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
         """The reference's ``bag_rows``: a binary search a position (one program a bag was 4x

@@ -73,14 +73,14 @@ def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
     table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
+    GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
     # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
-    # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (1,), nothing is changed
-    # unless it is 0
+    # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (GUARD,), nothing is
+    # changed unless it is all zero
     bins = tl.arange(0, BINS)
     programs = tl.num_programs(0)
     column = per_region + tl.program_id(0)
@@ -97,7 +97,9 @@ def _find_touch_kernel(
     tl.store(out_slots + i, slot, mask=in_range)
     tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
     # the counts below include what a guarded batch would have touched
-    touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int64) + tl.load(guard)) == 0)
+    g = tl.arange(0, BLOCK_G)
+    failed = tl.sum((tl.load(guard + g, mask=g < GUARD, other=0) != 0).to(tl.int32), axis=0)
+    touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
     tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
     if POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
@@ -251,7 +253,8 @@ class TritonKeyIndex(KeyIndex):
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
             self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
             self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
-            POLICY=policy, BINS=bins, BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
+            POLICY=policy, BINS=bins, GUARD=guard.numel(), BLOCK_G=triton.next_power_of_2(guard.numel()),
+            BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
