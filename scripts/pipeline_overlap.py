@@ -3,7 +3,7 @@ cache-mode collection under a heavy dense MLP: plain loop vs pipeline (prefetch 
 with the prefetch thread, against the same model with every row in HBM.
 
     python3 scripts/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
-                                        [--reserve] [--prefill] [--stages]
+                                        [--reserve] [--prefill] [--stages] [--autograd-threads]
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def run(label: str, ebc: te.EmbeddingBagCollection, batches: list, args, pipelin
                 opt.step()
                 opt.zero_grad()
     else:
-        pipe = te.TrainPipeline(model, opt, device=dev, prefetch_in_thread=pipelined)
+        pipe = te.TrainPipeline(model, opt, device=dev, prefetch_in_thread=pipelined,
+                                autograd_threads=args.autograd_threads)
 
         def steps(part):
             it = iter(part)
@@ -88,9 +89,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--reserve", action="store_true", help="page-lock the host store's rows up front")
     p.add_argument("--prefill", action="store_true", help="start with the cache full (as bench cache)")
+    p.add_argument("--autograd-threads", action="store_true",
+                   help="backward on autograd's device threads (default: the calling thread, "
+                        "TrainPipeline's default)")
     p.add_argument("--stages", action="store_true",
                    help="also profile the pipelined runs: host time per labelled stage")
     args = p.parse_args()
+    torch.autograd.set_multithreading_enabled(args.autograd_threads)
     dev = torch.device("cuda")
     shape = cache_shape(args.scale)
     gen = RankBatches(shape, dev, 0)

@@ -28,3 +28,30 @@ def test_reduce_grads_is_deterministic_and_exact_to_fp32_rounding():
     want = torch.zeros(u, dim, dtype=torch.float64, device="cuda").index_add_(
         0, inverse, grad_src.double()[src_of_id] * scale.double()[:, None])
     torch.testing.assert_close(runs[0].double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_replaced_pointer_table_outlives_kernels_queued_on_another_stream():
+    """TrainPipeline's prefetch thread grows a store (its pointer table is replaced) while the
+    training stream's update still has kernels queued that read the old table: the old table's block
+    must not go to a new tensor before they ran (it did: the update wrote rows to wild addresses)."""
+    from tieredemb.storage.row_store import RowStore
+
+    training, prefetch = torch.cuda.Stream(), torch.cuda.Stream()
+    rows = torch.arange(32, dtype=torch.float32, device="cuda").view(8, 4)
+    decoy = torch.full((8, 4), 7.0, device="cuda")  # what wild pointers would read
+    torch.cuda.synchronize()
+    with torch.cuda.stream(prefetch):  # the store and its table made on the prefetch stream
+        store = RowStore(4, 8, torch.device("cuda"))
+        addresses = store.allocate(8)
+        store.scatter(addresses, rows)
+        TritonKernels().gather(store, addresses, 4)  # compiled now (and the table made) on this stream
+    prefetch.synchronize()
+    with torch.cuda.stream(training):
+        torch.cuda._sleep(1_000_000_000)  # the dense model's work ahead of the update (~0.5 s)
+        got = TritonKernels().gather(store, addresses, 4)
+    with torch.cuda.stream(prefetch):
+        store.allocate(8)  # grows: the table is replaced and the old one dropped
+        reused = [torch.full((1,), decoy.data_ptr(), dtype=torch.int64, device="cuda") for _ in range(64)]
+    training.synchronize()
+    assert torch.equal(got, rows), "the gather read a pointer table reused by the other stream"
+    del reused

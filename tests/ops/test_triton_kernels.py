@@ -312,7 +312,8 @@ def _batch(gen, nf: int, b: int, limit: int | None):
 
 
 @pytest.mark.parametrize("limited", [False, True])
-@pytest.mark.parametrize("fault", ["none", "bad id", "reserved key", "negative length", "short", "nan weight"])
+@pytest.mark.parametrize("fault", ["none", "bad id", "reserved key", "negative length", "short",
+                                   "nan weight"])
 def test_batch_checks(gen, monkeypatch, limited, fault):
     """The fused checks give the reference's summary (ids and negative lengths per feature, flags,
     the total's offset) and tables, on batches that pass and batches with each fault; the blocks of
@@ -338,7 +339,8 @@ def test_batch_checks(gen, monkeypatch, limited, fault):
     elif fault == "nan weight":
         weights[at] = float("nan")
     table_of_feature = torch.tensor([0, 1, 1, 2, 0])
-    args = [t.to(DEVICE) if t is not None else None for t in (values, lengths, limits, table_of_feature, weights)]
+    args = [t.to(DEVICE) if t is not None else None
+            for t in (values, lengths, limits, table_of_feature, weights)]
     got_summary, got_tables = TritonKernels().batch_checks(*args)
     want_summary, want_tables = TorchKernels().batch_checks(*args)
     assert got_summary.tolist() == want_summary.tolist()

@@ -224,7 +224,7 @@ class KeyIndex:
         miss = ~found
         if self._reserve([s + m for s, m in zip(sizes, misses)]):
             slots = self.find(keys, tables)  # the rehash moved every slot
-        evicted, unplaced = self._insert(keys, tables, slots, miss)
+        evicted, unplaced = self._insert(keys, tables, slots, miss, sum(misses))
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
             failed = miss & (slots < 0) & ~self._region_bounded(tables)
@@ -235,7 +235,7 @@ class KeyIndex:
         while any(grow):  # a full bucket in an unbounded region: double it, place the rest
             self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
             slots = torch.where(slots >= 0, self.find(keys, tables), slots)
-            self._insert(keys, tables, slots, failed)
+            self._insert(keys, tables, slots, failed, sum(grow))
             failed = failed & (slots < 0)
             grow = self._per_region(tables, failed)
         placed = slots >= 0
@@ -284,8 +284,10 @@ class KeyIndex:
     def _region_bounded(self, tables: torch.Tensor) -> torch.Tensor:
         return self.bucket_evictable[self._start_dev[tables]]
 
-    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
+    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
+                count: int | None = None):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
+        ``count``: how many of ``todo`` are set, if the caller knows (a kernel may use it).
 
         Returns the evicted (keys, values, scores, tables), and how many of keys[todo] found no way
         (None where the index does not know it without a host read: nothing is left unplaced once an

@@ -175,8 +175,8 @@ class CacheGroup(TableGroup):
             addresses[placed_keys] = self._slot_rows(res)[placed]
             locked_slots = res.slots[placed]
         # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
-        owed = self._scratch(fetched.rows[row_of[conflict]], addresses, conflict)
-        private = self._scratch(fetched.rows[row_of[dropped]], addresses, dropped)
+        owed = self._scratch(fetched.rows, row_of, addresses, conflict)
+        private = self._scratch(fetched.rows, row_of, addresses, dropped)
         self._register_owed(unique[conflict], utab[conflict], owed)
         hit = torch.ones(unique.numel(), dtype=torch.bool, device=dev)
         hit[miss] = False  # in the cache or a scratch pad
@@ -184,11 +184,11 @@ class CacheGroup(TableGroup):
         self._count((UNIQUE, utab, None), (HITS, utab, hit), (MISSES, utab[miss], None),
                     (CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
                     (NOT_ADMITTED, utab[refused], None))
-        owed_pos = torch.cat([in_pad, conflict])
+        owed_pos = torch.cat([in_pad, conflict]) if in_pad.numel() or conflict.numel() else empty
         pf = CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
                            locked_slots, self.index.generation,
-                           private, write_back=unique[owed_pos], write_back_tables=utab[owed_pos],
-                           bound=bound)
+                           private, write_back=unique[owed_pos] if owed_pos.numel() else empty,
+                           write_back_tables=utab[owed_pos] if owed_pos.numel() else empty, bound=bound)
         if deferring is not None:
             pf.deferred = (deferring, step, counts[deferring])
             self._pending.append(pf)
@@ -320,10 +320,14 @@ class CacheGroup(TableGroup):
         inserted = self._give_rows(res)
         self.kernels.scatter(self.store, self._slot_rows(res)[inserted], rows[row_of[inserted]])
 
-    def _scratch(self, rows: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Scratch rows holding ``rows``; their addresses go to ``addresses[positions]``."""
-        scratch = self.store.allocate(rows.shape[0])
-        self.kernels.scatter(self.store, scratch, rows)
+    def _scratch(self, fetched: torch.Tensor, row_of: torch.Tensor, addresses: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """Scratch rows holding the fetched rows (``fetched[row_of[positions]]``) of the pairs at
+        ``positions``; their addresses go to ``addresses[positions]``."""
+        if positions.numel() == 0:  # the common case: nothing to launch
+            return positions
+        scratch = self.store.allocate(positions.numel())
+        self.kernels.scatter(self.store, scratch, fetched[row_of[positions]])
         addresses[positions] = scratch
         return scratch
 

@@ -47,6 +47,7 @@ class RowStore:
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # a stack of addresses
         self._free_count = 0
         self._pointers: torch.Tensor | None = None
+        self._pointer_streams: set = set()  # the CUDA streams the current table was handed to
         self._buffers: dict[int, torch.Tensor] = {}  # segment -> its stash buffer (allocated once)
         self._spares: list[torch.Tensor] = []  # host segments allocated, not added yet
         self.ready: torch.cuda.Event | None = None  # the last stash or restore copy
@@ -136,11 +137,23 @@ class RowStore:
 
     def pointer_table(self) -> torch.Tensor:
         """int64 (num_segments,) base addresses of the segments, on the store's device. The current
-        stream waits for a stash or restore copy still running (kernels launched on it are safe)."""
+        stream waits for a stash or restore copy still running (kernels launched on it are safe).
+
+        A table is replaced when the segments change, maybe by another thread while kernels queued on
+        this stream still read it (TrainPipeline's prefetch thread grows the store beside the
+        backward's update): each stream it is handed to is recorded on it, so its block is not
+        reused before their work is done (a reused block made the update write rows to wild
+        addresses)."""
         self._await_copy(host=False)
         if self._pointers is None:
             self._pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0],
                                           dtype=torch.int64, device=self.device)
+            self._pointer_streams = set()
+        if self._pointers.is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+            if stream not in self._pointer_streams:
+                self._pointers.record_stream(stream)
+                self._pointer_streams.add(stream)
         return self._pointers
 
     # --------------------------------------------------------------------------- row access

@@ -138,8 +138,8 @@ def _insert_kernel(
     RESERVED: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    # grid: (n,). Position p of the (bucket, key) order; sorted_bucket[p] == num_buckets for keys
-    # that are not to be inserted (they sort last). The head of each bucket's run inserts the run.
+    # grid: (n,) over the keys to insert. Position p of their (bucket, key) order; the head of each
+    # bucket's run inserts the run.
     p = tl.program_id(0).to(tl.int64)
     b = tl.load(sorted_bucket + p)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1)
@@ -258,26 +258,31 @@ class TritonKeyIndex(KeyIndex):
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
-    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor):
+    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
+                count: int | None = None):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
+        ``count``: how many of ``todo`` are set, when the caller knows (else one host read).
 
         Returns the evicted (keys, values, scores, tables), in the reference's order, and the keys
         left without a way (None without a bounded region: the caller grows the index for them).
         """
-        n = keys.numel()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        if n == 0:
+        if keys.numel() == 0:
             return (empty, empty, empty, empty), 0
-        keys = keys.to(torch.int64).contiguous()
         slots.masked_fill_(todo, -1)  # a miss that finds no way stays -1
-        out_slots = slots if slots.is_contiguous() else slots.contiguous()
-        # (bucket, key) order of the misses; the rest sort last under bucket = num_buckets
-        bucket = torch.where(todo, self._bucket(keys, tables), self.num_buckets)
+        n = int(todo.sum()) if count is None else count
+        if n == 0:
+            return (empty, empty, empty, empty), (0 if self.bounded else None)
+        # only the keys to insert, in (bucket, key) order: the sorts and the grid are the misses'
+        pos = torch.nonzero_static(todo, size=n).squeeze(1)
+        keys, tables = keys[pos].to(torch.int64), tables[pos]
+        bucket = self._bucket(keys, tables)
         order = torch.argsort(keys, stable=True)
         # buckets fit 32 bits: the second radix sort makes half the passes
         narrow = bucket.to(torch.int32) if self.num_buckets < 2**31 else bucket
         order = order[torch.argsort(narrow[order], stable=True)]
         sorted_bucket = bucket[order]
+        out_slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
         ev_keys, ev_values, ev_scores = (
             torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(3)
@@ -304,12 +309,10 @@ class TritonKeyIndex(KeyIndex):
             BLOCK_W=block_w,
             num_warps=4,  # H200, 100k keys: best at width 32, within 20% of best at 128
         )
-        if out_slots is not slots:
-            slots.copy_(out_slots)
+        slots[pos] = out_slots
         if not self.bounded:  # only a bounded region evicts: nothing to select (and no host sync)
             return (empty, empty, empty, empty), None
         # one host read: the victims (for the four selections) and the keys left without a way
-        victims, unplaced = torch.stack([ev_flag.sum(dtype=torch.int64),
-                                         (todo & (slots < 0)).sum()]).tolist()
+        victims, unplaced = torch.stack([ev_flag.sum(dtype=torch.int64), (out_slots < 0).sum()]).tolist()
         victim = torch.nonzero_static(ev_flag, size=victims).squeeze(1)
         return (ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]), unplaced
