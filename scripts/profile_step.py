@@ -147,7 +147,7 @@ def host_times(ebc, kjts, grad, args) -> None:
     host spends where when no profiler slows each call down."""
     import contextlib
 
-    from tieredemb.modules import collection, table
+    from tieredemb.modules import cache_table, collection, table
 
     spent: dict[str, float] = {}
 
@@ -159,7 +159,7 @@ def host_times(ebc, kjts, grad, args) -> None:
         finally:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
 
-    for mod in (collection, table):
+    for mod in (collection, table, cache_table):
         mod.record_function = timer
 
     def timed(owner, attr, label, static=False):
@@ -188,6 +188,11 @@ def host_times(ebc, kjts, grad, args) -> None:
     timed(type(ebc), "_lookup", "  _lookup")
     timed(ebc._layout, "finish", "  layout.finish")
     timed(torch.Tensor, "tolist", "  tolist (host read)")
+    if args.workload == "cache":
+        for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
+            timed(cache_table.CacheGroup, name, f"    cache {name}")
+        for name in ("find_touch", "complete", "_insert", "find"):
+            timed(ebc._groups[0].index.__class__, name, f"    index {name}")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):

@@ -7,6 +7,7 @@ prototype that does not see every synchronizing operation; the profiler's count 
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -54,3 +55,76 @@ def test_a_warm_step_reads_the_device_once(module, optimizer):
         step()
     reads = host_reads(step)
     assert len(reads) == 1, f"{len(reads)} host reads in a warm step: {reads}"
+
+
+def host_reads_by_thread(fn) -> dict[str, int]:
+    """The synchronizing operations ``fn`` runs, counted per thread (the pipeline's worker too)."""
+    torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+
+    def show(message, *args, **kwargs):
+        if "called a synchronizing" in str(message):
+            name = threading.current_thread().name
+            counts[name] = counts.get(name, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return counts
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        return self.ebc(batch["kjt"]).values().square().sum()
+
+
+@pytest.mark.parametrize("mode", ["hbm_direct", "cache"])
+def test_the_training_thread_never_waits_for_the_device_under_the_prefetch_thread(mode):
+    """DESIGN section 4 rule 1 with TrainPipeline(prefetch_in_thread=True): every host read of a
+    steady-state step (the prefetch's) happens on the worker thread; the training thread's forward,
+    backward and pipeline bookkeeping read nothing, in hbm_direct and in cache mode (which reads the
+    device ~12 times a prefetch)."""
+    dim, rows = 16, 4000
+    storage = None
+    if mode == "cache":  # 1/4 of the rows in the cache, host memory behind (misses every step)
+        storage = te.StorageConfig(hbm_budget=rows // 4 * (dim + 1) * 4, backing=te.storage.HostMemory())
+    tables = [te.TableConfig(f"t{i}", dim, [f"f{i}"], num_embeddings=rows) for i in range(3)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.RowWiseAdagrad(lr=0.05), storage=storage,
+                                    device=DEV)
+    assert ebc.storage_mode == mode
+    gen = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.05
+    batches = []
+    for _ in range(14):
+        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+        ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
+        batches.append({"kjt": te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths)})
+    pipeline = te.TrainPipeline(_Model(ebc), None, device=DEV, prefetch_in_thread=True)
+    it = iter(batches)
+    for _ in range(4):  # warm: kernels compiled, the pipeline full
+        pipeline.progress(it)
+
+    def steps():
+        for _ in range(6):
+            pipeline.progress(it)
+
+    reads = host_reads_by_thread(steps)
+    worker = sum(n for name, n in reads.items() if name.startswith("tieredemb-prefetch"))
+    assert worker >= 6, f"the prefetches' reads should show on the worker: {reads}"  # the mode sees them
+    training = {name: n for name, n in reads.items() if not name.startswith("tieredemb-prefetch")}
+    assert not training, f"host reads on the training thread in 6 steady-state steps: {training}"
+    pipeline.close()
+    # the control: a prefetch on this thread is counted here
+    kjt = batches[-1]["kjt"].to(DEV)
+    reads = host_reads_by_thread(lambda: ebc.prefetch(kjt))
+    assert reads.get(threading.current_thread().name, 0) >= 1, reads
+    ebc(kjt).values().sum().backward()
