@@ -357,3 +357,35 @@ def test_batch_checks_of_no_ids(gen):
     got, tables = TritonKernels().batch_checks(values, lengths, None, torch.arange(3, device=DEVICE), None)
     assert got.tolist() == TorchKernels().batch_checks(values, lengths, None, None, None)[0].tolist()
     assert got.tolist() == [0] * 9 and tables.numel() == 0
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_reduce_update_is_reduce_then_update(gen, kind, scaled):
+    """The fused backward (sums straight into the rows' update, in the reduction's kernels) against
+    the reference's reduce_grads + optimizer_update; a hot key over several pieces (updated by the
+    second pass), a key without ids (a zero-gradient update), a key without a row (address -1)."""
+    from tieredemb.ops.triton.embedding import _PIECE
+
+    dim, u = 8, 6
+    opt = make_optimizer(kind)
+    store, addresses = make_store(gen, dim + opt.state_width(dim), 12)
+    for seg in store.segments:  # accumulators (Adagrad s, Adam v) start >= 0
+        seg[:, dim:].abs_()
+    twin = clone_store(store)
+    addr = addresses.cpu()[torch.randperm(12, generator=gen)[:u]]
+    addr[4] = -1
+    addr = addr.to(DEVICE)
+    inverse = torch.cat([torch.zeros(2 * _PIECE + 9, dtype=torch.int64),
+                         torch.randint(1, u - 1, (40,), generator=gen)])
+    inverse = inverse[inverse != 3]  # keys 3 and 5: no ids
+    inverse = inverse[torch.randperm(inverse.numel(), generator=gen)].to(DEVICE)
+    n = inverse.numel()
+    grad_src = torch.randn(n // 2, dim, generator=gen).to(DEVICE)
+    src_of_id = torch.randint(0, n // 2, (n,), generator=gen).to(DEVICE)
+    scale = torch.rand(n, generator=gen).to(DEVICE) if scaled else None
+    for step in (1, 2):
+        TritonKernels().reduce_update(grad_src, src_of_id, scale, inverse, u, None, store, addr, opt, step)
+        TorchKernels().reduce_update(grad_src, src_of_id, scale, inverse, u, None, twin, addr, opt, step)
+    for got, want in zip(store.segments, twin.segments):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

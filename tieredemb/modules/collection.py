@@ -290,19 +290,17 @@ class _Collection(nn.Module):
                     continue
                 grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
             src, scale = self._grad_sources(g, state.batch.groups[g])
-            with record_function("## reduce ##"):
-                reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
-                                                    gpf.unique_keys.numel(), gpf.sorted_ids)
             if sharded:  # gradients of this rank's distinct keys to their owners, summed there
-                got = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits,
-                               self.process_group)
+                with record_function("## reduce ##"):
+                    reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
+                                                        gpf.unique_keys.numel(), gpf.sorted_ids)
+                grad = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits, self.process_group)
                 gpf = gpf.served
-                reduced = self.kernels.reduce_grads(got, torch.arange(got.shape[0], device=self.device),
-                                                    None, gpf.inverse, gpf.unique_keys.numel(),
-                                                    gpf.sorted_ids)
-            with record_function("## update ##"):
-                self.kernels.optimizer_update(group.store, gpf.addresses, reduced, self.optimizer,
-                                              self.step)
+                src, scale = torch.arange(grad.shape[0], device=self.device), None
+            with record_function("## reduce+update ##"):  # the sums go straight into the rows' update
+                self.kernels.reduce_update(grad.contiguous(), src, scale, gpf.inverse,
+                                           gpf.unique_keys.numel(), gpf.sorted_ids, group.store,
+                                           gpf.addresses, self.optimizer, self.step)
         with record_function("## release ##"):
             self._release(state)
 

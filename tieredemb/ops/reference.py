@@ -110,6 +110,14 @@ class TorchKernels:
         out = torch.zeros(num_unique, grad_src.shape[1], dtype=torch.float32, device=g.device)
         return out.index_add_(0, inverse, g)
 
+    def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
+                      inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
+                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:
+        """The backward's two steps in one call: ``reduce_grads`` then ``optimizer_update`` of the
+        rows at ``addresses`` (int64 (u,), one per unique key) with the sums (kernels may fuse them)."""
+        grads = self.reduce_grads(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids)
+        self.optimizer_update(store, addresses, grads, optimizer, step)
+
     def optimizer_update(self, store: RowStore, addresses: torch.Tensor, grads: torch.Tensor,
                          optimizer: EmbeddingOptimizer, step: int) -> None:
         """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)

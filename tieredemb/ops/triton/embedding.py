@@ -209,12 +209,24 @@ def _reduce_pieces_kernel(
     partial,
     num_unique,
     D,
+    ptr_table,
+    addresses,
+    row_width,
+    segment_rows,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    step_size,
     HAS_SCALE: tl.constexpr,
     PIECE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    UPDATE: tl.constexpr,
+    KIND: tl.constexpr,
 ):
     # grid: (an upper bound of the number of pieces,); piece_key[pid] >= num_unique: no piece.
+    # UPDATE: a key of one piece updates its row (addresses[key]) with the sum instead of storing it.
     pid = tl.program_id(0).to(tl.int64)
     key = tl.load(piece_key + pid)
     if key < num_unique:
@@ -236,16 +248,22 @@ def _reduce_pieces_kernel(
                 g = g * tl.load(scale + ids, mask=m, other=0.0)[:, None]
             acc += tl.sum(g, axis=0)
         if count <= PIECE:  # the key's only piece: its result
-            tl.store(out + key * D + cols, acc, mask=cmask)
+            if UPDATE:
+                addr = tl.load(addresses + key + tl.zeros([1], dtype=tl.int64))
+                _update_rows(ptr_table, addr, acc[None, :], D, row_width, segment_rows, lr, eps, beta1,
+                             beta2, step_size, KIND, BLOCK_D)
+            else:
+                tl.store(out + key * D + cols, acc, mask=cmask)
         else:
             tl.store(partial + pid * D + cols, acc, mask=cmask)
 
 
 @triton.jit(do_not_specialize=["num_unique"])
-def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, PIECE: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, ptr_table, addresses,
+                        row_width, segment_rows, lr, eps, beta1, beta2, step_size, PIECE: tl.constexpr,
+                        BLOCK_D: tl.constexpr, UPDATE: tl.constexpr, KIND: tl.constexpr):
     # grid: (k,) over the compacted keys of several pieces (num_unique: an empty slot); such a key
-    # adds its partials in piece order.
+    # adds its partials in piece order (UPDATE: and updates its row with the sum).
     key = tl.load(candidates + tl.program_id(0))
     if key < num_unique:
         count = tl.load(counts + key)
@@ -255,7 +273,12 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for p in range(first, first + (count + PIECE - 1) // PIECE):
             acc += tl.load(partial + p * D + cols, mask=cmask, other=0.0)
-        tl.store(out + key * D + cols, acc, mask=cmask)
+        if UPDATE:
+            addr = tl.load(addresses + key + tl.zeros([1], dtype=tl.int64))
+            _update_rows(ptr_table, addr, acc[None, :], D, row_width, segment_rows, lr, eps, beta1, beta2,
+                         step_size, KIND, BLOCK_D)
+        else:
+            tl.store(out + key * D + cols, acc, mask=cmask)
 
 
 # ------------------------------------------------------------------------------------------ dedup
@@ -291,34 +314,17 @@ def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_ou
 
 
 # -------------------------------------------------------------------------------- fused optimizer
-@triton.jit(do_not_specialize=["n"])
-def _optimizer_kernel(
-    ptr_table,
-    addresses,
-    grads,
-    n,
-    D,
-    row_width,
-    segment_rows,
-    lr,
-    eps,
-    beta1,
-    beta2,
-    step_size,
-    KIND: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # grid: (cdiv(n, BLOCK_N),); one pass over [w | state] of BLOCK_N distinct rows.
-    # KIND: 0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam (see tieredemb.optim for the formulas).
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _update_rows(ptr_table, addr, g, D, row_width, segment_rows, lr, eps, beta1, beta2, step_size,
+                 KIND: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One pass over [w | state] of the rows at ``addr`` (int64 (R,), < 0: skipped) with their
+    # gradients ``g`` (R, BLOCK_D). KIND: 0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam (the formulas of
+    # tieredemb.optim).
     cols = tl.arange(0, BLOCK_D)
-    addr = tl.load(addresses + rows, mask=rows < n, other=-1)
     valid = addr >= 0
     row = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
     mask = valid[:, None] & (cols[None, :] < D)
     w_ptr = row[:, None] + cols[None, :]
-    g = tl.load(grads + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
     w = tl.load(w_ptr, mask=mask, other=0.0)
     if KIND == 0:
         w = w - lr * g
@@ -339,6 +345,44 @@ def _optimizer_kernel(
         tl.store(w_ptr + D, m, mask=mask)
         tl.store(w_ptr + 2 * D, v, mask=mask)
     tl.store(w_ptr, w, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _optimizer_kernel(
+    ptr_table,
+    addresses,
+    grads,
+    n,
+    D,
+    row_width,
+    segment_rows,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    step_size,
+    KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid: (cdiv(n, BLOCK_N),); BLOCK_N distinct rows a program.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    addr = tl.load(addresses + rows, mask=rows < n, other=-1)
+    g = tl.load(grads + rows[:, None] * D + cols[None, :], mask=(addr >= 0)[:, None] & (cols[None, :] < D),
+                other=0.0)
+    _update_rows(ptr_table, addr, g, D, row_width, segment_rows, lr, eps, beta1, beta2, step_size, KIND,
+                 BLOCK_D)
+
+
+def _optimizer_args(optimizer: EmbeddingOptimizer, step: int) -> tuple[float, ...]:
+    """The fused update's runtime arguments: lr, eps, betas, Adam's bias-corrected step size, KIND."""
+    if optimizer.kind not in _OPTIMIZER_KINDS:
+        raise ValueError(f"no Triton kernel for optimizer kind {optimizer.kind!r}")
+    beta1, beta2 = getattr(optimizer, "betas", (0.0, 0.0))
+    step_size = optimizer.step_size(step) if optimizer.kind == "adam" else 0.0
+    return (float(optimizer.lr), float(getattr(optimizer, "eps", 0.0)), float(beta1), float(beta2),
+            float(step_size), _OPTIMIZER_KINDS.index(optimizer.kind))
 
 
 # --------------------------------------------------------------------------------------- wrapper
@@ -490,6 +534,26 @@ class TritonKernels:
         n, dim = inverse.numel(), grad_src.shape[1]
         if n == 0 or num_unique == 0 or dim == 0:
             return torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
+        return self._reduce(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids, None)
+
+    def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
+                      inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
+                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:
+        """``optimizer_update(store, addresses, reduce_grads(...), optimizer, step)`` in the
+        reduction's kernels: each key's row is updated by the program that finishes its sum, and the
+        (u, D) sums are never written (~0.1 ms and u x D x 4 bytes of device memory on ``hbm``)."""
+        n, dim = inverse.numel(), grad_src.shape[1]
+        if n == 0 or num_unique == 0 or dim == 0:
+            grads = self.reduce_grads(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids)
+            self.optimizer_update(store, addresses, grads, optimizer, step)
+            return
+        self._reduce(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids,
+                     (store, addresses.contiguous(), optimizer, step))
+
+    def _reduce(self, grad_src, src_of_id, scale, inverse, num_unique, sorted_ids, update):
+        """``reduce_grads`` (``update`` None: returns the sums) or ``reduce_update`` (``update``:
+        store, addresses, optimizer, step; returns None)."""
+        n, dim = inverse.numel(), grad_src.shape[1]
         dev = grad_src.device
         if sorted_ids is None:
             order = torch.argsort(inverse, stable=True)
@@ -511,19 +575,28 @@ class TritonKernels:
         candidates = piece_key[grid:]  # k slots
         _plan_pieces_kernel[u_grid](counts, scan, starts, piece_first, piece_key, candidates, num_unique,
                                     PIECE=_PIECE, BLOCK=_RUN_BLOCK)
-        out = torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
+        out = None if update else torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
+        if update:
+            store, addresses, optimizer, step = update
+            table, width, seg_rows = store.pointer_table(), store.width, store.segment_rows
+            lr, eps, beta1, beta2, step_size, kind = _optimizer_args(optimizer, step)
+        else:  # unused: the update's arguments
+            table, addresses, width, seg_rows = partial, partial, dim, 1
+            lr, eps, beta1, beta2, step_size, kind = 0.0, 0.0, 0.0, 0.0, 0.0, 0
         block_d = _block_d(dim)
         chunk = max(1, min(32, _TILE_ELEMS // block_d))
         _reduce_pieces_kernel[(grid,)](
             grad_src.contiguous(), src_of_id.contiguous(), inverse if scale is None else scale.contiguous(),
-            order, starts, counts, piece_key, piece_first, out, partial, num_unique, dim,
-            HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d,
-            num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
+            order, starts, counts, piece_key, piece_first, partial if out is None else out, partial,
+            num_unique, dim, table, addresses, width, seg_rows, lr, eps, beta1, beta2, step_size,
+            HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d, UPDATE=bool(update),
+            KIND=kind, num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
         )
         _reduce_keys_kernel[(k,)](
-            partial, counts, piece_first, candidates, out, num_unique, dim, PIECE=_PIECE,
-            BLOCK_D=block_d, num_warps=1,
+            partial, counts, piece_first, candidates, partial if out is None else out, num_unique, dim, table,
+            addresses, width, seg_rows, lr, eps, beta1, beta2, step_size, PIECE=_PIECE, BLOCK_D=block_d,
+            UPDATE=bool(update), KIND=kind, num_warps=1,
         )
         return out
 
@@ -540,10 +613,7 @@ class TritonKernels:
         n, dim = addresses.numel(), grads.shape[1]
         if n == 0 or dim == 0:
             return
-        if optimizer.kind not in _OPTIMIZER_KINDS:
-            raise ValueError(f"no Triton kernel for optimizer kind {optimizer.kind!r}")
-        beta1, beta2 = getattr(optimizer, "betas", (0.0, 0.0))
-        step_size = optimizer.step_size(step) if optimizer.kind == "adam" else 0.0
+        lr, eps, beta1, beta2, step_size, kind = _optimizer_args(optimizer, step)
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
         _optimizer_kernel[(triton.cdiv(n, block_n),)](
@@ -554,12 +624,12 @@ class TritonKernels:
             dim,
             store.width,
             store.segment_rows,
-            float(optimizer.lr),
-            float(getattr(optimizer, "eps", 0.0)),
-            float(beta1),
-            float(beta2),
-            float(step_size),
-            KIND=_OPTIMIZER_KINDS.index(optimizer.kind),
+            lr,
+            eps,
+            beta1,
+            beta2,
+            step_size,
+            KIND=kind,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             num_warps=_num_warps(block_n * block_d),
