@@ -57,6 +57,7 @@ def test_every_configuration_measured(report: dict) -> None:
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         if r["configuration"] != "floor":
             assert len(r["step_ms_all"]) == 2
+            assert math.isfinite(r["back_to_back_ms"]) and r["back_to_back_ms"] > 0, r
             assert all(math.isfinite(t) and t > 0 for t in r["step_ms_all"])
             assert r["host_rss_bytes"] > 0
     shape = HbmShape().scaled(SCALE)
@@ -82,7 +83,8 @@ def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
 
 def test_sgd_reference_is_float64_sgd() -> None:
     """The exact rows equal a float64 nn.EmbeddingBag + torch.optim.SGD trained on the same batches
-    (warmup steps included): what the SGD check holds ours to is plain SGD, not ours' own arithmetic."""
+    (warmup and back-to-back steps included): what the SGD check holds ours to is plain SGD, not ours'
+    own arithmetic."""
     opts = HbmOptions(shape=HbmShape().scaled(SCALE), steps=2, warmup=1)
     shape, cpu = opts.shape, torch.device("cpu")
     batches, grad = HbmBatches(shape, cpu, opts.seed), upstream_grad(shape, cpu, opts.seed)
@@ -93,7 +95,7 @@ def test_sgd_reference_is_float64_sgd() -> None:
                                                    freeze=False, mode="sum", sparse=True)
              for t, c in enumerate(configs)]
     opt = torch.optim.SGD([p.weight for p in peers], lr=0.01)
-    for i in range(opts.warmup + opts.steps):
+    for i in range(opts.warmup + 2 * opts.steps):  # warmup, timed, back to back
         ranks_i = batches.batch(i).ranks
         torch.cat([emb(ranks_i[t]) for t, emb in enumerate(peers)], dim=1).backward(grad.double())
         opt.step()

@@ -12,12 +12,13 @@ and on the same batches:
     floor   the bytes a step must move / the measured device copy bandwidth (``floor_bytes``)
 
 Steps are timed one at a time after ``warmup`` untimed ones (CUDA events, the queue drained before
-each step; perf_counter on CPU) and summarized by the median. Ours runs first and is freed before the
-peer is built; then the rows ours trained are checked (``compare_rows``): same batches, same initial
-rows and the same optimizer must give the same rows (DESIGN section 2). For SGD both ours and the peer
-are held to the exact rows, summed in float64 from the batches alone (``sgd_reference``): the peer's
-fp32 rounding is itself ~1e-4 of a hot row's travel, so it is reported, not trusted. For Adam ours is
-held to the peer's rows.
+each step; perf_counter on CPU) and summarized by the median; then as many more run back to back (the
+host ahead of the device, as in training) and their mean is the "b2b ms" column. Ours runs first and
+is freed before the peer is built; then the rows ours trained are checked (``compare_rows``): same
+batches, same initial rows and the same optimizer must give the same rows (DESIGN section 2). For SGD
+both ours and the peer are held to the exact rows, summed in float64 from the batches alone
+(``sgd_reference``): the peer's fp32 rounding is itself ~1e-4 of a hot row's travel, so it is reported,
+not trusted. For Adam ours is held to the peer's rows.
 """
 
 from __future__ import annotations
@@ -198,6 +199,20 @@ def run_steps(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOp
     return times, unique
 
 
+def run_back_to_back(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOptions) -> float:
+    """Mean ms a step of ``opts.steps`` more steps (after the timed ones) run back to back: the host
+    free to run ahead of the device, as in training (the timed steps each start on an empty queue).
+    The batches are made first."""
+    first = opts.warmup + opts.steps
+    todo = [batches.batch(i) for i in range(first, first + opts.steps)]
+    synchronize(opts.device)
+    t0 = time.perf_counter()
+    for batch in todo:
+        step(batch)
+    synchronize(opts.device)
+    return (time.perf_counter() - t0) / len(todo) * 1e3
+
+
 def upstream_grad(shape: HbmShape, device: torch.device, seed: int) -> torch.Tensor:
     """The fixed dL/d(pooled output) of every step: float32 (B, T*D), features in table order.
 
@@ -245,6 +260,7 @@ def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatc
     m.set_times(times, shape.lookups)
     m.unique_keys_per_step = statistics.mean(unique)
     m.new_keys_per_step = (misses() - before["misses"]) / opts.steps
+    m.back_to_back_ms = run_back_to_back(step, batches, opts)
     m.peak_device_bytes = peak_device_bytes(dev)
     m.host_rss_bytes = host_rss_bytes()
     stats = ebc.stats()
@@ -317,6 +333,7 @@ def _train_peer(opts: HbmOptions, optimizer: str, batches: HbmBatches, grad: tor
     times, unique = run_steps(step, batches, opts)
     synchronize(dev)
     m.set_times(times, shape.lookups)
+    m.back_to_back_ms = run_back_to_back(step, batches, opts)
     m.unique_keys_per_step = statistics.mean(unique)
     m.peak_device_bytes = peak_device_bytes(dev)
     m.host_rss_bytes = host_rss_bytes()
@@ -359,7 +376,7 @@ def sgd_reference(opts: HbmOptions, batches: HbmBatches, grad: torch.Tensor,
         slots.append(slot)
         sums.append(torch.zeros(r.numel(), shape.dim, dtype=torch.float64, device=dev))
     grad64 = grad.double().view(shape.batch_size, shape.num_tables, shape.dim)  # (B, T, D)
-    for i in range(opts.warmup + opts.steps):
+    for i in range(opts.warmup + 2 * opts.steps):  # warmup, timed, back to back
         ranks_i = batches.batch(i).ranks  # (T, B, L)
         for t in range(shape.num_tables):
             pos = slots[t][ranks_i[t]]  # (B, L): row of sums, -1 where the rank is not checked
