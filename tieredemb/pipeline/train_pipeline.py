@@ -94,8 +94,8 @@ class TrainPipeline:
         autograd_threads: run each backward on autograd's per-device worker threads (torch's own
             default). False (the default) runs it on the training thread
             (``torch.autograd.set_multithreading_enabled(False)`` around ``loss.backward()`` only):
-            the hand-over to a worker and back cost ~0.4 ms a step on the H200 host measured
-            (``docs/performance.md``), a quarter of an all-in-HBM embedding step.
+            the hand-over to a worker and back cost ~0.5 ms of a 2.2 ms all-in-HBM embedding step on
+            the H200 host measured (``docs/performance.md``).
 
     Batches: any object with ``.to(device, non_blocking=True)`` returning the moved batch (as
     TorchRec's ``Batch``), or a dict, list, tuple or dataclass of tensors and KeyedJaggedTensors (moved
