@@ -125,9 +125,13 @@ class StagedBatch:
     values: torch.Tensor  # int64 (n,)
     per_feature: torch.Tensor  # int64 (F, B) lengths
     weights: torch.Tensor | None
-    feature_counts: torch.Tensor  # int64 (F,)
     tables: torch.Tensor | None  # int64 (n,) the first group's table of each id, if ``identity``
     summary: torch.Tensor  # int64 (2F + 3,): ``TorchKernels.batch_checks``' summary
+
+    @property
+    def feature_counts(self) -> torch.Tensor:
+        """int64 (F,) ids per feature, on the device (the summary's first entries)."""
+        return self.summary[: len(self.keys)]
 
     def guard(self) -> torch.Tensor:
         """int64 (F + 3,) on the device: all zero when every check that needs the data passes."""
@@ -206,8 +210,7 @@ class Layout:
         summary, tables = self.kernels.batch_checks(
             values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
             weights)
-        return StagedBatch(keys, order, batch_size, values, per_feature, weights, summary[: len(keys)],
-                           tables, summary)
+        return StagedBatch(keys, order, batch_size, values, per_feature, weights, tables, summary)
 
     def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the
