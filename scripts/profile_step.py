@@ -96,11 +96,14 @@ def torch_profile(step, args) -> None:
         wall = (time.perf_counter() - t0) / args.steps * 1e3
     avg = prof.key_averages()
     out = os.environ.get("OUT", ".")
+    prof.export_chrome_trace(os.path.join(out, f"trace-{args.workload}.json"))
+    busy = gpu_busy_ms(prof.events())
     with open(os.path.join(out, "profile.txt"), "w") as f:
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=60))
         f.write("\n\n")
         f.write(avg.table(sort_by="self_cuda_time_total", row_limit=40))
-    print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps under the profiler)")
+    print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps under the profiler), "
+          f"GPU busy {busy / args.steps:.2f} ms a step (union of kernel and copy intervals)")
     print("per step:  event | count | self CPU ms")
     for e in avg:
         if e.key in SYNC_EVENTS:
@@ -121,6 +124,19 @@ def torch_profile(step, args) -> None:
     for e in top:
         ms = e.self_cpu_time_total / 1e3 / args.steps
         print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
+
+
+def gpu_busy_ms(events) -> float:
+    """Time in ms during which at least one kernel or copy ran on the device (union of intervals)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy / 1e3
 
 
 def python_profile(step, args) -> None:

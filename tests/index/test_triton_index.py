@@ -72,10 +72,10 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
         counts = torch.tensor(
             [rng.randint(1, 3) for _ in range(keys.numel())], dtype=torch.int64, device=DEVICE
         )
-        lock = rng.random() < 0.5
-        msg = f"step {step} lock={lock}"
-        want = ref.find_or_insert(keys, step, counts, lock=lock, tables=tables)
-        got = tri.find_or_insert(keys, step, counts, lock=lock, tables=tables)
+        lock, given = rng.random() < 0.5, rng.random() < 0.5
+        msg = f"step {step} lock={lock} given_order={given}"
+        want = ref.find_or_insert(keys, step, counts, lock=lock, tables=tables, given_order=given)
+        got = tri.find_or_insert(keys, step, counts, lock=lock, tables=tables, given_order=given)
         assert_same_result(got, want, msg)
         for res in (got, want):  # the host-side counts agree with the tensors
             assert res.inserted_count == int(res.inserted.sum()), msg
@@ -151,6 +151,20 @@ def test_single_bucket_ties_and_conflicts():
         assert_same_result(got, want, f"step {step}")
         assert_same_state(tri, ref, f"step {step}")
     assert int((want.slots < 0).sum()) > 0 and want.evicted_keys.numel() > 0
+
+
+@pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])
+def test_given_order_claims_ways_in_the_order_given(index_class):
+    """One bucket: by default the misses claim ways in key order; with ``given_order`` in the order
+    given, which is the same for sorted keys."""
+    def ways(keys, given):
+        index = index_class(4, "lru", DEVICE, max_slots=4)
+        res = index.find_or_insert(torch.tensor(keys, device=DEVICE), 1, given_order=given)
+        return res.slots.tolist()
+
+    assert ways([5, 3, 9], False) == [1, 0, 2]
+    assert ways([5, 3, 9], True) == [0, 1, 2]
+    assert ways([3, 5, 9], True) == ways([3, 5, 9], False) == [0, 1, 2]
 
 
 def test_find_hashes_like_the_reference():

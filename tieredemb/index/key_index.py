@@ -19,7 +19,9 @@ evicts the lowest-score unlocked slot of the key's bucket when the bucket is ful
 bucket).
 
 Insertion is deterministic: a bucket's misses, in ascending key order, take first its empty ways
-(in way order), then, when eviction is allowed, its unlocked ways by ascending (score, way). The Triton
+(in way order), then, when eviction is allowed, its unlocked ways by ascending (score, way). With
+``given_order`` the misses claim in the order the caller gives them instead: the same when the keys
+come sorted (a dedup's output) and one sort fewer; a store that never evicts may pass any order. The Triton
 implementation (``tieredemb.ops.triton.index``) follows exactly these rules and is tested equal.
 
 This module is the pure-torch reference; it is also the CPU path.
@@ -188,14 +190,16 @@ class KeyIndex:
         return torch.where(hit.any(dim=1), base + way, torch.full_like(base, -1))
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
-                       lock: bool = False, tables: torch.Tensor | None = None) -> InsertResult:
+                       lock: bool = False, tables: torch.Tensor | None = None,
+                       given_order: bool = False) -> InsertResult:
         """Find ``keys`` (unique (region, key) pairs, int64 (n,)), inserting the absent ones.
 
         Every key that ends in a slot gets its score updated (LRU: ``step``; LFU: ``+= counts``, the
         occurrences in the batch, 1 each by default). With ``lock`` those slots' lock counts go up by
         one (release with ``unlock``). Keys present or inserted earlier in the same call are never
-        evicted by it. Host syncs: the miss count per region, the insertion's compaction, and one
-        check for a full bucket in an unbounded region.
+        evicted by it. ``given_order``: the misses claim ways in the order given (module docstring).
+        Host syncs: the miss count per region, the insertion's compaction, and one check for a full
+        bucket in an unbounded region.
         """
         n = keys.numel()
         tables = self._tables(keys, tables)
@@ -205,11 +209,11 @@ class KeyIndex:
         slots, values, per_region = self.find_touch(keys, tables, step, counts)
         # one host read: misses and sizes per region (whether to insert, whether to grow first)
         info = torch.cat([per_region[: len(self.regions)], self._sizes]).tolist()
-        return self.complete(keys, tables, step, counts, lock, slots, values, per_region, info)
+        return self.complete(keys, tables, step, counts, lock, slots, values, per_region, info, given_order)
 
     def complete(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
                  lock: bool, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
-                 info: list[int]) -> InsertResult:
+                 info: list[int], given_order: bool = False) -> InsertResult:
         """The rest of ``find_or_insert`` after ``find_touch``: ``info`` is the host copy of misses
         per region, then ``_sizes``, read once (a caller may read them together with its own)."""
         regions = len(self.regions)
@@ -224,7 +228,7 @@ class KeyIndex:
         miss = ~found
         if self._reserve([s + m for s, m in zip(sizes, misses)]):
             slots = self.find(keys, tables)  # the rehash moved every slot
-        evicted, unplaced = self._insert(keys, tables, slots, miss, sum(misses))
+        evicted, unplaced = self._insert(keys, tables, slots, miss, sum(misses), given_order)
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
             failed = miss & (slots < 0) & ~self._region_bounded(tables)
@@ -235,7 +239,7 @@ class KeyIndex:
         while any(grow):  # a full bucket in an unbounded region: double it, place the rest
             self._grow([nb * 2 if g else nb for nb, g in zip(self.region_buckets, grow)])
             slots = torch.where(slots >= 0, self.find(keys, tables), slots)
-            self._insert(keys, tables, slots, failed, sum(grow))
+            self._insert(keys, tables, slots, failed, sum(grow), given_order)
             failed = failed & (slots < 0)
             grow = self._per_region(tables, failed)
         placed = slots >= 0
@@ -285,9 +289,10 @@ class KeyIndex:
         return self.bucket_evictable[self._start_dev[tables]]
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
-                count: int | None = None):
+                count: int | None = None, given_order: bool = False):
         """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
-        ``count``: how many of ``todo`` are set, if the caller knows (a kernel may use it).
+        ``count``: how many of ``todo`` are set, if the caller knows (a kernel may use it);
+        ``given_order``: a bucket's misses claim in the order given, not by key.
 
         Returns the evicted (keys, values, scores, tables), and how many of keys[todo] found no way
         (None where the index does not know it without a host read: nothing is left unplaced once an
@@ -298,9 +303,12 @@ class KeyIndex:
             return (empty, empty, empty, empty), 0
         mk, mt = keys[idx], tables[idx]
         bucket = self._bucket(mk, mt)
-        # misses sorted by (bucket, key): the deterministic order in which they claim ways
-        order = torch.argsort(mk, stable=True)
-        order = order[torch.argsort(bucket[order], stable=True)]
+        # misses sorted by (bucket, key) (or bucket, then as given): the order in which they claim ways
+        if given_order:
+            order = torch.argsort(bucket, stable=True)
+        else:
+            order = torch.argsort(mk, stable=True)
+            order = order[torch.argsort(bucket[order], stable=True)]
         idx, mk, mt, bucket = idx[order], mk[order], mt[order], bucket[order]
         ubuckets, counts = torch.unique_consecutive(bucket, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts

@@ -33,7 +33,6 @@ from tieredemb.index.key_index import Region
 from tieredemb.modules.table import (
     CONFLICTS,
     EVICTIONS,
-    HITS,
     MISSES,
     NOT_ADMITTED,
     UNIQUE,
@@ -90,6 +89,8 @@ class CacheGroup(TableGroup):
         # address, lock = batches sharing it
         self.in_flight = kernels.index_class(bucket_width, device=device, regions=[
             Region("lru", None, 256) for _ in configs])
+        self._owing = 0  # prefetched batches not yet released that owe pairs in ``in_flight``
+        self._probe_only = torch.ones(1, dtype=torch.int64, device=device)  # find_touch's guard: no change
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         # rows written down but not yet confirmed taken by the backing store, in order
@@ -111,61 +112,54 @@ class CacheGroup(TableGroup):
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
-        dev = self.device
+        dev, regions = self.device, len(self.configs)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-        # positions are computed once and reused by index, not by mask: the pairs in flight in a
-        # scratch pad, the rest, and the misses among the rest (one host read for the three sizes)
-        shared = self.in_flight.find(unique, utab)
-        pad = shared >= 0
-        in_cache = self.index.find(unique, utab) >= 0
-        missing = ~pad & ~in_cache
-        n_pad, n_miss = torch.stack([pad.sum(), missing.sum()]).tolist()
-        in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
-        rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
-        miss = torch.nonzero_static(missing, size=n_miss).squeeze(1)
-        in_cache = in_cache[rest]
+        # the cache's probe, changing nothing yet (guard set): slots, and per region misses and keys;
+        # the scratch pads only while a batch owes some of their pairs
+        slots, _, per_region = self.index.find_touch(unique, utab, step, counts, guard=self._probe_only)
+        if self._owing:
+            shared = self.in_flight.find(unique, utab)
+            pad = shared >= 0
+            missing = ~pad & (slots < 0)
+            misses = torch.zeros(regions, dtype=torch.int64, device=dev).index_add_(0, utab, missing.long())
+            n_pad = pad.sum().view(1)
+        else:
+            missing, misses, n_pad = slots < 0, per_region[:regions], self._probe_only.new_zeros(1)
+        # one host read: pairs in a pad, misses per region (neither in the cache nor in a pad), sizes
+        info = torch.cat([n_pad, misses, self.index.sizes_on_device]).tolist()
+        n_pad, info = info[0], info[1:]
+        miss = torch.nonzero_static(missing, size=sum(info[:regions])).squeeze(1)
+        if n_pad:
+            in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
+            rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
+        else:
+            in_pad, rest = empty, torch.arange(unique.numel(), device=dev)
         with record_function("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
             # initial. May raise (a failed write-down or fetch): nothing has changed yet
-        # bounded tables: which pairs the table holds from now on (keys it did not hold start from
-        # their initial row, whatever a store still has); pairs it keeps out get private rows
-        outside, fresh, bound, deferring = self._bound_members(unique, utab, counts, step)
-        if bound is not None:
-            renew = fresh[miss].nonzero().squeeze(1)
-            if renew.numel():
-                fetched.rows[renew] = self._initial_rows(unique[miss[renew]], utab[miss[renew]])
-                fetched.found[renew] = False
-            inside = (~outside[rest]).nonzero().squeeze(1)
-            rest, in_cache = rest[inside], in_cache[inside]
-            outside = outside.nonzero().squeeze(1)
-        else:
-            outside = empty
-        if bound is None:  # every miss is among the rest
-            miss_of_rest = torch.nonzero_static(~in_cache, size=n_miss).squeeze(1)
-        else:
-            miss_of_rest = (~in_cache).nonzero().squeeze(1)
+        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        row_of[miss] = torch.arange(miss.numel(), device=dev)
+        with record_function("## cache.insert ##"):
+            if self.bound is None and self.admission is None:  # every pair not in a pad is stored
+                keep, dropped, bound, deferring = rest, empty, None, None
+                keys, tabs, cnts = unique[rest], utab[rest], counts[rest]
+                # lock and touch the pairs found; the misses per region are the probe's
+                found, values, at = self.index.find_touch(keys, tabs, step, cnts)
+                res = self.index.complete(keys, tabs, step, cnts, True, found, values, at, info,
+                                          given_order=True)
+            else:
+                keep, dropped, bound, deferring = self._stored(unique, utab, counts, step, rest, slots,
+                                                               miss, fetched, row_of)
+                res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
+                                                tables=utab[keep], given_order=True)
+        with record_function("## cache.write_down ##"):
+            self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
+        self._fill_inserted(res, fetched.rows, row_of[keep])
+        addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
         if in_pad.numel():
             pad_slots = shared[in_pad]
             addresses[in_pad] = self.in_flight.values[pad_slots]
             self.in_flight.locks[pad_slots] += 1
-        keep, dropped = rest, outside
-        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-        row_of[miss] = torch.arange(miss.numel(), device=dev)
-        if self.admission is not None:
-            store = torch.ones(rest.numel(), dtype=torch.bool, device=dev)
-            m = rest[miss_of_rest]
-            known = fetched.found[row_of[m]]  # bounded tables: admitted by the capacity index already
-            if self.bound is not None:
-                known = known | self._bounded[utab[m]]
-            store[miss_of_rest] = self._count_admission(unique[m], utab[m], counts[m], known)
-            keep, dropped = rest[store], torch.cat([rest[~store], outside])
-        with record_function("## cache.insert ##"):
-            res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
-                                            tables=utab[keep])
-        with record_function("## cache.write_down ##"):
-            self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        self._fill_inserted(res, fetched.rows, row_of[keep])
         if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
             placed_keys, conflict, locked_slots = keep, empty, res.slots
             addresses[keep] = self._slot_rows(res)
@@ -178,21 +172,51 @@ class CacheGroup(TableGroup):
         owed = self._scratch(fetched.rows, row_of, addresses, conflict)
         private = self._scratch(fetched.rows, row_of, addresses, dropped)
         self._register_owed(unique[conflict], utab[conflict], owed)
-        hit = torch.ones(unique.numel(), dtype=torch.bool, device=dev)
-        hit[miss] = False  # in the cache or a scratch pad
         refused = dropped if deferring is None else dropped[~torch.isin(dropped, deferring)]
-        self._count((UNIQUE, utab, None), (HITS, utab, hit), (MISSES, utab[miss], None),
-                    (CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
+        # columns UNIQUE, HITS (in the cache or in a pad), MISSES: adjacent, one add per table
+        self._counts[:, UNIQUE:MISSES + 1] += torch.stack(
+            [per_region[regions:], per_region[regions:] - misses, misses], dim=1)
+        self._count((CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
                     (NOT_ADMITTED, utab[refused], None))
         owed_pos = torch.cat([in_pad, conflict]) if in_pad.numel() or conflict.numel() else empty
         pf = CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
                            locked_slots, self.index.generation,
                            private, write_back=unique[owed_pos] if owed_pos.numel() else empty,
                            write_back_tables=utab[owed_pos] if owed_pos.numel() else empty, bound=bound)
+        self._owing += bool(owed_pos.numel())
         if deferring is not None:
             pf.deferred = (deferring, step, counts[deferring])
             self._pending.append(pf)
         return pf
+
+    def _stored(self, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor, step: int,
+                rest: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, fetched: Fetched,
+                row_of: torch.Tensor):
+        """Bounded tables or admission: which of the ``rest`` (positions of the pairs not in a pad)
+        the cache stores this batch. The capacity index decides first (``_bound_members``: a pair it
+        holds from now on starts from its initial row, whatever the store still had), then the
+        admission policy for the misses. Returns positions kept, positions dropped (private scratch
+        rows), the capacity index's locks and the deferred positions."""
+        outside, fresh, bound, deferring = self._bound_members(unique, utab, counts, step)
+        if bound is not None:
+            renew = fresh[miss].nonzero().squeeze(1)
+            if renew.numel():
+                fetched.rows[renew] = self._initial_rows(unique[miss[renew]], utab[miss[renew]])
+                fetched.found[renew] = False
+            rest = rest[(~outside[rest]).nonzero().squeeze(1)]
+            outside = outside.nonzero().squeeze(1)
+        else:
+            outside = torch.empty(0, dtype=torch.int64, device=self.device)
+        if self.admission is None:
+            return rest, outside, bound, deferring
+        m = rest[(slots[rest] < 0).nonzero().squeeze(1)]  # the misses among them
+        known = fetched.found[row_of[m]]  # bounded tables: admitted by the capacity index already
+        if self.bound is not None:
+            known = known | self._bounded[utab[m]]
+        store = torch.ones(unique.numel(), dtype=torch.bool, device=self.device)
+        store[m] = self._count_admission(unique[m], utab[m], counts[m], known)
+        store = store[rest]
+        return rest[store], torch.cat([rest[~store], outside]), bound, deferring
 
     def settle(self, pf: GroupPrefetch) -> None:
         """Bounded tables: the deferred keys go into the capacity index now (evicting as a plain
@@ -206,6 +230,7 @@ class CacheGroup(TableGroup):
         keys, tables, scratch = keys[placed], tables[placed], pf.addresses[pos[placed]]
         pf.scratch = pf.scratch[~torch.isin(pf.scratch, scratch)]
         self._register_owed(keys, tables, scratch)
+        self._owing += not pf.write_back.numel()
         pf.write_back = torch.cat([pf.write_back, keys])
         pf.write_back_tables = torch.cat([pf.write_back_tables, tables])
         pf.bound.locked = torch.cat([pf.bound.locked, keys])
@@ -419,6 +444,7 @@ class CacheGroup(TableGroup):
         self._release_own(pf)
         owed, otab = pf.write_back, pf.write_back_tables
         if owed is not None and owed.numel():
+            self._owing -= 1
             slots = self.in_flight.find(owed, otab)
             self.in_flight.locks[slots] -= 1
             done = self.in_flight.locks[slots] == 0

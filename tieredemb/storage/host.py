@@ -99,7 +99,7 @@ class HostMemoryBackend(Backend):
     def _gather(self, addresses: torch.Tensor) -> torch.Tensor:
         if self._kernels is None:
             return self._store.gather(addresses)
-        order = torch.argsort(addresses)
+        order = self._address_order(addresses)
         rows = self._kernels.gather(self._store, addresses[order], self.width)
         return torch.empty_like(rows).index_copy_(0, order, rows)
 
@@ -107,8 +107,15 @@ class HostMemoryBackend(Backend):
         if self._kernels is None:
             self._store.scatter(addresses, rows)
         else:
-            order = torch.argsort(addresses)
+            order = self._address_order(addresses)
             self._kernels.scatter(self._store, addresses[order], rows[order])
+
+    def _address_order(self, addresses: torch.Tensor) -> torch.Tensor:
+        """The permutation sorting ``addresses``; on 32 bits while they fit (half the radix passes:
+        14 launches instead of 22, 64 us of host time instead of 100 for 45k rows on the H200)."""
+        if self._store.rows_allocated() < 2**31:
+            addresses = addresses.to(torch.int32)
+        return torch.argsort(addresses)
 
     # ------------------------------------------------------------------------------------ verbs
     def _keys(self, keys: torch.Tensor, tables: torch.Tensor | None):
@@ -145,7 +152,9 @@ class HostMemoryBackend(Backend):
         """``set`` of keys the caller knows are distinct (distinct pairs with ``tables``) and valid,
         on ``self.device``: the write-down path of a cache, without the checks."""
         self._step += 1
-        res = self._index.find_or_insert(keys, self._step, tables=tables)
+        # any claim order will do: which empty way a key takes is never seen (eviction, in a bounded
+        # store, picks by score first)
+        res = self._index.find_or_insert(keys, self._step, tables=tables, given_order=True)
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
             addresses = res.values.clone()
             fresh = (res.slots >= 0) & (addresses < 0)
