@@ -1,5 +1,6 @@
 """Triton kernels on CUDA where the interpreter cannot show it: reduce_grads gives the same bits every
-run (no float atomics), with Zipf-hot keys spanning many pieces."""
+run (no float atomics), with Zipf-hot keys spanning many pieces; the index's upsert under real races
+(thousands of programs claiming ways of the same buckets)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,38 @@ def test_a_replaced_pointer_table_outlives_kernels_queued_on_another_stream():
     training.synchronize()
     assert torch.equal(got, rows), "the gather read a pointer table reused by the other stream"
     del reused
+
+
+def test_upsert_under_contention_stores_each_pair_once():
+    """Batches of distinct pairs from a small universe (most keys seen again, buckets contended by
+    many programs): a pair stored earlier keeps its value, each new one takes a distinct address of
+    the pool's first ``taken``, a pair left out is not stored, and the sizes count each pair once."""
+    from tieredemb.index.key_index import Region
+    from tieredemb.ops.triton import TritonKeyIndex
+
+    tables, universe, n = 4, 100_000, 60_000
+    index = TritonKeyIndex(16, device="cuda", regions=[Region("lru", None, 1 << 14) for _ in range(tables)])
+    known = torch.full((tables * universe,), -1, dtype=torch.int64, device="cuda")  # pair id -> value
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    next_address, left = 0, 0
+    for step in range(1, 6):
+        ids = torch.randperm(tables * universe, generator=gen, device="cuda")[:n]
+        keys, regions = ids % universe, ids // universe
+        before = known[ids]
+        pool = torch.arange(next_address, next_address + n, device="cuda")
+        values, counts = index.upsert(keys, regions, pool, step)
+        taken, left_out = counts.tolist()
+        assert torch.equal(values[before >= 0], before[before >= 0])
+        new = (before < 0) & (values >= 0)
+        assert torch.equal(values[new].sort().values, pool[:taken])
+        assert int((values < 0).sum()) == left_out
+        slots = index.find(keys, regions)
+        assert torch.equal(slots >= 0, values >= 0)
+        assert torch.equal(index.values[slots[slots >= 0]], values[values >= 0])
+        known[ids[new]] = values[new]
+        for r in range(tables):
+            assert index.size(r) == int((known[r * universe:(r + 1) * universe] >= 0).sum())
+        index.reserve_regions([index.size(r) for r in range(tables)])
+        next_address += taken
+        left += left_out
+    assert left > 0  # the first batch overfills the small regions

@@ -218,3 +218,86 @@ def test_find_touch_with_a_device_count_and_guard(guarded):
     assert_same_state(tri, ref, f"guarded={guarded}")
     changed = [name for name, t in before.items() if not torch.equal(getattr(ref, name), t)]
     assert changed == ([] if guarded else ["scores", "locks"])
+
+
+def check_upsert(index: KeyIndex, model: dict, keys: torch.Tensor, tables: torch.Tensor | None,
+                 pool: torch.Tensor, step: int) -> int:
+    """One ``upsert`` against a dict of (region, key) -> value: keys already there keep their value,
+    new ones take distinct pool addresses (exactly ``pool[:taken]``), a key left out (-1) is not
+    stored; the index then finds exactly the model's keys with their values and scores ``step``.
+    Returns the keys left out."""
+    regions = torch.zeros_like(keys) if tables is None else tables
+    pairs = list(zip(regions.tolist(), keys.tolist()))
+    before = dict(model)
+    values, (taken, left_out) = index.upsert(keys, tables, pool, step)
+    new = []
+    for pair, value in zip(pairs, values.tolist()):
+        if pair in before:
+            assert value == before[pair], pair
+        elif value >= 0:
+            new.append(value)
+            model[pair] = value
+    assert sorted(new) == sorted(pool[:taken].tolist())
+    assert left_out == sum(v < 0 for v in values.tolist())
+    slots = index.find(keys, tables)
+    assert torch.equal(slots >= 0, values >= 0)
+    placed = slots >= 0
+    assert torch.equal(index.values[slots[placed]], values[placed])
+    assert bool((index.scores[slots[placed]] == step).all())
+    for r in range(len(index.regions)):
+        assert index.size(r) == sum(1 for (t, _) in model if t == r)
+    return left_out
+
+
+@pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])
+def test_upsert_stores_absent_keys_with_pool_addresses(index_class):
+    """Unbounded regions that start tiny: the reference grows as it inserts; the Triton index leaves
+    out the keys of full buckets until ``reserve_regions`` grows it, never losing or duplicating."""
+    rng = random.Random(5)
+    index = index_class(4, "lru", DEVICE, regions=[Region("lru", None, 8), Region("lru", None, 8)])
+    model: dict = {}
+    next_address, left = 0, 0
+    for step in range(1, 7):
+        keys, tables = _pairs(rng, rng.randint(1, 40), 2)
+        pool = torch.arange(next_address, next_address + keys.numel(), device=DEVICE)
+        left += check_upsert(index, model, keys, tables, pool, step)
+        next_address += keys.numel()
+        index.reserve_regions([2 * index.size(r) for r in range(2)])
+    assert (left > 0) == (index_class is TritonKeyIndex)  # the tiny start fills buckets
+
+
+def test_upsert_refuses_a_bounded_or_lfu_index():
+    pool = torch.arange(4, device=DEVICE)
+    for kwargs in ({"max_slots": 8}, {"policy": "lfu"}):
+        for cls in (KeyIndex, TritonKeyIndex):
+            index = cls(4, device=DEVICE, **kwargs)
+            with pytest.raises(ValueError, match="unbounded and LRU"):
+                index.upsert(torch.tensor([1, 2], device=DEVICE), None, pool, 1)
+
+
+def test_host_store_writes_keys_left_out_by_a_full_bucket():
+    """A host store over the Triton index (tiny regions, so the upsert leaves keys out): every row
+    set is read back, as from a plain dict, and the sizes count each pair once."""
+    from tieredemb.storage.backend import DictBackend
+    from tieredemb.storage.host import HostMemoryBackend
+
+    width = 3
+    store = HostMemoryBackend(width, bucket_width=4, tables=2, device=DEVICE)
+    store._index = TritonKeyIndex(4, device=DEVICE, regions=[Region("lru", None, 8), Region("lru", None, 8)])
+    want = [DictBackend(width), DictBackend(width)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        keys = torch.randint(0, 150, (120,), generator=gen).to(DEVICE)
+        tables = torch.randint(0, 2, (120,), generator=gen).to(DEVICE)
+        rows = torch.randn(120, width, generator=gen).to(DEVICE)
+        store.set(keys, rows, tables)
+        for t in range(2):  # a plain sequence of sets: the last row of a repeated key wins
+            for k, row in zip(keys[tables == t].tolist(), rows[tables == t]):
+                want[t].set(torch.tensor([k]), row[None])
+    for t in range(2):
+        keys = torch.arange(-5, 160, device=DEVICE)
+        got = store.get(keys, torch.full_like(keys, t))
+        ref = want[t].get(keys.cpu())
+        assert torch.equal(got.found.cpu(), ref.found)
+        assert torch.equal(got.rows.cpu(), ref.rows)
+        assert store.size(t) == want[t].size()

@@ -57,3 +57,12 @@ def test_host_memory_reserve_rows():
     assert backend._store.rows_allocated() == 24
     with pytest.raises(ValueError, match="reserve_rows"):
         te.storage.HostMemory(reserve_rows=-1)
+
+
+def test_peek_shows_the_next_allocations_and_pop_takes_the_first_of_them() -> None:
+    store = RowStore(width=2, segment_rows=4, device=torch.device("cpu"))
+    ahead = store.peek(6)  # grows to two segments
+    assert len(store.segments) == 2 and store.rows_in_use() == 0
+    store.pop(2)
+    assert store.rows_in_use() == 2
+    assert store.allocate(4).tolist() == ahead[2:].tolist()

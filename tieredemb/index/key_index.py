@@ -253,6 +253,33 @@ class KeyIndex:
         return InsertResult(slots, found, values, *evicted, inserted_count=sum(misses) - unplaced,
                             unplaced=unplaced)
 
+    def upsert(self, keys: torch.Tensor, tables: torch.Tensor | None, pool: torch.Tensor,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The insert of a store that never evicts (every region unbounded and LRU), in one call:
+        ``keys`` (distinct pairs) found keep their value, absent ones are stored, each taking an
+        address of ``pool`` (int64, at least n) as its value; every key's score becomes ``step``,
+        locks do not change. Returns int64 (n,) each key's value (-1: left out, nothing stored) and
+        int64 (2,) on the index device: addresses taken (``pool[:taken]``, which key got which is
+        not specified) and keys left out. The reference grows the index as it inserts and leaves
+        nothing out; the Triton index leaves out the keys whose bucket is full (the caller grows
+        the index and upserts them again)."""
+        self._check_upsert()
+        res = self.find_or_insert(keys, step, tables=tables, given_order=True)
+        new = res.inserted.nonzero().squeeze(1)
+        values = res.values.clone()
+        values[new] = pool[: new.numel()]
+        self.assign(res.slots[new], values[new])
+        return values, torch.tensor([new.numel(), 0], dtype=torch.int64, device=self.device)
+
+    def _check_upsert(self) -> None:
+        if self.bounded or any(r.policy != "lru" for r in self.regions):
+            raise ValueError("upsert needs an index whose regions are all unbounded and LRU")
+
+    def reserve_regions(self, wanted: list[int]) -> bool:
+        """Grow the unbounded regions where ``wanted`` keys (one count per region) would pass the
+        load limit. Returns whether the index was rehashed."""
+        return self._reserve(wanted)
+
     def _per_region(self, tables: torch.Tensor, mask: torch.Tensor) -> list[int]:
         """How many of ``mask`` (bool (n,)) fall in each region (one host read)."""
         counts = torch.zeros(len(self.regions), dtype=torch.int64, device=self.device)

@@ -150,10 +150,28 @@ class HostMemoryBackend(Backend):
     def set_distinct(self, keys: torch.Tensor, rows: torch.Tensor,
                      tables: torch.Tensor | None = None) -> None:
         """``set`` of keys the caller knows are distinct (distinct pairs with ``tables``) and valid,
-        on ``self.device``: the write-down path of a cache, without the checks."""
+        on ``self.device``: the write-down path of a cache, without the checks. Unbounded: one
+        ``upsert`` (new keys take the store's next free rows) and one host read."""
         self._step += 1
-        # any claim order will do: which empty way a key takes is never seen (eviction, in a bounded
-        # store, picks by score first)
+        rows = rows.to(device=self.device, dtype=torch.float32)
+        if self.capacity is not None:
+            self._insert(keys, rows, tables)
+            return
+        n = keys.numel()
+        if n == 0:
+            return
+        addresses, counts = self._index.upsert(keys, tables, self._store.peek(n), self._step)
+        taken, left_out, *sizes = torch.cat([counts, self._index.sizes_on_device]).tolist()
+        self._store.pop(taken)
+        self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
+        if left_out:  # its bucket was full: the index grows as the keys go in
+            out = (addresses < 0).nonzero().squeeze(1)
+            self._insert(keys[out], rows[out], None if tables is None else tables[out])
+        self._index.reserve_regions(sizes)  # the next call starts under the load limit
+
+    def _insert(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
+        """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
+        (a key whose bucket has no room in this call, more new keys than ways, is skipped)."""
         res = self._index.find_or_insert(keys, self._step, tables=tables, given_order=True)
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
             addresses = res.values.clone()
@@ -165,9 +183,8 @@ class HostMemoryBackend(Backend):
             self._index.assign(res.slots[new], fresh)
         else:
             addresses = res.values
-        rows = rows.to(device=self.device, dtype=torch.float32)
-        if self.capacity is not None and res.unplaced != 0:  # a full bucket of a bounded store skips
-            placed = (res.slots >= 0).nonzero().squeeze(1)  # the key
+        if self.capacity is not None and res.unplaced != 0:  # skipped: a full bucket of a bounded store
+            placed = (res.slots >= 0).nonzero().squeeze(1)
             addresses, rows = addresses[placed], rows[placed]
         self._scatter(addresses, rows)
 

@@ -63,11 +63,20 @@ class RowStore:
     # ------------------------------------------------------------------------------- allocation
     def allocate(self, n: int) -> torch.Tensor:
         """int64 (n,) addresses of rows now owned by the caller (contents undefined)."""
+        out = self.peek(n)
+        self.pop(n)
+        return out
+
+    def peek(self, n: int) -> torch.Tensor:
+        """int64 (n,) the addresses the next ``allocate`` calls hand out, in order (a copy), still
+        free: a kernel may take any first k of them, and ``pop(k)`` then gives them to the caller."""
         while self._free_count < n:
             self._add_segment()
-        out = self._free[self._free_count - n : self._free_count].flip(0).clone()
-        self._free_count -= n
-        return out
+        return self._free[self._free_count - n : self._free_count].flip(0)
+
+    def pop(self, k: int) -> None:
+        """The first ``k`` addresses of the last ``peek`` are now owned by the caller."""
+        self._free_count -= k
 
     def reserve(self, rows: int) -> None:
         """Allocate segments now until ``rows`` rows exist (growth later finds them free). For pinned

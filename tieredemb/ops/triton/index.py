@@ -34,19 +34,28 @@ _FIND_TILE = 4096  # key x way elements of one find program
 
 
 @triton.jit
-def _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets, width,
-           RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The slots of keys[i] (int64 (BLOCK_K,), -1 where absent) and their regions. REGIONS: keys
-    carry their region in ``tables``; else one region of ``num_buckets``."""
+def _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
+                 REGIONS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """keys[i] (key 0 out of range), their regions and the first slot of each one's bucket.
+    REGIONS: keys carry their region in ``tables``; else one region of ``num_buckets``."""
     k = tl.load(keys + i, mask=in_range, other=0)
     r = tl.zeros([BLOCK_K], dtype=tl.int64)
     if REGIONS:
         r = tl.load(tables + i, mask=in_range, other=0)
         start = tl.load(region_start + r, mask=in_range, other=0)
         nb = tl.load(region_buckets + r, mask=in_range, other=1).to(tl.uint64)
-        base = (start + _bucket_of(k, nb)) * width  # (BLOCK_K,) first slot of the bucket
+        base = (start + _bucket_of(k, nb)) * width
     else:
         base = _bucket_of(k, num_buckets) * width
+    return k, r, base
+
+
+@triton.jit
+def _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets, width,
+           RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The slots of keys[i] (int64 (BLOCK_K,), -1 where absent) and their regions."""
+    k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
+                              REGIONS, BLOCK_K)
     ways = tl.arange(0, BLOCK_W)
     wmask = in_range[:, None] & (ways[None, :] < width)
     stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
@@ -188,6 +197,47 @@ def _insert_kernel(
         tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
 
 
+@triton.jit(do_not_specialize=["n", "num_buckets", "step"])
+def _upsert_kernel(
+    keys, tables, region_start, region_buckets, table_keys, table_values, table_scores, pool, counters,
+    sizes, out_values, n, num_buckets, width, step, regions,
+    RESERVED: tl.constexpr, REGIONS: tl.constexpr, BINS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr
+):
+    # grid: (cdiv(n, BLOCK_K),). An unbounded index: keys[i] found keep their value; an absent key
+    # claims an empty way of its bucket by compare-and-swap (racing keys of the bucket take
+    # different ways) and the next pool address (one atomic per program on counters[0], then the
+    # program's prefix sum); no empty way: value -1, counted in counters[1]. Scores = step for all;
+    # sizes (R,) += the keys placed per region.
+    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_range = i < n
+    slot, r = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
+                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W)
+    k, _, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
+                              REGIONS, BLOCK_K)
+    found = slot >= 0
+    todo = in_range & ~found
+    placed = tl.full([BLOCK_K], -1, tl.int64)
+    for w in tl.static_range(BLOCK_W):
+        trying = todo & (placed < 0) & (w < width)
+        # a lane not trying swaps its own key for itself at its bucket's first way: never a change
+        # (distinct keys, and an absent key is in no way)
+        old = tl.atomic_cas(table_keys + tl.where(trying, base + w, base), tl.where(trying, RESERVED, k), k)
+        placed = tl.where(trying & (old == RESERVED), base + w, placed)
+    new = placed >= 0
+    first = tl.atomic_add(counters, tl.sum(new.to(tl.int64), axis=0))
+    address = tl.load(pool + first + tl.cumsum(new.to(tl.int64), axis=0) - 1, mask=new, other=-1)
+    tl.store(table_values + placed, address, mask=new)
+    tl.store(table_scores + placed, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=new)
+    tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
+    value = tl.where(found, tl.load(table_values + slot, mask=found, other=-1), address)
+    tl.store(out_values + i, value, mask=in_range)
+    tl.atomic_add(counters + 1, tl.sum((todo & ~new).to(tl.int64), axis=0))
+    bins = tl.arange(0, BINS)
+    per_region = tl.histogram(tl.where(new, r, BINS - 1).to(tl.int32), BINS)
+    tl.atomic_add(sizes + bins, per_region.to(tl.int64), mask=bins < regions)
+
+
 class TritonKeyIndex(KeyIndex):
     """``KeyIndex`` with Triton ``find`` and ``_insert``; identical results. Same arguments."""
 
@@ -257,6 +307,29 @@ class TritonKeyIndex(KeyIndex):
             BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
+
+    def upsert(self, keys: torch.Tensor, tables: torch.Tensor | None, pool: torch.Tensor,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's ``upsert`` in one kernel, reading nothing on the host. Racing absent keys
+        of a bucket take its empty ways, and the pool's addresses, in no fixed order; a key whose
+        bucket has no empty way is left out (-1) instead of growing the index."""
+        self._check_upsert()
+        n = keys.numel()
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        counters = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if n == 0:
+            return out, counters
+        regions = len(self.regions)
+        block_w = triton.next_power_of_2(self.width)
+        block_k = max(1, _FIND_TILE // block_w)
+        keys = keys.to(torch.int64).contiguous()
+        _upsert_kernel[(triton.cdiv(n, block_k),)](
+            keys, keys if tables is None else tables.contiguous(), self._start_dev, self._nb_dev, self.keys,
+            self.values, self.scores, pool.contiguous(), counters, self._sizes, out, n, self.num_buckets,
+            self.width, step, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
+            BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
+        )
+        return out, counters
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
                 count: int | None = None, given_order: bool = False):
