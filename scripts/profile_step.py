@@ -127,9 +127,10 @@ def torch_profile(step, args) -> None:
 
 
 def gpu_busy_ms(events) -> float:
-    """Time in ms during which at least one kernel or copy ran on the device (union of intervals)."""
+    """Time in ms during which at least one kernel or copy ran on the device (union of intervals;
+    the labels' device ranges left out)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("##"))
     busy, end = 0.0, float("-inf")
     for a, b in spans:
         if a > end:
