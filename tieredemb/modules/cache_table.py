@@ -37,10 +37,13 @@ from tieredemb.modules.table import (
     NOT_ADMITTED,
     UNIQUE,
     GroupPrefetch,
+    IdOrder,
+    StagedPrefetch,
     TableGroup,
     TableRows,
     TableStats,
     contested,
+    sort_pairs,
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
@@ -112,28 +115,62 @@ class CacheGroup(TableGroup):
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
+        slots, _, per_region = self._probe(unique, utab, counts, step)
+        info = torch.cat([per_region[: len(self.configs)], self.index.sizes_on_device]).tolist()
+        return self._place(unique, utab, inverse, counts, step, slots, per_region, info)
+
+    def can_stage(self) -> bool:
+        """Every key of a batch gets a cache row or a scratch row: staged unless a table is bounded
+        or admits keys (their decisions read the device first)."""
+        return self.bound is None and self.admission is None
+
+    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
+                       guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
+        """``TableGroup.stage_prefetch`` for the cache: the dedup on padded buffers and the probe,
+        which changes nothing whatever ``guard`` says (the cache locks and touches at ``finish``)."""
+        with record_function("## dedup ##"):
+            skeys, order = sort_pairs(ids, tables, len(self.configs), True)
+            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
+        with record_function("## resolve ##"):
+            slots, values, per_region = self._probe(keys, utab, entries, step, count)
+        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step)
+        return staged, torch.cat([count, per_region[: len(self.configs)], self.index.sizes_on_device])
+
+    def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
+                        ids_per_table: list[int]) -> GroupPrefetch:
+        u = info[0]
+        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+        with record_function("## resolve ##"):
+            pf = self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
+                             staged.step, staged.slots[:u], staged.per_region, info[1:])
+        pf.sorted_ids = IdOrder(staged.order, staged.counts[:u])
+        return pf
+
+    def _probe(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, step: int,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cache's probe, changing nothing yet (the guard is set): slots and row addresses (-1:
+        absent) and int64 (2R,) misses, then keys, per region."""
+        return self.index.find_touch(keys, tables, step, counts, valid, self._probe_only)
+
+    def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
+               step: int, slots: torch.Tensor, per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
+        """The training prefetch after the probe (``slots``, ``per_region``) and its host read
+        (``info``: misses per region, then the index's sizes): pads, fetch, insert, write-down."""
         dev, regions = self.device, len(self.configs)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        # the cache's probe, changing nothing yet (guard set): slots, and per region misses and keys;
-        # the scratch pads only while a batch owes some of their pairs
-        slots, _, per_region = self.index.find_touch(unique, utab, step, counts, guard=self._probe_only)
-        if self._owing:
+        missing, misses, n_pad = slots < 0, per_region[:regions], 0
+        if self._owing:  # pairs in flight in a scratch pad (a batch not yet released owes some)
             shared = self.in_flight.find(unique, utab)
             pad = shared >= 0
-            missing = ~pad & (slots < 0)
+            missing = missing & ~pad
             misses = torch.zeros(regions, dtype=torch.int64, device=dev).index_add_(0, utab, missing.long())
-            n_pad = pad.sum().view(1)
-        else:
-            missing, misses, n_pad = slots < 0, per_region[:regions], self._probe_only.new_zeros(1)
-        # one host read: pairs in a pad, misses per region (neither in the cache nor in a pad), sizes
-        info = torch.cat([n_pad, misses, self.index.sizes_on_device]).tolist()
-        n_pad, info = info[0], info[1:]
+            n_pad, *pad_info = torch.cat([pad.sum().view(1), misses]).tolist()
+            info = pad_info + info[regions:]
         miss = torch.nonzero_static(missing, size=sum(info[:regions])).squeeze(1)
+        in_pad, rest = empty, None  # positions of the pairs in a pad and of the others (None: all)
         if n_pad:
             in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
             rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
-        else:
-            in_pad, rest = empty, torch.arange(unique.numel(), device=dev)
         with record_function("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
             # initial. May raise (a failed write-down or fetch): nothing has changed yet
@@ -142,32 +179,37 @@ class CacheGroup(TableGroup):
         with record_function("## cache.insert ##"):
             if self.bound is None and self.admission is None:  # every pair not in a pad is stored
                 keep, dropped, bound, deferring = rest, empty, None, None
-                keys, tabs, cnts = unique[rest], utab[rest], counts[rest]
+                keys, tabs, cnts = (t if keep is None else t[keep] for t in (unique, utab, counts))
                 # lock and touch the pairs found; the misses per region are the probe's
                 found, values, at = self.index.find_touch(keys, tabs, step, cnts)
                 res = self.index.complete(keys, tabs, step, cnts, True, found, values, at, info,
                                           given_order=True)
             else:
+                if rest is None:
+                    rest = torch.arange(unique.numel(), device=dev)
                 keep, dropped, bound, deferring = self._stored(unique, utab, counts, step, rest, slots,
                                                                miss, fetched, row_of)
                 res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
                                                 tables=utab[keep], given_order=True)
         with record_function("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        self._fill_inserted(res, fetched.rows, row_of[keep])
-        addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+        rows_at = self._fill_inserted(res, fetched.rows, row_of if keep is None else row_of[keep])
+        if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
+            placed_keys, conflict, locked_slots = keep, empty, res.slots
+        else:
+            placed = (res.slots >= 0).nonzero().squeeze(1)
+            unplaced = (res.slots < 0).nonzero().squeeze(1)
+            placed_keys, conflict = (i if keep is None else keep[i] for i in (placed, unplaced))
+            rows_at, locked_slots = rows_at[placed], res.slots[placed]
+        if placed_keys is None:  # every pair placed in the cache (the common case)
+            addresses = rows_at
+        else:
+            addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
+            addresses[placed_keys] = rows_at
         if in_pad.numel():
             pad_slots = shared[in_pad]
             addresses[in_pad] = self.in_flight.values[pad_slots]
             self.in_flight.locks[pad_slots] += 1
-        if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
-            placed_keys, conflict, locked_slots = keep, empty, res.slots
-            addresses[keep] = self._slot_rows(res)
-        else:
-            placed = (res.slots >= 0).nonzero().squeeze(1)
-            placed_keys, conflict = keep[placed], keep[(res.slots < 0).nonzero().squeeze(1)]
-            addresses[placed_keys] = self._slot_rows(res)[placed]
-            locked_slots = res.slots[placed]
         # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
         owed = self._scratch(fetched.rows, row_of, addresses, conflict)
         private = self._scratch(fetched.rows, row_of, addresses, dropped)
@@ -179,8 +221,8 @@ class CacheGroup(TableGroup):
         self._count((CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
                     (NOT_ADMITTED, utab[refused], None))
         owed_pos = torch.cat([in_pad, conflict]) if in_pad.numel() or conflict.numel() else empty
-        pf = CachePrefetch(unique, utab, inverse, addresses, unique[placed_keys], utab[placed_keys],
-                           locked_slots, self.index.generation,
+        locked = (unique, utab) if placed_keys is None else (unique[placed_keys], utab[placed_keys])
+        pf = CachePrefetch(unique, utab, inverse, addresses, *locked, locked_slots, self.index.generation,
                            private, write_back=unique[owed_pos] if owed_pos.numel() else empty,
                            write_back_tables=utab[owed_pos] if owed_pos.numel() else empty, bound=bound)
         self._owing += bool(owed_pos.numel())
@@ -337,13 +379,16 @@ class CacheGroup(TableGroup):
             rows = torch.where(found[:, None], rows, self._initial_rows(keys, tables))
         return Fetched(rows, found)
 
-    def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> None:
+    def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
         """Rows of the pairs ``res`` inserted: a victim's row (already written down) or a fresh
-        one, filled with the fetched or initial row."""
+        one, filled with the fetched or initial row. Returns every pair's row address (-1: not
+        placed)."""
         if not res.any_miss:
-            return
+            return res.values
         inserted = self._give_rows(res)
-        self.kernels.scatter(self.store, self._slot_rows(res)[inserted], rows[row_of[inserted]])
+        rows_at = self._slot_rows(res)
+        self.kernels.scatter(self.store, rows_at[inserted], rows[row_of[inserted]])
+        return rows_at
 
     def _scratch(self, fetched: torch.Tensor, row_of: torch.Tensor, addresses: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
