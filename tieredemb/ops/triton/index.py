@@ -31,6 +31,9 @@ from tieredemb.ops.triton.hashing import buckets
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
+# insert kernel warps. H200: 100k keys, best at width 32, within 20% of best at 128; the cache's shape
+# (10 x 300k slots, width 16, 45k keys evicting): 1, 2, 4 and 8 within 4% (scripts/index_bench.py)
+_INSERT_WARPS = 4
 
 
 @triton.jit
@@ -384,7 +387,7 @@ class TritonKeyIndex(KeyIndex):
             self.width,
             RESERVED=RESERVED_KEY,
             BLOCK_W=block_w,
-            num_warps=4,  # H200, 100k keys: best at width 32, within 20% of best at 128
+            num_warps=_INSERT_WARPS,
         )
         slots[pos] = out_slots
         if not self.bounded:  # only a bounded region evicts: nothing to select (and no host sync)
