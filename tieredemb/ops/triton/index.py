@@ -31,9 +31,10 @@ from tieredemb.ops.triton.hashing import buckets
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
-# insert kernel warps. H200: 100k keys, best at width 32, within 20% of best at 128; the cache's shape
-# (10 x 300k slots, width 16, 45k keys evicting): 1, 2, 4 and 8 within 4% (scripts/index_bench.py)
-_INSERT_WARPS = 4
+# insert kernel warps: most programs are not a bucket's head and return at once; a head's work is a few
+# (width x width) tiles. H200, the cache's shape (10 x 300k slots, 45k keys evicting, scripts/index_bench.py):
+# width 32: 0.037 ms with 1 warp, 0.085 with 4, 0.117 with 8; width 16: 0.033 / 0.057 / 0.100
+_INSERT_WARPS = 1
 
 
 @triton.jit
@@ -160,7 +161,6 @@ def _insert_kernel(
         wmask = ways < width
         first_slot = b * width
         k = tl.load(table_keys + first_slot + ways, mask=wmask, other=RESERVED)
-        v = tl.load(table_values + first_slot + ways, mask=wmask, other=-1)
         sc = tl.load(table_scores + first_slot + ways, mask=wmask, other=0)
         lk = tl.load(table_locks + first_slot + ways, mask=wmask, other=1)
         is_empty = k == RESERVED
@@ -172,17 +172,17 @@ def _insert_kernel(
             (prio[None, :] == prio[:, None]) & (ways[None, :] < ways[:, None])
         )
         rank = tl.sum((before & avail[None, :]).to(tl.int32), axis=1)  # (BLOCK_W,) per way
-        # the run: misses r = 0.. of this bucket, in key order; miss r claims the way of rank r
+        # the run: misses r = 0.. of this bucket, in key order; miss r claims the way of rank r (the
+        # ranks of the available ways are 0 .. available - 1)
         r = tl.arange(0, BLOCK_W)
         pos = p + r
         in_run = (r < width) & (pos < n)
         in_run = in_run & (tl.load(sorted_bucket + pos, mask=in_run, other=-1) == b)
-        claim = in_run[:, None] & avail[None, :] & (rank[None, :] == r[:, None])  # (run, way)
-        got = tl.sum(claim.to(tl.int32), axis=1) > 0
-        way = tl.sum(tl.where(claim, ways[None, :], 0), axis=1)
-        old_key = tl.sum(tl.where(claim, k[None, :], 0), axis=1)
-        old_value = tl.sum(tl.where(claim, v[None, :], 0), axis=1)
-        old_score = tl.sum(tl.where(claim, sc[None, :], 0), axis=1)
+        got = in_run & (r < tl.sum(avail.to(tl.int32), axis=0))
+        way = tl.sum(tl.where(avail[None, :] & (rank[None, :] == r[:, None]), ways[None, :], 0), axis=1)
+        old_key = tl.load(table_keys + first_slot + way, mask=got, other=RESERVED)
+        old_value = tl.load(table_values + first_slot + way, mask=got, other=0)
+        old_score = tl.load(table_scores + first_slot + way, mask=got, other=0)
         victim = got & (old_key != RESERVED)
         idx = tl.load(order + pos, mask=in_run, other=0)
         new_key = tl.load(keys + idx, mask=got, other=0)
