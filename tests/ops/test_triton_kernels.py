@@ -64,20 +64,22 @@ def gen() -> torch.Generator:
 
 
 @pytest.mark.parametrize("dim", DIMS)
-def test_gather(gen, dim):
+@pytest.mark.parametrize("programs", [None, 1, 2])  # fewer programs than blocks: each loops
+def test_gather(gen, dim, programs):
     store, addresses = make_store(gen, dim + 2, 30)  # 2 state columns that must not be read
     addr = pick(gen, addresses, 40)
-    got = TritonKernels().gather(store, addr, dim)
+    got = TritonKernels().gather(store, addr, dim, programs)
     assert torch.equal(got, TorchKernels().gather(store, addr, dim))
 
 
 @pytest.mark.parametrize("width", [1, 5, 33])
-def test_scatter(gen, width):
+@pytest.mark.parametrize("programs", [None, 1])
+def test_scatter(gen, width, programs):
     store, addresses = make_store(gen, width, 30)
     twin = clone_store(store)
     addr = addresses[torch.randperm(30, generator=gen)[:17].to(DEVICE)]
     rows = torch.randn(17, width, generator=gen).to(DEVICE)
-    TritonKernels().scatter(store, addr, rows)
+    TritonKernels().scatter(store, addr, rows, programs)
     TorchKernels().scatter(twin, addr, rows)
     for got, want in zip(store.segments, twin.segments):
         assert torch.equal(got, want)

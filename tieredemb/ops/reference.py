@@ -21,11 +21,14 @@ class TorchKernels:
     name = "torch"
     index_class = KeyIndex
 
-    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int) -> torch.Tensor:
-        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim)."""
+    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
+               programs: int | None = None) -> torch.Tensor:
+        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: a bound on a
+        kernel's grid (the Triton kernels'; nothing here)."""
         return store.gather(addresses, dim)
 
-    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
+                programs: int | None = None) -> None:
         """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W)."""
         store.scatter(addresses, rows)
 

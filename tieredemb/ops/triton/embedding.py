@@ -42,6 +42,12 @@ def _block_rows(block_d: int) -> int:
     return max(1, min(_MAX_ROWS, _TILE_ELEMS // block_d))
 
 
+def _programs(n: int, block_n: int, cap: int | None) -> int:
+    """A row kernel's grid: one program a block of ``block_n`` rows, at most ``cap``."""
+    blocks = triton.cdiv(n, block_n)
+    return blocks if cap is None else max(1, min(blocks, cap))
+
+
 def _num_warps(tile_elems: int) -> int:
     return 4 if tile_elems <= 2048 else 8
 
@@ -68,16 +74,18 @@ def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
 def _scatter_kernel(
     ptr_table, addresses, rows_in, n, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
 ):
-    # grid: (cdiv(n, BLOCK_N),); rows_in: float32 (n, row_width) -> the rows at addresses
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid: (cdiv(n, BLOCK_N),) or fewer programs, each then taking every num_programs-th block;
+    # rows_in: float32 (n, row_width) -> the rows at addresses
     cols = tl.arange(0, BLOCK_W)
-    in_range = rows < n
-    addr = tl.load(addresses + rows, mask=in_range, other=-1)
-    valid = addr >= 0
-    dst = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
-    mask = valid[:, None] & (cols[None, :] < row_width)
-    w = tl.load(rows_in + rows[:, None] * row_width + cols[None, :], mask=mask, other=0.0)
-    tl.store(dst[:, None] + cols[None, :], w, mask=mask)
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
+        rows = (tl.zeros([BLOCK_N], dtype=tl.int64) + block) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = rows < n
+        addr = tl.load(addresses + rows, mask=in_range, other=-1)
+        valid = addr >= 0
+        dst = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        mask = valid[:, None] & (cols[None, :] < row_width)
+        w = tl.load(rows_in + rows[:, None] * row_width + cols[None, :], mask=mask, other=0.0)
+        tl.store(dst[:, None] + cols[None, :], w, mask=mask)
 
 
 # ------------------------------------------------------------------------------------------ gather
@@ -85,16 +93,17 @@ def _scatter_kernel(
 def _gather_kernel(
     ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    # grid: (cdiv(n, BLOCK_N),); out: float32 (n, D)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # grid: (cdiv(n, BLOCK_N),) or fewer programs, as _scatter_kernel; out: float32 (n, D)
     cols = tl.arange(0, BLOCK_D)
-    in_range = rows < n
-    addr = tl.load(addresses + rows, mask=in_range, other=-1)
-    valid = addr >= 0
-    src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
     cmask = cols[None, :] < D
-    w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask, other=0.0)
-    tl.store(out + rows[:, None] * D + cols[None, :], w, mask=in_range[:, None] & cmask)
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
+        rows = (tl.zeros([BLOCK_N], dtype=tl.int64) + block) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = rows < n
+        addr = tl.load(addresses + rows, mask=in_range, other=-1)
+        valid = addr >= 0
+        src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask, other=0.0)
+        tl.store(out + rows[:, None] * D + cols[None, :], w, mask=in_range[:, None] & cmask)
 
 
 # ------------------------------------------------------------------------------------- gather+pool
@@ -387,15 +396,18 @@ class TritonKernels:
     name = "triton"
     index_class = TritonKeyIndex
 
-    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int) -> torch.Tensor:
-        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim)."""
+    def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
+               programs: int | None = None) -> torch.Tensor:
+        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: at most that
+        many programs (each loops over its share): rows in host memory need a few loads in flight,
+        not the whole device."""
         n = addresses.numel()
         out = torch.empty(n, dim, dtype=torch.float32, device=addresses.device)
         if n == 0 or dim == 0:
             return out
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
-        _gather_kernel[(triton.cdiv(n, block_n),)](
+        _gather_kernel[(_programs(n, block_n, programs),)](
             store.pointer_table(),
             addresses.contiguous(),
             out,
@@ -409,14 +421,16 @@ class TritonKernels:
         )
         return out
 
-    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W)."""
+    def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
+                programs: int | None = None) -> None:
+        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W).
+        ``programs``: as ``gather``."""
         n = addresses.numel()
         if n == 0:
             return
         block_w = _block_d(store.width)
         block_n = _block_rows(block_w)
-        _scatter_kernel[(triton.cdiv(n, block_n),)](
+        _scatter_kernel[(_programs(n, block_n, programs),)](
             store.pointer_table(),
             addresses.contiguous(),
             rows.contiguous(),
