@@ -181,8 +181,8 @@ class CacheGroup(TableGroup):
                 keep, dropped, bound, deferring = rest, empty, None, None
                 keys, tabs, cnts = (t if keep is None else t[keep] for t in (unique, utab, counts))
                 # lock and touch the pairs found; the misses per region are the probe's
-                found, values, at = self.index.find_touch(keys, tabs, step, cnts)
-                res = self.index.complete(keys, tabs, step, cnts, True, found, values, at, info,
+                found, values, per_table = self.index.find_touch(keys, tabs, step, cnts)
+                res = self.index.complete(keys, tabs, step, cnts, True, found, values, per_table, info,
                                           given_order=True)
             else:
                 if rest is None:

@@ -396,9 +396,9 @@ class TableGroup:
         """Row addresses for the keys ``res`` inserted: the victim's row where one was evicted (its
         owner's row already written elsewhere by the caller), else a fresh row, assigned in the
         index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
-        # -1: an empty slot, no victim's row to reuse
         if res.new_rows == 0:  # every key inserted took a victim's row (a full cache)
             return torch.nonzero_static(res.inserted, size=res.inserted_count).squeeze(1)
+        # -1: an empty slot, no victim's row to reuse
         if res.inserted_count is not None:  # the counts are known on the host: no reads
             inserted = torch.nonzero_static(res.inserted, size=res.inserted_count).squeeze(1)
             need = torch.nonzero_static(res.inserted & (res.values < 0), size=res.new_rows).squeeze(1)

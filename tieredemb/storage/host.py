@@ -160,7 +160,7 @@ class HostMemoryBackend(Backend):
         self._step += 1
         rows = rows.to(device=self.device, dtype=torch.float32)
         if self.capacity is not None:
-            self._insert(keys, rows, tables)
+            self._insert_rows(keys, rows, tables)
             return
         n = keys.numel()
         if n == 0:
@@ -171,10 +171,10 @@ class HostMemoryBackend(Backend):
         self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
         if left_out:  # its bucket was full: the index grows as the keys go in
             out = (addresses < 0).nonzero().squeeze(1)
-            self._insert(keys[out], rows[out], None if tables is None else tables[out])
+            self._insert_rows(keys[out], rows[out], None if tables is None else tables[out])
         self._index.reserve_regions(sizes)  # the next call starts under the load limit
 
-    def _insert(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
+    def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
         """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
         (a key whose bucket has no room in this call, more new keys than ways, is skipped)."""
         res = self._index.find_or_insert(keys, self._step, tables=tables, given_order=True)

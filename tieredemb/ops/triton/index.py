@@ -60,12 +60,18 @@ def _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, 
     """The slots of keys[i] (int64 (BLOCK_K,), -1 where absent) and their regions."""
     k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
                               REGIONS, BLOCK_K)
+    return _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W), r
+
+
+@triton.jit
+def _probe_at(table_keys, k, base, in_range, width, RESERVED: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The slot holding each key ``k`` in the bucket starting at ``base``, -1 where absent."""
     ways = tl.arange(0, BLOCK_W)
     wmask = in_range[:, None] & (ways[None, :] < width)
     stored = tl.load(table_keys + base[:, None] + ways[None, :], mask=wmask, other=0)
     hit = wmask & (stored == k[:, None]) & (k[:, None] != RESERVED)  # the empty mark is never found
     first = tl.min(tl.where(hit, ways[None, :], BLOCK_W), axis=1)  # (BLOCK_K,)
-    return tl.where(in_range & (first < BLOCK_W), base + first, -1), r
+    return tl.where(in_range & (first < BLOCK_W), base + first, -1)
 
 
 @triton.jit(do_not_specialize=["n", "num_buckets"])
@@ -214,10 +220,9 @@ def _upsert_kernel(
     # sizes (R,) += the keys placed per region.
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
-    slot, r = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
-                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W)
-    k, _, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
+    k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
                               REGIONS, BLOCK_K)
+    slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)
     found = slot >= 0
     todo = in_range & ~found
     placed = tl.full([BLOCK_K], -1, tl.int64)
