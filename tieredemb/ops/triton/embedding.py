@@ -69,6 +69,17 @@ def _row_pointers(ptr_table, addr, valid, segment_rows, row_width):
     return base + offset * row_width
 
 
+@triton.jit
+def _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOCK_N: tl.constexpr):
+    """Block ``block`` of a row kernel's ``n`` rows: their positions, which are in range, which
+    have an address (>= 0), and pointers to those rows (``_row_pointers``)."""
+    rows = (tl.zeros([BLOCK_N], dtype=tl.int64) + block) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = rows < n
+    addr = tl.load(addresses + rows, mask=in_range, other=-1)
+    valid = addr >= 0
+    return rows, in_range, valid, _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+
+
 # ----------------------------------------------------------------------------------------- scatter
 @triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
@@ -78,11 +89,7 @@ def _scatter_kernel(
     # rows_in: float32 (n, row_width) -> the rows at addresses
     cols = tl.arange(0, BLOCK_W)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
-        rows = (tl.zeros([BLOCK_N], dtype=tl.int64) + block) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_range = rows < n
-        addr = tl.load(addresses + rows, mask=in_range, other=-1)
-        valid = addr >= 0
-        dst = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        rows, _, valid, dst = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOCK_N)
         mask = valid[:, None] & (cols[None, :] < row_width)
         w = tl.load(rows_in + rows[:, None] * row_width + cols[None, :], mask=mask, other=0.0)
         tl.store(dst[:, None] + cols[None, :], w, mask=mask)
@@ -97,11 +104,8 @@ def _gather_kernel(
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
-        rows = (tl.zeros([BLOCK_N], dtype=tl.int64) + block) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_range = rows < n
-        addr = tl.load(addresses + rows, mask=in_range, other=-1)
-        valid = addr >= 0
-        src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        rows, in_range, valid, src = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width,
+                                                    BLOCK_N)
         w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask, other=0.0)
         tl.store(out + rows[:, None] * D + cols[None, :], w, mask=in_range[:, None] & cmask)
 
