@@ -37,13 +37,11 @@ from tieredemb.modules.table import (
     NOT_ADMITTED,
     UNIQUE,
     GroupPrefetch,
-    IdOrder,
     StagedPrefetch,
     TableGroup,
     TableRows,
     TableStats,
     contested,
-    sort_pairs,
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
@@ -115,7 +113,7 @@ class CacheGroup(TableGroup):
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
-        slots, _, per_region = self._probe(unique, utab, counts, step)
+        slots, _, per_region = self.index.find_touch(unique, utab, step, counts, None, self._probe_only)
         info = torch.cat([per_region[: len(self.configs)], self.index.sizes_on_device]).tolist()
         return self._place(unique, utab, inverse, counts, step, slots, per_region, info)
 
@@ -126,31 +124,14 @@ class CacheGroup(TableGroup):
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
                        guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
-        """``TableGroup.stage_prefetch`` for the cache: the dedup on padded buffers and the probe,
-        which changes nothing whatever ``guard`` says (the cache locks and touches at ``finish``)."""
-        with record_function("## dedup ##"):
-            skeys, order = sort_pairs(ids, tables, len(self.configs), True)
-            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
-        with record_function("## resolve ##"):
-            slots, values, per_region = self._probe(keys, utab, entries, step, count)
-        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step)
-        return staged, torch.cat([count, per_region[: len(self.configs)], self.index.sizes_on_device])
+        """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
+        the cache locks and touches the keys it finds after the fetch (``_place``)."""
+        return super().stage_prefetch(ids, tables, step, self._probe_only)
 
-    def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
-                        ids_per_table: list[int]) -> GroupPrefetch:
-        u = info[0]
-        self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+    def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         with record_function("## resolve ##"):
-            pf = self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
-                             staged.step, staged.slots[:u], staged.per_region, info[1:])
-        pf.sorted_ids = IdOrder(staged.order, staged.counts[:u])
-        return pf
-
-    def _probe(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, step: int,
-               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The cache's probe, changing nothing yet (the guard is set): slots and row addresses (-1:
-        absent) and int64 (2R,) misses, then keys, per region."""
-        return self.index.find_touch(keys, tables, step, counts, valid, self._probe_only)
+            return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
+                               staged.step, staged.slots[:u], staged.per_region, info)
 
     def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
                step: int, slots: torch.Tensor, per_region: torch.Tensor, info: list[int]) -> CachePrefetch:

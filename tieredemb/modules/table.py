@@ -264,16 +264,22 @@ class TableGroup:
                         ids_per_table: list[int]) -> GroupPrefetch:
         """The host half: ``info`` is the host copy of ``stage_prefetch``'s second result."""
         u = info[0]
-        keys, utab, counts = staged.keys[:u], staged.tables[:u], staged.counts[:u]
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
+        pf = self._finish_staged(staged, u, info[1:])
+        pf.sorted_ids = IdOrder(staged.order, staged.counts[:u])
+        return pf
+
+    def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
+        """The batch's ``u`` distinct pairs after the staged probe and its read (``info``: misses
+        per region, then the index's sizes): the insertion."""
+        keys, utab, counts = staged.keys[:u], staged.tables[:u], staged.counts[:u]
         res = self.index.complete(keys, utab, staged.step, counts, True, staged.slots[:u],
-                                  staged.values[:u], staged.per_region, info[1:], given_order=True)
+                                  staged.values[:u], staged.per_region, info, given_order=True)
         addresses = self._place_new(keys, utab, res)
         self._count_probe(utab, utab, res, every_pair=True)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return GroupPrefetch(keys, utab, staged.inverse, addresses, keys, utab, res.slots,
-                             self.index.generation, empty,
-                             sorted_ids=IdOrder(staged.order, counts))
+                             self.index.generation, empty)
 
     def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
