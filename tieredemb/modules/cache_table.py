@@ -174,7 +174,10 @@ class CacheGroup(TableGroup):
                                                 tables=utab[keep], given_order=True)
         with record_function("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        rows_at = self._fill_inserted(res, fetched.rows, row_of if keep is None else row_of[keep])
+        if keep is None and res.unplaced == 0:  # every miss inserted: positions and rows as fetched
+            rows_at = self._fill_inserted(res, fetched.rows, inserted=miss)
+        else:
+            rows_at = self._fill_inserted(res, fetched.rows, row_of if keep is None else row_of[keep])
         if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
             placed_keys, conflict, locked_slots = keep, empty, res.slots
         else:
@@ -360,15 +363,18 @@ class CacheGroup(TableGroup):
             rows = torch.where(found[:, None], rows, self._initial_rows(keys, tables))
         return Fetched(rows, found)
 
-    def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    def _fill_inserted(self, res, rows: torch.Tensor, row_of: torch.Tensor | None = None,
+                       inserted: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of the pairs ``res`` inserted: a victim's row (already written down) or a fresh
-        one, filled with the fetched or initial row. Returns every pair's row address (-1: not
-        placed)."""
+        one, filled with the fetched or initial row: ``rows[row_of[p]]`` for position p, or, given
+        ``inserted`` (the positions of the pairs inserted), ``rows`` in their order. Returns every
+        pair's row address (-1: not placed)."""
         if not res.any_miss:
             return res.values
-        inserted = self._give_rows(res)
+        inserted = self._give_rows(res, inserted)
         rows_at = self._slot_rows(res)
-        self.kernels.scatter(self.store, rows_at[inserted], rows[row_of[inserted]])
+        source = rows if row_of is None else rows[row_of[inserted]]
+        self.kernels.scatter(self.store, rows_at[inserted], source)
         return rows_at
 
     def _scratch(self, fetched: torch.Tensor, row_of: torch.Tensor, addresses: torch.Tensor,

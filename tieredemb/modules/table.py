@@ -398,10 +398,16 @@ class TableGroup:
         self._initialize(keys[inserted], tables[inserted], addresses[inserted])
         return addresses
 
-    def _give_rows(self, res: InsertResult) -> torch.Tensor:
+    def _give_rows(self, res: InsertResult, inserted: torch.Tensor | None = None) -> torch.Tensor:
         """Row addresses for the keys ``res`` inserted: the victim's row where one was evicted (its
         owner's row already written elsewhere by the caller), else a fresh row, assigned in the
-        index. Returns int64 (i,) the positions of the inserted keys in ``res``."""
+        index. Returns int64 (i,) the positions of the inserted keys in ``res`` (``inserted``, when
+        the caller knows them)."""
+        if inserted is not None and res.new_rows is not None:
+            if res.new_rows:  # some took an empty slot: -1, no victim's row to reuse
+                fresh = torch.nonzero_static(res.values[inserted] < 0, size=res.new_rows).squeeze(1)
+                self.index.assign(res.slots[inserted[fresh]], self.store.allocate(fresh.numel()))
+            return inserted
         if res.new_rows == 0:  # every key inserted took a victim's row (a full cache)
             return torch.nonzero_static(res.inserted, size=res.inserted_count).squeeze(1)
         # -1: an empty slot, no victim's row to reuse

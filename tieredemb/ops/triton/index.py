@@ -351,7 +351,6 @@ class TritonKeyIndex(KeyIndex):
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if keys.numel() == 0:
             return (empty, empty, empty, empty), 0
-        slots.masked_fill_(todo, -1)  # a miss that finds no way stays -1
         n = int(todo.sum()) if count is None else count
         if n == 0:
             return (empty, empty, empty, empty), (0 if self.bounded else None)
