@@ -341,7 +341,8 @@ class TritonKeyIndex(KeyIndex):
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
                 count: int | None = None, given_order: bool = False):
-        """Place keys[todo] in their buckets; writes slots in place, locks the new slots once.
+        """Place keys[todo] in their buckets; writes slots in place (``slots[todo]`` come -1, as a
+        probe leaves them, and stay -1 where no way is free), locks the new slots once.
         ``count``: how many of ``todo`` are set, when the caller knows (else one host read);
         ``given_order``: a bucket's misses claim in the order given, not by key (one sort fewer).
 
