@@ -241,3 +241,20 @@ def test_bench_checkpoint_smoke(tmp_path) -> None:
     report = json.loads(next((tmp_path / "out").glob("*-checkpoint.json")).read_text())
     assert [r["layout"] for r in report["results"]] == ["hbm_direct", "cache over RocksDB"]
     assert all(r["bytes"] > 3000 * 8 * 3 * 4 for r in report["results"])  # every row was written
+
+
+def test_reports_name_the_source_that_ran(report: dict, tmp_path) -> None:
+    """``machine.source_hash`` follows the package's Python files (a path or a byte changed, a file
+    added), not the checkout's commit, which a copied working tree does not move."""
+    from tieredemb.bench.report import source_hash
+
+    assert len(report["machine"]["source_hash"]) == 16
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    first = source_hash(tmp_path)
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    second = source_hash(tmp_path)
+    (tmp_path / "pkg" / "b.py").write_text("")
+    third = source_hash(tmp_path)
+    (tmp_path / "notes.txt").write_text("not code")
+    assert len({first, second, third}) == 3 and source_hash(tmp_path) == third

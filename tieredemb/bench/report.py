@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -158,6 +159,8 @@ def machine_info(device: torch.device) -> dict:
         # False: backward ran on the calling thread (the bench's default, as in TrainPipeline)
         "autograd_multithreading": torch._C._is_multithreading_enabled(),
         "git_commit": _git_commit(),
+        # the code that ran, where the commit does not say it (a copy of a working tree, edits)
+        "source_hash": source_hash(Path(__file__).resolve().parents[1]),
     }
     try:
         import triton
@@ -182,6 +185,16 @@ def _git_commit() -> str | None:
     if out.returncode != 0:
         return None
     return out.stdout.strip() or None
+
+
+def source_hash(root: Path) -> str:
+    """16 hex digits of a sha256 over the Python files below ``root``: each one's path (relative)
+    and contents, in path order."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def report_path(out_dir: str | Path, workload: str, when: datetime) -> Path:
