@@ -155,10 +155,9 @@ class CacheGroup(TableGroup):
         with record_function("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
             # initial. May raise (a failed write-down or fetch): nothing has changed yet
-        row_of = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-        row_of[miss] = torch.arange(miss.numel(), device=dev)
+        row_of = None  # each position's row in ``fetched`` (-1: a hit), made where needed
         with record_function("## cache.insert ##"):
-            if self.bound is None and self.admission is None:  # every pair not in a pad is stored
+            if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
                 keep, dropped, bound, deferring = rest, empty, None, None
                 keys, tabs, cnts = (t if keep is None else t[keep] for t in (unique, utab, counts))
                 # lock and touch the pairs found; the misses per region are the probe's
@@ -168,6 +167,7 @@ class CacheGroup(TableGroup):
             else:
                 if rest is None:
                     rest = torch.arange(unique.numel(), device=dev)
+                row_of = self._fetched_rows_of(unique.numel(), miss)
                 keep, dropped, bound, deferring = self._stored(unique, utab, counts, step, rest, slots,
                                                                miss, fetched, row_of)
                 res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
@@ -177,6 +177,8 @@ class CacheGroup(TableGroup):
         if keep is None and res.unplaced == 0:  # every miss inserted: positions and rows as fetched
             rows_at = self._fill_inserted(res, fetched.rows, inserted=miss)
         else:
+            if row_of is None:
+                row_of = self._fetched_rows_of(unique.numel(), miss)
             rows_at = self._fill_inserted(res, fetched.rows, row_of if keep is None else row_of[keep])
         if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
             placed_keys, conflict, locked_slots = keep, empty, res.slots
@@ -214,6 +216,12 @@ class CacheGroup(TableGroup):
             pf.deferred = (deferring, step, counts[deferring])
             self._pending.append(pf)
         return pf
+
+    def _fetched_rows_of(self, n: int, miss: torch.Tensor) -> torch.Tensor:
+        """int64 (n,): the row of each position in the fetch of ``miss`` (its positions), -1 elsewhere."""
+        row_of = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        row_of[miss] = torch.arange(miss.numel(), device=self.device)
+        return row_of
 
     def _stored(self, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor, step: int,
                 rest: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, fetched: Fetched,
@@ -377,7 +385,7 @@ class CacheGroup(TableGroup):
         self.kernels.scatter(self.store, rows_at[inserted], source)
         return rows_at
 
-    def _scratch(self, fetched: torch.Tensor, row_of: torch.Tensor, addresses: torch.Tensor,
+    def _scratch(self, fetched: torch.Tensor, row_of: torch.Tensor | None, addresses: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """Scratch rows holding the fetched rows (``fetched[row_of[positions]]``) of the pairs at
         ``positions``; their addresses go to ``addresses[positions]``."""
