@@ -119,6 +119,7 @@ def torch_profile(step, args) -> None:
         ms = getattr(e, gpu) / 1e3 / args.steps
         print(f"  {e.key[:60]:60s} {e.count / args.steps:8.1f} {ms:8.3f}")
     print_stage_ops(prof.events(), args.steps)
+    print_gaps(prof.events(), args.steps)
     top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
     print("top self-CPU ops per step (ms):")
     for e in top:
@@ -138,6 +139,25 @@ def gpu_busy_ms(events) -> float:
         elif b > end:
             busy, end = busy + (b - end), b
     return busy / 1e3
+
+
+def print_gaps(events, steps: int, top: int = 12) -> None:
+    """Where the GPU waits: idle gaps between kernels/copies (over 3 us), summed by the kernel that
+    ended each gap (what the device waited for the host to issue), per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("##"))
+    waits: dict[str, list[float]] = {}
+    end = None
+    for a, b, name in spans:
+        if end is not None and a - end > 3:
+            cell = waits.setdefault(name[:56], [0.0, 0])
+            cell[0] += a - end
+            cell[1] += 1
+        end = b if end is None else max(end, b)
+    total = sum(v[0] for v in waits.values()) / 1e3 / steps
+    print(f"GPU idle gaps over 3 us: {total:.3f} ms a step; by the kernel that ended the gap:")
+    for name, (us, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {name:56s} {count / steps:6.1f} {us / 1e3 / steps:8.3f}")
 
 
 def python_profile(step, args) -> None:

@@ -127,6 +127,7 @@ class StagedBatch:
     weights: torch.Tensor | None
     tables: torch.Tensor | None  # int64 (n,) the first group's table of each id, if ``identity``
     summary: torch.Tensor  # int64 (2F + 3,): ``TorchKernels.batch_checks``' summary
+    offsets: torch.Tensor | None = None  # int64 (F * B + 1,) the first group's bags, if ``identity``
 
     @property
     def feature_counts(self) -> torch.Tensor:
@@ -136,6 +137,13 @@ class StagedBatch:
     def guard(self) -> torch.Tensor:
         """int64 (F + 3,) on the device: all zero when every check that needs the data passes."""
         return self.summary[len(self.keys):]
+
+    def first_group(self) -> GroupBatch:
+        """The device half of the first group's ``GroupBatch`` when its features are the batch's
+        (``identity``), before the read: ids, tables, lengths, offsets and weights (the per-feature
+        and per-table counts, which need the read, empty)."""
+        return GroupBatch(self.values, self.tables, self.per_feature.view(-1), self.offsets, self.weights,
+                          [], [])
 
 
 @dataclass
@@ -210,7 +218,9 @@ class Layout:
         summary, tables = self.kernels.batch_checks(
             values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
             weights)
-        return StagedBatch(keys, order, batch_size, values, per_feature, weights, tables, summary)
+        # the first group's bag offsets now, on the device: the host read need not wait for them
+        offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
+        return StagedBatch(keys, order, batch_size, values, per_feature, weights, tables, summary, offsets)
 
     def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the
@@ -245,11 +255,12 @@ class Layout:
                 ends = staged.feature_counts[pos_dev]
                 tables = local_dev[_run_of(ends, torch.arange(n, device=self.device))]
             lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
+            offsets = staged.offsets if identity and staged.offsets is not None else None
+            offsets = _offsets_from_lengths(lengths) if offsets is None else offsets
             per_table = [0] * len(g)
             for i, t in zip(pos, local):
                 per_table[t] += counts[i]
-            groups.append(GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w,
-                                     [counts[i] for i in pos], per_table))
+            groups.append(GroupBatch(ids, tables, lengths, offsets, w, [counts[i] for i in pos], per_table))
         return Batch(staged.batch_size, groups)
 
 

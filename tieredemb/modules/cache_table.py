@@ -125,8 +125,9 @@ class CacheGroup(TableGroup):
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
                        guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
         """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
-        the cache locks and touches the keys it finds after the fetch (``_place``)."""
-        return super().stage_prefetch(ids, tables, step, self._probe_only)
+        the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
+        (a cache's misses get theirs after the read)."""
+        return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         with record_function("## resolve ##"):

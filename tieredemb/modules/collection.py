@@ -69,6 +69,8 @@ class CollectionPrefetch:
     finalizer: weakref.finalize | None = field(default=None, repr=False)
     out_rows: list[int] = field(default_factory=list)  # rows of each group's output (forward)
     stream: object | None = None  # the CUDA stream the batch was resolved on
+    # each group's (gradient source of each id, scale), when made before the host read
+    grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
 
 class _Lookup(torch.autograd.Function):
@@ -202,13 +204,14 @@ class _Collection(nn.Module):
         step = self._clock + 1
         with record_function("## group.prefetch ##"):
             pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
+            sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
             host = torch.cat([staged.summary, info]).tolist()
         checks = staged.summary.numel()
         batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
         self._clock = step
         with record_function("## group.prefetch ##"):
             gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
-        return CollectionPrefetch(batch, [gpf], True, stream=stream)
+        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources])
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -232,7 +235,7 @@ class _Collection(nn.Module):
         gpf = state.groups[g]
         group = self._groups[g]
         if isinstance(gpf, GroupPrefetch):
-            return group.store, gpf.addresses[gpf.inverse]
+            return group.store, gpf.addresses[gpf.inverse] if gpf.id_addresses is None else gpf.id_addresses
         served = gpf.served
         rows = self.kernels.gather(group.store, served.addresses[served.inverse], group.dim)
         back = exchange(rows, gpf.recv_splits, gpf.send_splits, self.process_group)
@@ -289,7 +292,10 @@ class _Collection(nn.Module):
                 if not sharded:
                     continue
                 grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
-            src, scale = self._grad_sources(g, state.batch.groups[g])
+            if state.grad_sources is not None:
+                src, scale = state.grad_sources[g]
+            else:
+                src, scale = self._grad_sources(g, state.batch.groups[g])
             if sharded:  # gradients of this rank's distinct keys to their owners, summed there
                 with record_function("## reduce ##"):
                     reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
@@ -506,6 +512,7 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     small and freed at unpredictable times by autograd, which rules out an event per buffer here)."""
     tensors = [t for gb in state.batch.groups
                for t in (gb.ids, gb.tables, gb.lengths, gb.offsets, gb.weights) if t is not None]
+    tensors += [t for pair in state.grad_sources or [] for t in pair if t is not None]
     parts = list(state.groups) + [g.served for g in state.groups if isinstance(g, ShardedPrefetch)]
     for part in parts:
         tensors += [getattr(part, f.name) for f in fields(part)

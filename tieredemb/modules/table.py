@@ -83,6 +83,7 @@ class GroupPrefetch:
     # flight, placed when that batch is released (as a plain loop would): (positions, step, counts)
     deferred: tuple[torch.Tensor, int, torch.Tensor] | None = None
     sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
+    id_addresses: torch.Tensor | None = None  # int64 (n,) addresses[inverse], when made before the read
 
 
 @dataclass
@@ -109,6 +110,7 @@ class StagedPrefetch:
     values: torch.Tensor
     per_region: torch.Tensor
     step: int
+    id_values: torch.Tensor | None = None  # int64 (n,) values[inverse]: each id's row if it was found
 
 
 # columns of the per-table device counters
@@ -245,19 +247,22 @@ class TableGroup:
         a stored row (no admission policy, no bounded table)."""
         return self.admission is None and not self.index.bounded
 
-    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
-                       guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
+    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int, guard: torch.Tensor,
+                       by_id: bool = True) -> tuple[StagedPrefetch, torch.Tensor]:
         """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
-        staged state and int64 (1 + R + R,) to read (with the caller's own) for ``finish_prefetch``."""
+        staged state and int64 (1 + R + R,) to read (with the caller's own) for ``finish_prefetch``.
+        ``by_id``: also each id's row as probed, the forward's addresses when every key is found
+        (gathered while the host waits for its read, not after it)."""
         with record_function("## dedup ##"):
             skeys, order = sort_pairs(ids, tables, len(self.configs), True)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
         with record_function("## resolve ##"):
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
         regions = len(self.configs)
-        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step)
+        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step,
+                                values[inverse] if by_id else None)
         return staged, torch.cat([count, per_region[:regions], self.index.sizes_on_device])
 
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
@@ -279,7 +284,8 @@ class TableGroup:
         self._count_probe(utab, utab, res, every_pair=True)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         return GroupPrefetch(keys, utab, staged.inverse, addresses, keys, utab, res.slots,
-                             self.index.generation, empty)
+                             self.index.generation, empty,
+                             id_addresses=None if res.any_miss else staged.id_values)
 
     def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:

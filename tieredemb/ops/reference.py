@@ -139,10 +139,11 @@ def bag_ids(offsets: torch.Tensor, n: int) -> torch.Tensor:
 def run_ids(ends: torch.Tensor, n: int) -> torch.Tensor:
     """int64 (n,) the run of each position, for runs ending (exclusive) at ``ends`` (int64 (r,),
     non-decreasing, last == n): ``repeat_interleave(arange(r), lengths)`` in three flat passes (a
-    mark where each run ends, a prefix sum), without a data-dependent output size."""
+    mark where each run ends, a prefix sum), without a data-dependent output size. Ends not checked
+    yet (a batch whose lengths are read later) give runs in [0, r) whatever they hold."""
     marks = torch.zeros(n + 1, dtype=torch.int64, device=ends.device)
-    marks.index_add_(0, ends, torch.ones_like(ends))
-    return torch.cumsum(marks[:n], 0)
+    marks.index_add_(0, ends.clamp(0, n), torch.ones_like(ends))
+    return torch.cumsum(marks[:n], 0).clamp_(max=max(ends.numel() - 1, 0))
 
 
 def run_of(counts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Time the kernels of one ``hbm`` step on the inputs of a real step.
+
+Builds the ``hbm`` workload (every row stored), runs a few steps and keeps the arguments of the step's
+``gather_pool``, ``reduce_update`` and the dedup's sort; then times each call alone (CUDA events,
+median of ``--repeats``, the queue drained before each), and the whole step (drained median and back
+to back). ``--profile``: each kernel's GPU time inside the step (torch profiler); ``--table-order``:
+the reduction again with the keys renumbered table by table (what L2 locality of the bag gradients
+is worth).
+
+    python3 scripts/kernel_bench.py [--scale S] [--optimizer sgd|adam] [--table-order] [--profile]
+
+Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after; a
+variant's constants can be set on ``tieredemb.ops.triton.embedding`` from a copy of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tieredemb as te
+from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
+from tieredemb.bench.workloads import HbmBatches, HbmShape
+
+
+def timed(fn, repeats: int) -> float:
+    if not torch.cuda.is_available():  # a smoke run on the interpreter
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="GPU time of each kernel in 10 steps")
+    p.add_argument("--table-order", action="store_true",
+                   help="also reduce with the keys renumbered table by table (bag gradients of one "
+                        "table at a time: what L2 locality is worth)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.autograd.set_multithreading_enabled(False)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = HbmShape().scaled(args.scale)
+    ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[args.optimizer][0](),
+                                    device=dev, kernels="triton")
+    preinsert_rows(ebc, shape, dev, 0)
+    batches = HbmBatches(shape, dev, 0)
+    grad = upstream_grad(shape, dev, 0)
+    kernels = ebc.kernels
+    captured = capture(kernels, ("gather_pool", "reduce_update", "sorted_runs_padded"))
+    kjts = [batches.batch(i).kjt for i in range(args.steps * 2 + 5)]
+
+    def step(kjt):
+        ebc.prefetch(kjt)
+        ebc(kjt).values().backward(grad)
+
+    for kjt in kjts[:5]:
+        step(kjt)
+    sync()
+    call = captured["reduce_update"]
+    print(f"hbm scale {args.scale}, {args.optimizer}, kernels {kernels.name}; "
+          f"n = {call[0][3].numel()}, u = {call[0][4]}")
+
+    def whole_step() -> tuple[float, float]:
+        drained = statistics.median(timed(lambda k=k: step(k), 1) for k in kjts[5 : 5 + args.steps])
+        sync()
+        t0 = time.perf_counter()
+        for kjt in kjts[5 + args.steps : 5 + 2 * args.steps]:
+            step(kjt)
+        sync()
+        return drained, (time.perf_counter() - t0) / args.steps * 1e3
+
+    rows = [("step", "", *whole_step())]
+    a, k = captured["gather_pool"]
+    rows.append(("gather_pool", "", timed(lambda: kernels.gather_pool(*a, **k), args.repeats), None))
+    a, k = call
+    rows.append(("reduce_update", "", timed(lambda: kernels.reduce_update(*a, **k), args.repeats),
+                 timed(lambda: kernels.reduce_grads(*a[:6]), args.repeats)))
+    if args.table_order:
+        rows.extend(table_order_rows(kernels, call, shape.num_tables, args.repeats))
+    if args.profile:
+        profile(step, kjts[5:15])
+    a, k = captured["sorted_runs_padded"]
+    ids = a[0][torch.randperm(a[0].numel(), device=dev)]
+    rows.append(("sort (int64 keys, stable)", "", timed(lambda: torch.sort(ids, stable=True), args.repeats),
+                 None))
+    rows.append(("sorted_runs_padded", "", timed(lambda: kernels.sorted_runs_padded(*a, **k), args.repeats),
+                 None))
+    print(f"{'what':28s} {'variant':14s} {'ms':>8s} {'ms (2)':>8s}")
+    for what, variant, t1, t2 in rows:
+        second = f"{t2:8.3f}" if t2 is not None else ""
+        print(f"{what:28s} {variant:14s} {t1:8.3f} {second}")
+    print("(step: drained median, back-to-back mean; reduce_update, then reduce_grads alone)")
+
+
+def capture(kernels, names) -> dict[str, tuple]:
+    """Wrap the kernel set's methods ``names``: each call's (args, kwargs) kept, the last one wins."""
+    captured: dict[str, tuple] = {}
+
+    def wrap(name, fn):
+        def wrapper(*a, **k):
+            captured[name] = (a, k)
+            return fn(*a, **k)
+
+        return wrapper
+
+    for name in names:
+        setattr(kernels, name, wrap(name, getattr(kernels, name)))
+    return captured
+
+
+def table_order_rows(kernels, call, num_tables: int, repeats: int) -> list[tuple]:
+    """reduce_grads / reduce_update timed on the same ids with the keys renumbered so that the keys of
+    one table come first (each id's table: its bag row modulo the tables, a sample-major batch)."""
+    from tieredemb.modules.table import IdOrder
+
+    a, k = call
+    grad_src, src_of_id, scale, inverse, u, sorted_ids = a[:6]
+    addresses = a[7]
+    table_of_key = torch.empty(u, dtype=torch.int64, device=inverse.device)
+    table_of_key[inverse] = src_of_id % num_tables
+    perm = torch.argsort(table_of_key, stable=True)  # new key j = old key perm[j]
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(u, device=perm.device)
+    new_inverse = rank[inverse]
+    order = IdOrder(torch.argsort(new_inverse, stable=True), sorted_ids.entries[perm])
+    new_a = (grad_src, src_of_id, scale, new_inverse, u, order, a[6], addresses[perm].contiguous(), *a[8:])
+    return [("reduce_update, table order", "", timed(lambda: kernels.reduce_update(*new_a, **k), repeats),
+             timed(lambda: kernels.reduce_grads(*new_a[:6]), repeats))]
+
+
+def profile(step, kjts) -> None:
+    """GPU time of each kernel per step over ``kjts``, from the torch profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for kjt in kjts:
+            step(kjt)
+        sync()
+    avg = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    print("GPU time per step (ms), in-step:")
+    for e in sorted(avg, key=lambda e: -getattr(e, attr))[:14]:
+        print(f"  {e.key[:60]:60s} {e.count / len(kjts):6.1f} {getattr(e, attr) / 1e3 / len(kjts):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
