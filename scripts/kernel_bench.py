@@ -8,9 +8,10 @@ the reduction again with the keys renumbered table by table (what L2 locality of
 is worth).
 
     python3 scripts/kernel_bench.py [--scale S] [--optimizer sgd|adam] [--table-order] [--profile]
+                                    [--set NAME=INT ...]
 
-Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after; a
-variant's constants can be set on ``tieredemb.ops.triton.embedding`` from a copy of this script.
+Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after;
+``--set NAME=INT`` sets a tuning constant of ``tieredemb.ops.triton.embedding`` first.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import torch
 
 import tieredemb as te
+import tieredemb.ops.triton.embedding as E
 from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 
@@ -55,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="GPU time of each kernel in 10 steps")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                   help="a constant of tieredemb.ops.triton.embedding, set before anything runs")
     p.add_argument("--table-order", action="store_true",
                    help="also reduce with the keys renumbered table by table (bag gradients of one "
                         "table at a time: what L2 locality is worth)")
@@ -63,6 +67,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    for assignment in args.set:
+        name, value = assignment.split("=")
+        setattr(E, name, int(value))
     torch.autograd.set_multithreading_enabled(False)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = HbmShape().scaled(args.scale)
