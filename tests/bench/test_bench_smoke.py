@@ -81,6 +81,23 @@ def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
     assert checks["adam"]["reference"] == "peer" and checks["adam"]["peer_max_abs_diff"] is None
 
 
+def test_the_pipelined_configuration_trains_the_same_rows(tmp_path) -> None:
+    """``--pipeline``: ours again under TrainPipeline (prefetch on a worker thread), timed and held to
+    the same exact rows as the plain run."""
+    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+               "--optimizers", "sgd", "--threads", "1", "--pipeline", "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
+    assert rc == 0 and data["ok"] is True
+    labels = [r["label"] for r in data["results"] if r["configuration"] == "ours"]
+    assert labels == ["ours (torch kernels)", "ours (torch kernels, TrainPipeline)"]
+    piped = next(r for r in data["results"] if r["label"].endswith("TrainPipeline)"))
+    assert piped["error"] is None and piped["step_ms"] > 0 and piped["back_to_back_ms"] == piped["step_ms"]
+    checks = {c["kernels"]: c for c in data["checks"]}
+    assert set(checks) == {"torch", "torch+pipeline"}
+    assert checks["torch+pipeline"]["passed"] and checks["torch+pipeline"]["reference"] == "exact"
+    assert checks["torch+pipeline"]["rows_trained"] == checks["torch"]["rows_trained"] > 0
+
+
 def test_sgd_reference_is_float64_sgd() -> None:
     """The exact rows equal a float64 nn.EmbeddingBag + torch.optim.SGD trained on the same batches
     (warmup and back-to-back steps included): what the SGD check holds ours to is plain SGD, not ours'

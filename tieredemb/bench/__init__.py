@@ -2,6 +2,7 @@
 
     tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
                         [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
+                        [--pipeline]
                         [--out DIR]
 
 prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     hbm.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
     hbm.add_argument("--no-preinsert", dest="preinsert", action="store_false",
                      help="start from empty tables (new keys are inserted while timing)")
+    hbm.add_argument("--pipeline", action="store_true",
+                     help="also each 'ours' under te.TrainPipeline(prefetch_in_thread=True)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
                                  "footprint over host memory, vs all in HBM (DESIGN section 7)"),
@@ -201,7 +204,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
         options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
                              optimizers=_split(args.optimizers), kernels=_split(args.kernels),
                              steps=args.steps, warmup=args.warmup, seed=args.seed,
-                             preinsert=args.preinsert)
+                             preinsert=args.preinsert, pipeline=args.pipeline)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2

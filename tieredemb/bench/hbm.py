@@ -5,7 +5,9 @@ step), Zipf alpha 1.05 over scrambled raw ids (``workloads.HbmBatches``). Per op
 and on the same batches:
 
     ours    te.EmbeddingBagCollection over raw ids (num_embeddings=None); a step is
-            prefetch + forward + backward of a fixed upstream gradient (the fused update runs inside)
+            prefetch + forward + backward of a fixed upstream gradient (the fused update runs inside);
+            with ``pipeline``, also under te.TrainPipeline(prefetch_in_thread=True) (the next batch's
+            prefetch on a worker thread beside the step; its mean step is both columns)
     peer    one torch.nn.EmbeddingBag(rows, D, mode="sum", sparse=True) per table, indexed by the Zipf
             rank, with torch.optim.SGD | Adagrad | SparseAdam; a step is forward + backward +
             optimizer.step + zero_grad. Its initial weights are ours' initial rows of the same keys.
@@ -23,6 +25,7 @@ not trusted. For Adam ours is held to the peer's rows.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -88,6 +91,7 @@ class HbmOptions:
     warmup: int = 10
     seed: int = 0
     preinsert: bool = True  # every row stored before timing, as the peer's dense tables are
+    pipeline: bool = False  # each "ours" also under te.TrainPipeline(prefetch_in_thread=True)
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -237,30 +241,101 @@ def run_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches
     return result
 
 
+def _build_ours(opts: HbmOptions, optimizer: str, kernels: str) -> te.EmbeddingBagCollection:
+    ebc = te.EmbeddingBagCollection(opts.shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
+                                    device=opts.device, seed=opts.seed, kernels=kernels)
+    if opts.preinsert:
+        preinsert_rows(ebc, opts.shape, opts.device, opts.seed)
+    return ebc
+
+
+def _misses(ebc: te.EmbeddingBagCollection) -> int:
+    return sum(s.misses for s in ebc.stats().values())
+
+
 def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
                 grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
     shape, dev = opts.shape, opts.device
-    ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
-                                    device=dev, seed=opts.seed, kernels=kernels)
+    ebc = _build_ours(opts, optimizer, kernels)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
     m = Measurement("ours", optimizer, f"ours ({name} kernels)", kernels=name)
-    if opts.preinsert:
-        preinsert_rows(ebc, shape, dev, opts.seed)
 
     def step(batch: HbmBatch) -> None:
         ebc.prefetch(batch.kjt)
         ebc(batch.kjt).values().backward(grad)
 
-    def misses() -> int:
-        return sum(s.misses for s in ebc.stats().values())
-
     before = {}
-    times, unique = run_steps(step, batches, opts, lambda: before.setdefault("misses", misses()))
+    times, unique = run_steps(step, batches, opts, lambda: before.setdefault("misses", _misses(ebc)))
     synchronize(dev)
     m.set_times(times, shape.lookups)
     m.unique_keys_per_step = statistics.mean(unique)
-    m.new_keys_per_step = (misses() - before["misses"]) / opts.steps
+    m.new_keys_per_step = (_misses(ebc) - before["misses"]) / opts.steps
     m.back_to_back_ms = run_back_to_back(step, batches, opts)
+    return m, _finish_ours(m, ebc, opts, name)
+
+
+class UpstreamLoss(torch.nn.Module):
+    """The bench's step as a model for ``te.TrainPipeline``: loss = <output, grad>, so the output's
+    gradient is the fixed upstream one, as in the plain step's ``backward(grad)``. ``unused`` is the
+    dense optimizer's parameter (the model has no other)."""
+
+    def __init__(self, ebc: te.EmbeddingBagCollection, grad: torch.Tensor) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.grad = grad
+        self.unused = torch.nn.Parameter(torch.zeros(1, device=grad.device))
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return (self.ebc(batch["kjt"]).values() * self.grad).sum()
+
+
+def run_ours_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
+                       grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+    """Ours under ``te.TrainPipeline(prefetch_in_thread=True)`` on the same batches as the plain run
+    (warmup, then the timed and back-to-back ones, all timed here): the mean step of a pipeline,
+    whose next batch's prefetch runs on a worker thread beside the step. The collection is gone
+    (and its memory freed) when this returns."""
+    reset_peak(opts.device)
+    result = _train_pipelined(opts, optimizer, kernels, batches, grad)
+    free_memory(opts.device)
+    return result
+
+
+def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
+                     grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+    ebc = _build_ours(opts, optimizer, kernels)
+    name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
+    m = Measurement("ours", optimizer, f"ours ({name} kernels, TrainPipeline)", kernels=f"{name}+pipeline")
+    model = UpstreamLoss(ebc, grad)
+    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=opts.device,
+                            prefetch_in_thread=True)
+    data = [{"kjt": batches.batch(i).kjt} for i in range(opts.warmup + 2 * opts.steps)]
+    unique = statistics.mean(sum(batches.batch(i).unique_keys) for i in range(opts.warmup, len(data)))
+
+    def train(part: list[dict]) -> None:
+        it = iter(part)
+        with contextlib.suppress(StopIteration):
+            while True:
+                pipe.progress(it)
+
+    train(data[: opts.warmup])
+    synchronize(opts.device)
+    misses = _misses(ebc)
+    t0 = time.perf_counter()
+    train(data[opts.warmup :])
+    synchronize(opts.device)
+    ms = (time.perf_counter() - t0) / (2 * opts.steps) * 1e3
+    m.set_times([ms], opts.shape.lookups)
+    m.back_to_back_ms = ms
+    m.unique_keys_per_step = unique
+    m.new_keys_per_step = (_misses(ebc) - misses) / (2 * opts.steps)
+    return m, _finish_ours(m, ebc, opts, f"{name}+pipeline")
+
+
+def _finish_ours(m: Measurement, ebc: te.EmbeddingBagCollection, opts: HbmOptions,
+                 kernels: str) -> RowSnapshot:
+    """Memory and storage figures into ``m``; the snapshot of the rows ``ebc`` trained."""
+    shape, dev = opts.shape, opts.device
     m.peak_device_bytes = peak_device_bytes(dev)
     m.host_rss_bytes = host_rss_bytes()
     stats = ebc.stats()
@@ -268,9 +343,9 @@ def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatc
                "rows_stored": sum(s.rows["device"] for s in stats.values()),
                "row_memory_bytes": sum(s.memory_bytes.get("device", 0) for s in stats.values()),
                "peak_host_rss_bytes": peak_host_rss_bytes()}
-    snap = snapshot_rows(ebc, shape, dev, opts.seed, name)
+    snap = snapshot_rows(ebc, shape, dev, opts.seed, kernels)
     snap.preinserted, snap.table_rows = opts.preinsert, shape.rows
-    return m, snap
+    return snap
 
 
 def preinsert_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, device: torch.device,
@@ -532,10 +607,12 @@ class HbmBench:
         grad = upstream_grad(opts.shape, opts.device, opts.seed)
         for optimizer in opts.optimizers:
             snapshots = []
-            for kernels in opts.kernels:
-                failed = Measurement("ours", optimizer, f"ours ({kernels} kernels)")
-                result = self._attempt(failed, partial(run_ours, opts, optimizer, kernels, batches,
-                                                       grad))
+            runs = [(k, f"ours ({k} kernels)", run_ours) for k in opts.kernels]
+            if opts.pipeline:
+                runs += [(k, f"ours ({k} kernels, TrainPipeline)", run_ours_pipelined) for k in opts.kernels]
+            for kernels, label, run in runs:
+                failed = Measurement("ours", optimizer, label)
+                result = self._attempt(failed, partial(run, opts, optimizer, kernels, batches, grad))
                 if result is not None:
                     failed, snap = result
                     snapshots.append(snap)
@@ -590,7 +667,8 @@ class HbmBench:
             "shape": asdict(opts.shape),
             "lookups_per_step": opts.shape.lookups,
             "options": {"device": str(opts.device), "optimizers": opts.optimizers,
-                        "kernels": opts.kernels, "steps": opts.steps, "warmup": opts.warmup,
+                        "kernels": opts.kernels, "pipeline": opts.pipeline, "steps": opts.steps,
+                        "warmup": opts.warmup,
                         "seed": opts.seed,
                         "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers}},
             "bandwidth": self.bandwidth,
