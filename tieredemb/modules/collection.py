@@ -168,24 +168,6 @@ class _Collection(nn.Module):
                 self._mutated.record(stream)
                 self._mutated_on = stream
 
-    @contextmanager
-    def _unlocked_while_waiting(self):
-        """Inside ``_mutating``, around a host read that waits for the device: another thread's
-        mutation (the training thread releasing the batch before, while a prefetch thread waits for
-        its read) runs meanwhile instead of after. This thread's device work so far comes first on
-        the device (the event), and this thread's next work waits for the other's."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if stream is not None:
-            self._mutated.record(stream)
-            self._mutated_on = stream
-        self._lock.release()
-        try:
-            yield
-        finally:
-            self._lock.acquire()
-            if stream is not None and self._mutated_on != stream:
-                stream.wait_event(self._mutated)
-
     # ----------------------------------------------------------------------------- data path
     def prefetch(self, kjt: object) -> None:
         """Resolve ``kjt``'s rows now (checks, dedup, insert, lock); the next forward of the same
@@ -223,9 +205,7 @@ class _Collection(nn.Module):
         with record_function("## group.prefetch ##"):
             pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
             sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
-            read = torch.cat([staged.summary, info])
-            with self._unlocked_while_waiting():  # a release of the batch before may run meanwhile
-                host = read.tolist()
+            host = torch.cat([staged.summary, info]).tolist()
         checks = staged.summary.numel()
         batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
         self._clock = step
