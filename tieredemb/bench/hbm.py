@@ -309,8 +309,8 @@ def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: Hb
     model = UpstreamLoss(ebc, grad)
     pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=opts.device,
                             prefetch_in_thread=True)
-    data = [{"kjt": batches.batch(i).kjt} for i in range(opts.warmup + 2 * opts.steps)]
-    unique = statistics.mean(sum(batches.batch(i).unique_keys) for i in range(opts.warmup, len(data)))
+    todo = [batches.batch(i) for i in range(opts.warmup + 2 * opts.steps)]
+    data = [{"kjt": b.kjt} for b in todo]
 
     def train(part: list[dict]) -> None:
         it = iter(part)
@@ -327,7 +327,7 @@ def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: Hb
     ms = (time.perf_counter() - t0) / (2 * opts.steps) * 1e3
     m.set_times([ms], opts.shape.lookups)
     m.back_to_back_ms = ms
-    m.unique_keys_per_step = unique
+    m.unique_keys_per_step = statistics.mean(sum(b.unique_keys) for b in todo[opts.warmup :])
     m.new_keys_per_step = (_misses(ebc) - misses) / (2 * opts.steps)
     return m, _finish_ours(m, ebc, opts, f"{name}+pipeline")
 

@@ -255,8 +255,9 @@ class Layout:
                 ends = staged.feature_counts[pos_dev]
                 tables = local_dev[_run_of(ends, torch.arange(n, device=self.device))]
             lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
-            offsets = staged.offsets if identity and staged.offsets is not None else None
-            offsets = _offsets_from_lengths(lengths) if offsets is None else offsets
+            offsets = staged.offsets if identity else None
+            if offsets is None:  # not made with the staged batch
+                offsets = _offsets_from_lengths(lengths)
             per_table = [0] * len(g)
             for i, t in zip(pos, local):
                 per_table[t] += counts[i]
