@@ -24,30 +24,19 @@ import torch
 
 import tieredemb as te
 import tieredemb.ops.triton.embedding as E
-from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
+from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, synchronize, time_ms, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run on the interpreter
 
 
 def timed(fn, repeats: int) -> float:
-    if not torch.cuda.is_available():  # a smoke run on the interpreter
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``repeats`` calls, each with the queue drained before and after."""
+    return statistics.median(time_ms(fn, DEVICE) for _ in range(repeats))
 
 
 def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize(DEVICE)
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,7 +60,7 @@ def main() -> None:
         name, value = assignment.split("=")
         setattr(E, name, int(value))
     torch.autograd.set_multithreading_enabled(False)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = DEVICE
     shape = HbmShape().scaled(args.scale)
     ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[args.optimizer][0](),
                                     device=dev, kernels="triton")
