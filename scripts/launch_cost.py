@@ -1,6 +1,7 @@
 """Host cost of one launch, by kind: a Triton kernel through ``kernel[grid](...)``, the same compiled
-kernel launched directly, a small torch op, and a CUDA graph replay. The numbers say what a step of N
-launches costs the training thread when the GPU is not the bound.
+kernel launched directly, through ``FastLaunch`` (``tieredemb.ops.triton.launch``), a small torch op,
+and a CUDA graph replay. The numbers say what a step of N launches costs the training thread when the
+GPU is not the bound.
 
     python3 scripts/launch_cost.py [--calls N]
 """
@@ -13,6 +14,8 @@ import time
 import torch
 import triton
 import triton.language as tl
+
+from tieredemb.ops.triton.launch import FastLaunch
 
 
 @triton.jit(do_not_specialize=["n", "step"])
@@ -88,12 +91,15 @@ def main() -> None:
         kernel.run(1, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                    a, b, c, d, 1024, 7, 0.5, 1024, True)
 
+    fast = FastLaunch(_touch)
     graph = graph_replay(lambda: _touch[grid](a, b, c, d, 1024, 7, 0.5, BLOCK=1024, FLAG=True), 20)
     round_trip = autograd_round_trip(c)
     rows = [
         ("triton kernel[grid](...)",
          per_call_us(lambda: _touch[grid](a, b, c, d, 1024, 7, 0.5, BLOCK=1024, FLAG=True), calls)),
         ("triton compiled kernel.run", per_call_us(direct_call, calls)),
+        ("tieredemb FastLaunch kernel[grid](...)",
+         per_call_us(lambda: fast[grid](a, b, c, d, 1024, 7, 0.5, BLOCK=1024, FLAG=True), calls)),
         ("torch.add(out=)", per_call_us(lambda: torch.add(a, b, out=c), calls)),
         ("a + b (allocates)", per_call_us(lambda: a + b, calls)),
         ("a.sum()", per_call_us(lambda: a.sum(), calls)),

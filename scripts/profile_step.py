@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
     p.add_argument("--host", action="store_true",
                    help="host time of each labelled stage, timed without a profiler")
+    p.add_argument("--launches", action="store_true",
+                   help="with --host: also each Triton kernel's launch and a few torch calls, by name")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
@@ -180,13 +182,14 @@ def python_profile(step, args) -> None:
 
 def host_times(ebc, kjts, grad, args) -> None:
     """Wall time of the training thread in prefetch, forward and backward, and in each ``## stage ##``
-    label inside them, timed with perf_counter (``record_function`` swapped for a timer): what the
+    label inside them, timed with perf_counter (``label`` swapped for a timer): what the
     host spends where when no profiler slows each call down."""
     import contextlib
 
     from tieredemb.modules import cache_table, collection, table
 
     spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
 
     @contextlib.contextmanager
     def timer(name):
@@ -195,9 +198,10 @@ def host_times(ebc, kjts, grad, args) -> None:
             yield
         finally:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            calls[name] = calls.get(name, 0) + 1
 
     for mod in (collection, table, cache_table):
-        mod.record_function = timer
+        mod.label = timer
 
     def timed(owner, attr, label, static=False):
         fn = getattr(owner, attr)
@@ -225,11 +229,7 @@ def host_times(ebc, kjts, grad, args) -> None:
     timed(type(ebc), "_lookup", "  _lookup")
     timed(ebc._layout, "finish", "  layout.finish")
     timed(torch.Tensor, "tolist", "  tolist (host read)")
-    if args.workload == "cache":
-        for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
-            timed(cache_table.CacheGroup, name, f"    cache {name}")
-        for name in ("find_touch", "complete", "_insert", "find"):
-            timed(ebc._groups[0].index.__class__, name, f"    index {name}")
+    extra_timers(ebc, args, timed, timer)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
@@ -251,9 +251,47 @@ def host_times(ebc, kjts, grad, args) -> None:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
     print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps, timers only)")
-    print("host ms a step (labels nest inside prefetch/forward/backward):")
+    print("host ms a step (labels nest inside prefetch/forward/backward), calls a step:")
     for name, s in spent.items():
-        print(f"  {name:24s} {s / args.steps * 1e3:8.3f}")
+        print(f"  {name:40s} {s / args.steps * 1e3:8.3f} {calls.get(name, 0) / args.steps:6.1f}")
+
+
+def extra_timers(ebc, args, timed, timer) -> None:
+    """The cache's and the index's own calls (cache workload); each launch with ``--launches``."""
+    from tieredemb.modules import cache_table
+
+    if args.workload == "cache":
+        for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
+            timed(cache_table.CacheGroup, name, f"    cache {name}")
+        for name in ("find_touch", "complete", "_insert", "find"):
+            timed(ebc._groups[0].index.__class__, name, f"    index {name}")
+    if args.launches:
+        time_launches(timer)
+
+
+def time_launches(timer) -> None:
+    """Time every Triton launch (by kernel) and a few torch calls on the host (``--launches``)."""
+    try:  # every kernel launches through FastLaunch.launch (direct or not); older checkouts: Triton's run
+        from tieredemb.ops.triton.launch import FastLaunch as owner
+        attr = "launch"
+    except ImportError:
+        from triton.runtime.jit import JITFunction as owner
+        attr = "run"
+    run = getattr(owner, attr)
+
+    def timed_run(self, *a, **k):
+        with timer(f"    launch {self.fn.__name__}"):
+            return run(self, *a, **k)
+
+    setattr(owner, attr, timed_run)
+    for name in ("sort", "argsort", "cumsum", "cat", "empty", "full", "zeros", "arange"):
+        fn = getattr(torch, name)
+
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            with timer(f"    torch.{_name}"):
+                return _fn(*a, **k)
+
+        setattr(torch, name, wrapper)
 
 
 def print_stage_ops(events, steps: int, top: int = 12) -> None:

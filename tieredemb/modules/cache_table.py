@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import Region
@@ -45,6 +44,7 @@ from tieredemb.modules.table import (
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.profiling import label
 from tieredemb.storage.backend import Fetched, GroupStore
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.io_worker import IOHandle, IOWorker
@@ -123,14 +123,14 @@ class CacheGroup(TableGroup):
         return self.bound is None and self.admission is None
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
-                       guard: torch.Tensor) -> tuple[StagedPrefetch, torch.Tensor]:
+                       guard: torch.Tensor) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
         the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
         (a cache's misses get theirs after the read)."""
         return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
-        with record_function("## resolve ##"):
+        with label("## resolve ##"):
             return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
                                staged.step, staged.slots[:u], staged.per_region, info)
 
@@ -153,11 +153,11 @@ class CacheGroup(TableGroup):
         if n_pad:
             in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
             rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
-        with record_function("## cache.fetch ##"):
+        with label("## cache.fetch ##"):
             fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
             # initial. May raise (a failed write-down or fetch): nothing has changed yet
         row_of = None  # each position's row in ``fetched`` (-1: a hit), made where needed
-        with record_function("## cache.insert ##"):
+        with label("## cache.insert ##"):
             if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
                 keep, dropped, bound, deferring = rest, empty, None, None
                 keys, tabs, cnts = (t if keep is None else t[keep] for t in (unique, utab, counts))
@@ -173,7 +173,7 @@ class CacheGroup(TableGroup):
                                                                miss, fetched, row_of)
                 res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
                                                 tables=utab[keep], given_order=True)
-        with record_function("## cache.write_down ##"):
+        with label("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         if keep is None and res.unplaced == 0:  # every miss inserted: positions and rows as fetched
             rows_at = self._fill_inserted(res, fetched.rows, inserted=miss)

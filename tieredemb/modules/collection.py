@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
@@ -36,6 +35,7 @@ from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRow
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
+from tieredemb.profiling import label
 from tieredemb.storage.backends import HostMemory
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -176,7 +176,7 @@ class _Collection(nn.Module):
             self._queued.append((kjt, self._resolve(kjt)))
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
-        with record_function("## check_batch ##"):
+        with label("## check_batch ##"):
             staged = self._layout.stage(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         group = self._groups[0]
@@ -189,7 +189,7 @@ class _Collection(nn.Module):
             self._clock += 1
         groups = []
         for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
-            with record_function("## group.prefetch ##"):
+            with label("## group.prefetch ##"):
                 if self.process_group is None:
                     groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock,
                                                  training))
@@ -202,14 +202,14 @@ class _Collection(nn.Module):
         the probe together (instead of one each): the probe changes nothing unless the checks pass,
         so a bad batch still raises with no state changed."""
         step = self._clock + 1
-        with record_function("## group.prefetch ##"):
+        with label("## group.prefetch ##"):
             pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
             sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
-            host = torch.cat([staged.summary, info]).tolist()
+            host = torch.cat([staged.summary, *info]).tolist()
         checks = staged.summary.numel()
         batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
         self._clock = step
-        with record_function("## group.prefetch ##"):
+        with label("## group.prefetch ##"):
             gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources])
 
@@ -297,17 +297,17 @@ class _Collection(nn.Module):
             else:
                 src, scale = self._grad_sources(g, state.batch.groups[g])
             if sharded:  # gradients of this rank's distinct keys to their owners, summed there
-                with record_function("## reduce ##"):
+                with label("## reduce ##"):
                     reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
                                                         gpf.unique_keys.numel(), gpf.sorted_ids)
                 grad = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits, self.process_group)
                 gpf = gpf.served
                 src, scale = torch.arange(grad.shape[0], device=self.device), None
-            with record_function("## reduce+update ##"):  # the sums go straight into the rows' update
+            with label("## reduce+update ##"):  # the sums go straight into the rows' update
                 self.kernels.reduce_update(grad.contiguous(), src, scale, gpf.inverse,
                                            gpf.unique_keys.numel(), gpf.sorted_ids, group.store,
                                            gpf.addresses, self.optimizer, self.step)
-        with record_function("## release ##"):
+        with label("## release ##"):
             self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import InsertResult, Region
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
 
 
@@ -233,11 +233,11 @@ class TableGroup:
         """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
         each requester's distinct ids with their counts); ``grouped``: see ``unique_pairs``."""
-        with record_function("## dedup ##"):
+        with label("## dedup ##"):
             unique, utab, inverse, counts, sorted_ids = unique_pairs(
                 ids, tables, len(self.configs), self.kernels, occurrences, grouped)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
-        with record_function("## resolve ##"):
+        with label("## resolve ##"):
             pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
         pf.sorted_ids = sorted_ids
         return pf
@@ -248,22 +248,23 @@ class TableGroup:
         return self.admission is None and not self.index.bounded
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int, guard: torch.Tensor,
-                       by_id: bool = True) -> tuple[StagedPrefetch, torch.Tensor]:
+                       by_id: bool = True) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
-        staged state and int64 (1 + R + R,) to read (with the caller's own) for ``finish_prefetch``.
+        staged state and the int64 tensors to read (1, R and R long, read with the caller's own in one
+        ``torch.cat``) whose values, in that order, ``finish_prefetch`` takes.
         ``by_id``: also each id's row as probed, the forward's addresses when every key is found
         (gathered while the host waits for its read, not after it)."""
-        with record_function("## dedup ##"):
+        with label("## dedup ##"):
             skeys, order = sort_pairs(ids, tables, len(self.configs), True)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
-        with record_function("## resolve ##"):
+        with label("## resolve ##"):
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
         regions = len(self.configs)
         staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step,
                                 values[inverse] if by_id else None)
-        return staged, torch.cat([count, per_region[:regions], self.index.sizes_on_device])
+        return staged, [count, per_region[:regions], self.index.sizes_on_device]
 
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
                         ids_per_table: list[int]) -> GroupPrefetch:

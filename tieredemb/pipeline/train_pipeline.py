@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from tieredemb.jagged import KeyedJaggedTensor
 from tieredemb.modules.collection import _Collection
 from tieredemb.pipeline.stash import Stash
+from tieredemb.profiling import label
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class TrainPipeline:
         """Read the next batch and start its host-to-device copy; plan its prefetch."""
         if self._exhausted:
             return
-        with record_function("## copy_batch ##"):
+        with label("## copy_batch ##"):
             try:
                 batch = next(batches)
             except StopIteration:
@@ -273,7 +273,7 @@ class TrainPipeline:
     def _prefetch(self, record: _InFlight, after: torch.cuda.Event | None) -> None:
         """Every (collection, KJT) of the batch's plan, on the prefetch stream if there is one."""
         stream = self._prefetch_stream
-        with record_function("## prefetch ##"), _stream_context(stream):
+        with label("## prefetch ##"), _stream_context(stream):
             ready = stream if stream is not None else _current_stream(self.device)
             _wait(ready, after)
             _wait(ready, record.copied)
@@ -282,7 +282,7 @@ class TrainPipeline:
             record.prefetched = _record(stream)
 
     def _wait_for_batch(self, record: _InFlight) -> None:
-        with record_function("## wait_for_batch ##"):
+        with label("## wait_for_batch ##"):
             if record.error is not None:
                 raise record.error
             if record.prefetch is not None:
@@ -292,7 +292,7 @@ class TrainPipeline:
             _wait(training, record.prefetched)
 
     def _forward(self, record: _InFlight) -> object:
-        with record_function("## forward ##"), self._stash_tracking():
+        with label("## forward ##"), self._stash_tracking():
             output = self._model(record.batch)
         unused = [(c, kjt) for c, kjt in record.plan if _is_queued(c, kjt)]
         if unused:
@@ -309,14 +309,14 @@ class TrainPipeline:
         return self._stash.tracking() if self._stash is not None else contextlib.nullcontext()
 
     def _backward(self, loss: torch.Tensor) -> None:
-        with record_function("## backward ##"):
+        with label("## backward ##"):
             if self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
             with torch.autograd.set_multithreading_enabled(self._autograd_threads):
                 loss.backward()
 
     def _optimizer_step(self) -> None:
-        with record_function("## optimizer ##"):
+        with label("## optimizer ##"):
             if self._optimizer is not None:
                 self._optimizer.step()
 

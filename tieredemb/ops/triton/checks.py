@@ -9,11 +9,13 @@ import triton
 import triton.language as tl
 
 from tieredemb.config import RESERVED_KEY
+from tieredemb.ops.triton.launch import fast_launch
 
 _LENGTHS_BLOCK = 4096  # lengths of one feature summed per program
 _IDS_BLOCK = 1024  # ids checked per program
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["batch_size"])
 def _feature_sums_kernel(lengths, summary, batch_size, F, BLOCK: tl.constexpr):
     # grid: (F, cdiv(B, BLOCK)); lengths int64 (F, B). summary[f] += ids of feature f,
@@ -28,6 +30,7 @@ def _feature_sums_kernel(lengths, summary, batch_size, F, BLOCK: tl.constexpr):
         tl.atomic_add(summary + F + f, negative)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary, n, F,
                       RESERVED: tl.constexpr, HAS_LIMITS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from tieredemb.ops.triton.checks import batch_checks
 from tieredemb.ops.triton.index import TritonKeyIndex
+from tieredemb.ops.triton.launch import fast_launch
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
@@ -81,6 +82,7 @@ def _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOC
 
 
 # ----------------------------------------------------------------------------------------- scatter
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
     ptr_table, addresses, rows_in, n, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
@@ -96,6 +98,7 @@ def _scatter_kernel(
 
 
 # ------------------------------------------------------------------------------------------ gather
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _gather_kernel(
     ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
@@ -111,6 +114,7 @@ def _gather_kernel(
 
 
 # ------------------------------------------------------------------------------------- gather+pool
+@fast_launch
 @triton.jit
 def _gather_pool_kernel(
     ptr_table,
@@ -151,6 +155,7 @@ def _gather_pool_kernel(
     tl.store(out + out_row * D + cols, acc, mask=cmask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_bags"])
 def _bag_rows_kernel(offsets, out, n, num_bags, bags_per_feature, features, STEPS: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -177,6 +182,7 @@ def _bag_rows_kernel(offsets, out, n, num_bags, bags_per_feature, features, STEP
 _PIECE = 256
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["u"])
 def _plan_scan_input_kernel(counts, scan_in, u, PIECE: tl.constexpr, BLOCK: tl.constexpr):
     # scan_in int64 (3, u): each key's ids, its pieces (at least one), whether it has several
@@ -188,6 +194,7 @@ def _plan_scan_input_kernel(counts, scan_in, u, PIECE: tl.constexpr, BLOCK: tl.c
     tl.store(scan_in + 2 * u + i, (c > PIECE).to(tl.int64), mask=m)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["u"])
 def _plan_pieces_kernel(counts, scan, starts, piece_first, piece_key, candidates, u, PIECE: tl.constexpr,
                         BLOCK: tl.constexpr):
@@ -208,6 +215,7 @@ def _plan_pieces_kernel(counts, scan, starts, piece_first, piece_key, candidates
     tl.store(candidates + slot - 1, i, mask=several)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_unique"])
 def _reduce_pieces_kernel(
     grad_src,
@@ -263,6 +271,7 @@ def _reduce_pieces_kernel(
             tl.store(partial + pid * D + cols, acc, mask=cmask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_unique"])
 def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, ptr_table, addresses,
                         row_width, segment_rows, lr, eps, beta1, beta2, step_size, PIECE: tl.constexpr,
@@ -287,6 +296,7 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
 
 
 # ------------------------------------------------------------------------------------------ dedup
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
     # head int32 (n,): 1 where a run of equal (key, table) starts in the sorted ids
@@ -300,6 +310,7 @@ def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
     tl.store(head + i, ((i == 0) | (k != kp) | (t != tp)).to(tl.int32), mask=m)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_out, inverse,
                         starts, ends, n, BLOCK: tl.constexpr):
@@ -352,6 +363,7 @@ def _update_rows(ptr_table, addr, g, D, row_width, segment_rows, lr, eps, beta1,
     tl.store(w_ptr, w, mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _optimizer_kernel(
     ptr_table,

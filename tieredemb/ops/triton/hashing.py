@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tieredemb.ops.triton.launch import fast_launch
+
 _BLOCK_N = 32  # keys per random_bits program (x BLOCK_D columns)
 
 
@@ -28,6 +30,7 @@ def bucket_of(keys, num_buckets):
     return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _random_bits_kernel(keys, tables, bases, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr):
@@ -62,6 +65,7 @@ def random_bits(bases: torch.Tensor, keys: torch.Tensor, dim: int,
     return out
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _bucket_kernel(keys, tables, region_start, region_buckets, out, n, num_buckets, REGIONS: tl.constexpr,
                    BLOCK: tl.constexpr):

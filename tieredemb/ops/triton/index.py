@@ -28,6 +28,7 @@ from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
 from tieredemb.ops.triton.hashing import bucket_of as _bucket_of
 from tieredemb.ops.triton.hashing import buckets
+from tieredemb.ops.triton.launch import fast_launch
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
@@ -74,6 +75,7 @@ def _probe_at(table_keys, k, base, in_range, width, RESERVED: tl.constexpr, BLOC
     return tl.where(in_range & (first < BLOCK_W), base + first, -1)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _find_kernel(
     keys, tables, region_start, region_buckets, table_keys, out_slots, n, num_buckets, width,
@@ -87,6 +89,7 @@ def _find_kernel(
     tl.store(out_slots + i, slot, mask=in_range)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets", "step"])
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
@@ -136,6 +139,7 @@ def _find_touch_kernel(
     tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_kernel(
     keys,
@@ -206,6 +210,7 @@ def _insert_kernel(
         tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets", "step"])
 def _upsert_kernel(
     keys, tables, region_start, region_buckets, table_keys, table_values, table_scores, pool, counters,

@@ -1,0 +1,155 @@
+"""Launching a compiled Triton kernel with less host time than ``kernel[grid](...)``.
+
+``kernel[grid](*args)`` binds every argument to the kernel's signature, works out Triton's
+specialization of each (dtype, 16-byte alignment of pointers, ints equal to 1 or divisible by 16),
+looks the compiled kernel up and only then launches it: 26-43 us of host time a launch for the
+kernels of the ``hbm`` step on the H200 machine, against ~5 us for the compiled kernel's own launcher
+(``scripts/launch_cost.py``, ``docs/kernels.md``). A step launches ~11 of them.
+
+``fast_launch(kernel)`` keeps the compiled kernels it has seen under a key that separates at least
+what Triton's specialization separates: the device, per argument its type, a tensor's dtype and
+whether its data pointer is 16-byte aligned, an int's range class (i32 / i64 / u64) and whether it is
+1 or divisible by 16 (finer than Triton for ``do_not_specialize`` ints, never coarser), the value of
+anything else, and the keyword arguments (constexprs, ``num_warps``: runtime values must come
+positionally, or the launch is left to Triton). The first launch of a key goes through
+``kernel[grid]``, which compiles and launches; the later ones call the compiled kernel's launcher
+directly. A finer key costs at most an extra cache entry; it never launches a kernel
+compiled for other arguments.
+
+The direct launch uses Triton internals (``CompiledKernel.run``, ``function``, ``packed_metadata``),
+so it is on only for the Triton versions it was tested with on a GPU (``TESTED``), never under the
+interpreter (``TRITON_INTERPRET=1``), never while a launch hook is set (a profiler's), and off with
+``TIEREDEMB_FAST_LAUNCH=0``. Otherwise every launch is ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+
+import torch
+import triton
+
+TESTED = ("3.6",)  # major.minor of the Triton versions whose internals the direct launch was tested on
+
+_I32 = 1 << 31
+_I64 = 1 << 63
+
+
+def _enabled() -> bool:
+    if os.environ.get("TIEREDEMB_FAST_LAUNCH", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return ".".join(triton.__version__.split(".")[:2]) in TESTED
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (None, or an empty ``HookChain`` in newer versions, is none)."""
+    runtime = triton.knobs.runtime
+    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _int_spec(arg: int) -> tuple[int, bool, bool]:
+    size = 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2
+    return size, arg == 1, arg & 15 == 0
+
+
+class _Layout:
+    """Where a call's tensors, ints and other values are, for one tuple of argument types: the key is
+    then made with C-level ``map`` calls, not a Python loop over every argument."""
+
+    def __init__(self, types: tuple[type, ...]) -> None:
+        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+        ints = [i for i, t in enumerate(types) if t is int]
+        others = [i for i, t in enumerate(types) if t is not float and i not in tensors and i not in ints]
+        # values of other types go into the key as they are: only kinds with few values are kept
+        self.cacheable = all(types[i] in (bool, str, type(None)) for i in others)
+        self.tensors = _getter(tensors)
+        self.ints = _getter(ints)
+        self.others = _getter(others)
+
+
+def _getter(positions: list[int]):
+    """args -> tuple of the arguments at ``positions`` (itemgetter returns a bare item for one)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_dtype = operator.attrgetter("dtype")
+
+
+class FastLaunch:
+    """``kernel[grid](*args, **kwargs)`` through the compiled kernel's launcher once seen (module
+    docstring). Positional arguments are the kernel's leading parameters; the rest come by keyword."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.fn = getattr(kernel, "fn", None)
+        params = getattr(kernel, "params", [])
+        self._params = [p.name for p in params]
+        self._runtime = {p.name for p in params if not p.is_constexpr}
+        self._defaults = {p.name: p.default for p in params if p.has_default}
+        self._layouts: dict[tuple[type, ...], _Layout] = {}
+        self._cache: dict[tuple, tuple] = {}
+        self._on = _enabled() and hasattr(kernel, "device_caches")
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The cache key of one call (module docstring): equal keys, equal specializations. None: an
+        argument of a kind the key does not cover (the launch is left to Triton)."""
+        types = tuple(map(type, args))
+        layout = self._layouts.get(types)
+        if layout is None:
+            layout = self._layouts[types] = _Layout(types)
+        if not layout.cacheable:
+            return None
+        tensors = layout.tensors(args)
+        misaligned = functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15
+        aligned = True if not misaligned else tuple(p & 15 == 0 for p in map(_data_ptr, tensors))
+        return (types, aligned, tuple(map(_dtype, tensors)), tuple(map(_int_spec, layout.ints(args))),
+                layout.others(args), tuple(kwargs.items()))
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else None
+        if not self._on or type(first) is not torch.Tensor or not first.is_cuda:
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = first.get_device()
+        key = self.key(args, kwargs)
+        if key is None:
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (device, key)
+        hit = self._cache.get(key)
+        if hit is None:
+            self._first(key, grid, args, kwargs)
+            return
+        run, function, metadata, tail = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
+
+    def _first(self, key: tuple, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        """Compile and launch through Triton; keep the compiled kernel unless a hook is set."""
+        compiled = self.kernel[grid](*args, **kwargs)
+        if _hooked():
+            return
+        names = self._params[len(args):]
+        if any(name in self._runtime for name in kwargs) or \
+                any(name not in kwargs and name not in self._defaults for name in names):
+            return  # a runtime value by keyword (the key would hold it), or a parameter not given
+        tail = tuple(kwargs[name] if name in kwargs else self._defaults[name] for name in names)
+        self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+
+
+def fast_launch(kernel) -> FastLaunch:
+    """Decorator over ``@triton.jit``: the kernel launches as before (``kernel[grid](...)``), faster."""
+    return FastLaunch(kernel)
