@@ -59,9 +59,16 @@ def test_the_key_separates_alignment_dtype_and_int_classes():
     assert key(base, torch.tensor(3).numpy()) is None  # a value of a kind not covered: Triton's launch
 
 
+@pytest.fixture
+def direct(monkeypatch):
+    """FastLaunch in its direct mode (off by default); under the interpreter it stays Triton's."""
+    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "1")
+    return launch.FastLaunch(_axpb)
+
+
 @pytest.mark.parametrize("n", [1, 16, 37, 1000])
-def test_a_launch_computes_what_triton_computes(n):
-    kernel = launch.FastLaunch(_axpb)
+def test_a_launch_computes_what_triton_computes(n, direct):
+    kernel = direct
     x = torch.randn(1100, device=DEVICE)
     for view in (x, x[1:], x[3:], x[4:]):  # aligned and misaligned data pointers
         for m in (1, 16, 5):
@@ -72,12 +79,12 @@ def test_a_launch_computes_what_triton_computes(n):
         assert not kernel._cache  # the interpreter: every launch is Triton's own
     else:
         # aligned (x, x[4:]) and misaligned (x[1:], x[3:]) pointers, m = 1 / 16 / other: 2 x 3 keys
-        assert len(kernel._cache) == 6 if launch._enabled() else not kernel._cache
+        assert len(kernel._cache) == 6 if launch._enabled() else not kernel._cache  # 6: a tested Triton
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on CUDA only")
-def test_the_direct_launch_follows_the_current_stream_and_a_new_constexpr():
-    kernel = launch.FastLaunch(_axpb)
+def test_the_direct_launch_follows_the_current_stream_and_a_new_constexpr(direct):
+    kernel = direct
     x = torch.randn(512, device=DEVICE)
     out = torch.empty(512, device=DEVICE)
     kernel[(2,)](x, out, 512, 7, 2.0, SHIFT=0, BLOCK=256)  # compiled, launched by Triton
@@ -92,11 +99,34 @@ def test_the_direct_launch_follows_the_current_stream_and_a_new_constexpr():
         assert len(kernel._cache) == 2
 
 
-def test_a_runtime_value_by_keyword_is_left_to_triton():
-    kernel = launch.FastLaunch(_axpb)
+def test_a_runtime_value_by_keyword_is_left_to_triton(direct):
+    kernel = direct
     x = torch.randn(64, device=DEVICE)
     for m in (3, 5):
         out = torch.empty(64, device=DEVICE)
         kernel[(1,)](x, out, 64, m=m, a=1.5, SHIFT=1, BLOCK=64)
         torch.testing.assert_close(out.cpu(), expected(x.cpu(), 64, m, 1.5, 1), rtol=1e-6, atol=1e-5)
     assert not kernel._cache
+
+
+def test_off_by_default_and_a_bad_mode_is_an_error(monkeypatch):
+    monkeypatch.delenv("TIEREDEMB_FAST_LAUNCH", raising=False)
+    assert not launch._enabled() and not launch.FastLaunch(_axpb)._on
+    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="TIEREDEMB_FAST_LAUNCH must be 0, 1 or check"):
+        launch.FastLaunch(_axpb)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="check mode runs on CUDA only")
+def test_check_mode_raises_when_one_key_stands_for_two_kernels(monkeypatch):
+    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "check")
+    kernel = launch.FastLaunch(_axpb)
+    if not kernel._check:
+        pytest.skip("check mode needs a tested Triton version")
+    x, out = torch.randn(64, device=DEVICE), torch.empty(64, device=DEVICE)
+    for _ in range(2):  # the same key and kernel twice: fine
+        kernel[(1,)](x, out, 64, 3, 1.0, SHIFT=0, BLOCK=64)
+    monkeypatch.setattr(kernel, "key", lambda args, kwargs: "one key for every call")
+    kernel[(1,)](x, out, 64, 3, 1.0, SHIFT=0, BLOCK=64)  # the key's first kernel
+    with pytest.raises(RuntimeError, match="one key for two compiled kernels"):
+        kernel[(1,)](x, out, 64, 3, 1.0, SHIFT=5, BLOCK=64)  # another constexpr: another kernel
