@@ -109,8 +109,12 @@ def test_a_runtime_value_by_keyword_is_left_to_triton(direct):
     assert not kernel._cache
 
 
-def test_off_by_default_and_a_bad_mode_is_an_error(monkeypatch):
+def test_the_modes_and_a_bad_mode_is_an_error(monkeypatch):
     monkeypatch.delenv("TIEREDEMB_FAST_LAUNCH", raising=False)
+    tested = ".".join(triton.__version__.split(".")[:2]) in launch.TESTED
+    on = tested and DEVICE == "cuda"  # never under the interpreter or an untested Triton
+    assert launch._enabled() == on and launch.FastLaunch(_axpb)._on == on
+    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "0")
     assert not launch._enabled() and not launch.FastLaunch(_axpb)._on
     monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "yes")
     with pytest.raises(ValueError, match="TIEREDEMB_FAST_LAUNCH must be 0, 1 or check"):

@@ -389,5 +389,8 @@ def test_reduce_update_is_reduce_then_update(gen, kind, scaled):
     for step in (1, 2):
         TritonKernels().reduce_update(grad_src, src_of_id, scale, inverse, u, None, store, addr, opt, step)
         TorchKernels().reduce_update(grad_src, src_of_id, scale, inverse, u, None, twin, addr, opt, step)
+    # the hot key sums 521 gradients (|sum| ~ 20): float32 sums of them in two orders (pieces here,
+    # the reference's atomic index_add_ on CUDA, in no fixed order) differ by up to ~3e-5, which
+    # Adam's m carries; 1e-5 failed on CUDA at times (2026-11-21). A lost piece moves a sum by ~16.
     for got, want in zip(store.segments, twin.segments):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
