@@ -88,6 +88,23 @@ def test_locked_slots_survive_eviction() -> None:
     assert sorted(_contents(index)) == [2, 3]
 
 
+def test_an_index_without_locking_keeps_no_locks() -> None:
+    """Locks shield rows from eviction: a locking index (the default) counts the batches holding a
+    slot; one made with ``locking=False`` (never evicts) keeps them at 0, so its batches need no
+    release; a bounded index cannot be made without them."""
+    keys = torch.tensor([5, 6, 7])
+    for locking, want in ((False, [0, 0, 0]), (True, [2, 2, 1])):
+        index = KeyIndex(8, "lru", torch.device("cpu"), locking=locking)
+        index.find_or_insert(keys, step=1, lock=True)  # inserted: locked once
+        index.find_or_insert(keys[:2], step=2, lock=True)  # found: locked again
+        assert index.locks[index.find(keys)].tolist() == want
+        index.unlock(keys)
+        index.unlock(keys[:2])
+        assert int(index.locks.sum()) == 0
+    with pytest.raises(ValueError, match="bounded region needs its locks"):
+        KeyIndex(8, "lru", torch.device("cpu"), max_slots=64, locking=False)
+
+
 def test_lowest_unlocked_score_is_evicted() -> None:
     index = KeyIndex(4, "lru", torch.device("cpu"), max_slots=4)
     for step, key in enumerate([10, 11, 12, 13], start=1):

@@ -52,7 +52,7 @@ def _pairs(rng: random.Random, n: int, regions: int) -> tuple[torch.Tensor, torc
 
 
 def run_workload(width: int, policy: str, max_slots: int | None, seed: int, steps: int = 8,
-                 regions: list[Region] | None = None) -> None:
+                 regions: list[Region] | None = None, locking: bool = True) -> None:
     """Random find_or_insert (lock on/off, LFU counts), assign, unlock, erase, find and export, on
     both indexes in lockstep."""
     rng = random.Random(seed)
@@ -62,8 +62,8 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
         kw = {"max_slots": max_slots}
     else:
         kw = {"initial_slots": 2 * width}
-    ref = KeyIndex(width, policy, DEVICE, **kw)
-    tri = TritonKeyIndex(width, policy, DEVICE, **kw)
+    ref = KeyIndex(width, policy, DEVICE, locking=locking, **kw)
+    tri = TritonKeyIndex(width, policy, DEVICE, locking=locking, **kw)
     nreg = len(ref.regions)
     next_address = 0
     locked: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -82,6 +82,7 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
             assert res.unplaced == int(((res.slots < 0) & ~res.found).sum()), msg
             assert res.new_rows == int((res.inserted & (res.values < 0)).sum()), msg
         assert_same_state(tri, ref, msg)
+        assert locking or int(ref.locks.abs().sum()) == 0, msg  # locking=False: no lock ever taken
         fresh = want.inserted & (want.values < 0)  # the caller gives new rows an address
         addresses = torch.arange(next_address, next_address + int(fresh.sum()), device=DEVICE)
         next_address += addresses.numel()
@@ -125,11 +126,13 @@ def test_bounded_matches_reference(policy, width, seed):
     run_workload(width, policy, max_slots=4 * width, seed=seed)
 
 
+@pytest.mark.parametrize("locking", [True, False])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("width", [4, 6])
-def test_unbounded_matches_reference(policy, width):
-    """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes."""
-    run_workload(width, policy, max_slots=None, seed=3)
+def test_unbounded_matches_reference(policy, width, locking):
+    """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes; with and
+    without lock counts (``locking=False``: hbm_direct's index, which never evicts)."""
+    run_workload(width, policy, max_slots=None, seed=3, locking=locking)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -193,12 +196,14 @@ def test_empty_calls():
         assert res.slots.numel() == 0 and res.evicted_keys.numel() == 0
 
 
+@pytest.mark.parametrize("locking", [True, False])
 @pytest.mark.parametrize("guarded", [False, True])
-def test_find_touch_with_a_device_count_and_guard(guarded):
+def test_find_touch_with_a_device_count_and_guard(guarded, locking):
     """find_touch on padded keys: only keys[:valid] count, and a nonzero guard changes nothing; the
-    Triton index equals the reference, whose sliced probe is the plain ``find``."""
+    Triton index equals the reference, whose sliced probe is the plain ``find``. An index made with
+    ``locking=False`` does not lock the keys found."""
     regions = [Region("lru", None, 16), Region("lfu", None, 16)]
-    ref, tri = (cls(4, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex))
+    ref, tri = (cls(4, device=DEVICE, regions=regions, locking=locking) for cls in (KeyIndex, TritonKeyIndex))
     keys = torch.tensor([5, 6, 7, 8, 9, 10], dtype=torch.int64, device=DEVICE)
     tables = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int64, device=DEVICE)
     for index in (ref, tri):
@@ -217,7 +222,7 @@ def test_find_touch_with_a_device_count_and_guard(guarded):
     assert got[2].tolist() == [1, 1, 2, 2]  # misses per region, keys per region (padding not counted)
     assert_same_state(tri, ref, f"guarded={guarded}")
     changed = [name for name, t in before.items() if not torch.equal(getattr(ref, name), t)]
-    assert changed == ([] if guarded else ["scores", "locks"])
+    assert changed == ([] if guarded else ["scores", "locks"] if locking else ["scores"])
 
 
 def check_upsert(index: KeyIndex, model: dict, keys: torch.Tensor, tables: torch.Tensor | None,

@@ -5,7 +5,9 @@ Layout (all on one device, CPU or CUDA): ``num_buckets x width`` slots, slot = b
     keys:   int64 (C,)  RESERVED_KEY marks an empty slot
     values: int64 (C,)  the row address of the key in the RowStore (rows never move when the index does)
     scores: int64 (C,)  LRU: step of last use; LFU: use count
-    locks:  int32 (C,)  batches holding the slot; a locked slot is never evicted
+    locks:  int32 (C,)  batches holding the slot; a locked slot is never evicted. An index made with
+                        ``locking=False`` (one that never evicts: nothing to shield) keeps them at 0,
+                        so its batches need no release
 
 The buckets are cut into **regions**, one per table of a table group: region r owns buckets
 ``[start_r, start_r + buckets_r)`` and has its own eviction policy and bound, so tables batched into
@@ -100,11 +102,13 @@ class KeyIndex:
         device: where the index tensors live.
         regions: several tables' regions instead (then ``policy``/``max_slots``/``initial_slots``
             are not used).
+        locking: keep lock counts (the default). False only for an index no region of which evicts:
+            locks then stay 0, ``find_or_insert(lock=True)`` and ``unlock`` change nothing.
     """
 
     def __init__(self, width: int, policy: str = "lru", device: torch.device | str = "cpu",
                  max_slots: int | None = None, initial_slots: int = 1024,
-                 regions: list[Region] | None = None) -> None:
+                 regions: list[Region] | None = None, locking: bool = True) -> None:
         regions = [Region(policy, max_slots, initial_slots)] if regions is None else list(regions)
         for r in regions:
             if r.policy not in ("lru", "lfu"):
@@ -113,6 +117,10 @@ class KeyIndex:
         self.device = torch.device(device)
         self.regions = regions
         self.bounded = any(r.max_slots is not None for r in regions)  # some region evicts
+        if self.bounded and not locking:
+            raise ValueError("an index with a bounded region needs its locks (locking=True): they "
+                             "keep the rows of batches in flight from being evicted")
+        self.locking = locking
         self._lfu = torch.tensor([r.policy == "lfu" for r in regions], device=self.device)
         buckets = []
         for r in regions:
@@ -196,8 +204,9 @@ class KeyIndex:
 
         Every key that ends in a slot gets its score updated (LRU: ``step``; LFU: ``+= counts``, the
         occurrences in the batch, 1 each by default). With ``lock`` those slots' lock counts go up by
-        one (release with ``unlock``). Keys present or inserted earlier in the same call are never
-        evicted by it. ``given_order``: the misses claim ways in the order given (module docstring).
+        one (release with ``unlock``), unless the index was made with ``locking=False``. Keys
+        present or inserted earlier in the same call are never evicted by it. ``given_order``: the
+        misses claim ways in the order given (module docstring).
         Host syncs: the miss count per region, the insertion's compaction, and one check for a full
         bucket in an unbounded region.
         """
@@ -221,7 +230,7 @@ class KeyIndex:
         found = slots >= 0
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not any(misses):  # the steady state of a warm table: every key found
-            if not lock:
+            if not lock and self.locking:
                 self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
             return InsertResult(slots, found, values, empty, empty, empty, empty, any_miss=False,
                                 region_keys=per_region[regions:], inserted_count=0, unplaced=0)
@@ -246,7 +255,7 @@ class KeyIndex:
         safe = slots.clamp(min=0)
         values = torch.where(placed, self.values[safe], -1)
         self._touch(safe, placed & miss, tables, step, counts)
-        if not lock:
+        if not lock and self.locking:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
         self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
         self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
@@ -300,7 +309,8 @@ class KeyIndex:
         found = slots >= 0
         safe = slots.clamp(min=0)
         if guard is None or not bool(guard.any()):
-            self.locks.index_add_(0, safe, found.to(torch.int32))
+            if self.locking:
+                self.locks.index_add_(0, safe, found.to(torch.int32))
             self._touch(safe, found, tables, step, counts)
         regions = len(self.regions)
         per_region = torch.cat([torch.bincount(tables[~found], minlength=regions),
@@ -353,7 +363,8 @@ class KeyIndex:
         self.values[s[~victim]] = -1
         self.keys[s] = mk[ok]
         self.scores[s] = 0
-        self.locks[s] = 1
+        if self.locking:
+            self.locks[s] = 1
         return evicted, int(idx.numel() - s.numel())
 
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
@@ -389,11 +400,15 @@ class KeyIndex:
         has: then ``unlock`` the keys."""
         if generation != self.generation:
             return False
+        if not self.locking:  # no locks were taken
+            return True
         self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
         return True
 
     def unlock(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Release one lock on each present key (absent keys are ignored)."""
+        if not self.locking:  # no locks were taken
+            return
         slots = self.find(keys, tables)
         self.locks.index_add_(0, slots.clamp(min=0), -(slots >= 0).to(torch.int32))
         self.locks.clamp_(min=0)

@@ -475,6 +475,10 @@ class CacheGroup(TableGroup):
                                "backing store failed; they are kept and retried at the next call") from cause
 
     # ---------------------------------------------------------------------------------- release
+    def holds(self, pf: GroupPrefetch) -> bool:
+        """A cache batch's release always has work: its slots' locks, its rows' write-down."""
+        return True
+
     def release(self, pf: GroupPrefetch) -> None:
         """Unlock the batch's slots; write down the scratch rows no later batch still shares; drop
         the private ones; then the later batches' deferred insertions (after the write-downs: a

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -311,14 +311,18 @@ class _Collection(nn.Module):
             self._release(state)
 
     def _release(self, state: CollectionPrefetch) -> None:
-        with self._mutating():
+        parts = [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in state.groups]
+        held = [(group, part) for group, part in zip(self._groups, parts) if group.holds(part)]
+        # nothing to unlock or free (a warm hbm_direct batch): no lock to take, so no wait for the
+        # prefetch thread resolving the next batch under it (0.9 ms a step, session 7)
+        with self._mutating() if held else nullcontext():
             if state.released:
                 return
             state.released = True
             if state.finalizer is not None:
                 state.finalizer.detach()
-            for group, gpf in zip(self._groups, state.groups):
-                group.release(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
+            for group, part in held:
+                group.release(part)
 
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False

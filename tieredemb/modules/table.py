@@ -186,9 +186,12 @@ class TableGroup:
         self.kernels = kernels
         if index_slots is None:
             index_slots = [c.max_capacity for c in configs]
+        # locks shield the rows of batches in flight from eviction: an index that never evicts keeps
+        # none, and its batches' release has nothing to do (no lock, no device work)
         self.index = kernels.index_class(bucket_width, device=device, regions=[
             Region(c.eviction, slots, 2 * min(c.bounded_rows or 4096, 1 << 16))
-            for c, slots in zip(configs, index_slots)])
+            for c, slots in zip(configs, index_slots)],
+            locking=any(slots is not None for slots in index_slots))
         bounded = [s if s is not None else c.bounded_rows for c, s in zip(configs, index_slots)]
         if all(b is not None for b in bounded):  # a group that can never fill a whole segment
             segment_rows = min(segment_rows, max(1, sum(bounded)))
@@ -470,6 +473,12 @@ class TableGroup:
         """Initial rows at ``addresses``."""
         if keys.numel():
             self.kernels.scatter(self.store, addresses, self._initial_rows(keys, tables))
+
+    def holds(self, pf: GroupPrefetch) -> bool:
+        """Whether releasing ``pf`` changes anything: locks (an index that evicts), scratch rows,
+        deferred insertions. False for a batch of unbounded tables without admission: its release
+        then needs neither the collection's lock nor the device."""
+        return self.index.locking or pf.scratch.numel() > 0 or pf.deferred is not None or bool(self._pending)
 
     def release(self, pf: GroupPrefetch) -> None:
         """Unlock the batch's slots and free its scratch rows; then the later batches' deferred

@@ -95,7 +95,8 @@ def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
     table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
-    GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr
+    GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+    LOCK: tl.constexpr,
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
@@ -122,7 +123,8 @@ def _find_touch_kernel(
     g = tl.arange(0, BLOCK_G)
     failed = tl.sum((tl.load(guard + g, mask=g < GUARD, other=0) != 0).to(tl.int32), axis=0)
     touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
-    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
+    if LOCK:  # an index made with locking=False keeps none
+        tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
     if POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
     else:
@@ -160,6 +162,7 @@ def _insert_kernel(
     width,
     RESERVED: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    LOCK: tl.constexpr,
 ):
     # grid: (n,) over the keys to insert. Position p of their (bucket, key) order; the head of each
     # bucket's run inserts the run.
@@ -207,7 +210,8 @@ def _insert_kernel(
         tl.store(table_keys + slot, new_key, mask=got)
         tl.store(table_values + slot, tl.full([BLOCK_W], -1, tl.int64), mask=got & ~victim)
         tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
-        tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
+        if LOCK:
+            tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
 
 
 @fast_launch
@@ -317,7 +321,7 @@ class TritonKeyIndex(KeyIndex):
             self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
             self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
             POLICY=policy, BINS=bins, GUARD=guard.numel(), BLOCK_G=triton.next_power_of_2(guard.numel()),
-            BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
+            BLOCK_K=block_k, BLOCK_W=block_w, LOCK=self.locking, num_warps=4,
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
@@ -397,6 +401,7 @@ class TritonKeyIndex(KeyIndex):
             self.width,
             RESERVED=RESERVED_KEY,
             BLOCK_W=block_w,
+            LOCK=self.locking,
             num_warps=_INSERT_WARPS,
         )
         slots[pos] = out_slots
