@@ -6,11 +6,15 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--scale S] [--steps N] [--cache-scale S] [--cache-steps N]
-#                        [-- MORE HBM BENCH ARGS]
+#                        [--dist] [--stash] [--check-launch] [--scale S] [--steps N]
+#                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
+#
+# --check-launch: only the CUDA kernel, index and module suites with TIEREDEMB_FAST_LAUNCH=check (every
+# launch through Triton, an error if one FastLaunch key stands for two compiled kernels): run it before
+# adding a Triton version to tieredemb.ops.triton.launch.TESTED.
 #
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k cuda,
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
@@ -26,6 +30,7 @@ mkdir -p "$OUT"
 run_tests=1
 run_dist=0
 run_stash=0
+run_check_launch=0
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -42,6 +47,7 @@ while [ $# -gt 0 ]; do
         --profile) run_profile=1 ;;
         --dist) run_dist=1 ;;
         --stash) run_stash=1 ;;
+        --check-launch) run_check_launch=1 ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -75,6 +81,13 @@ if [ "$run_stash" = 1 ]; then
     timeout 360 python3 -m tieredemb.cli bench stash --long-steps 200 --out "$OUT" "${bench_args[@]}" 2>&1 \
         | grep -v -i warn | tail -n 25
     exit 0
+fi
+
+if [ "$run_check_launch" = 1 ]; then
+    echo "== CUDA suites with TIEREDEMB_FAST_LAUNCH=check"
+    TIEREDEMB_FAST_LAUNCH=check timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/ops \
+        tests/index tests/modules 2>&1 | tail -n 15
+    exit "${PIPESTATUS[0]}"
 fi
 
 if [ "$run_dist" = 1 ]; then
