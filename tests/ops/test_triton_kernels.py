@@ -139,6 +139,32 @@ def test_reduce_grads_of_a_hot_key_in_several_pieces(gen, scaled):
     assert torch.equal(got[3], torch.zeros(dim, device=DEVICE))
 
 
+@pytest.mark.parametrize("max_programs", [None, 2])
+def test_reduce_update_over_many_blocks_of_keys(gen, max_programs, monkeypatch):
+    """Keys over several blocks of the plan's two passes (blocks of 64 here; with ``max_programs`` 2,
+    programs that take several blocks each, as past 1M keys), hot keys over several pieces among them,
+    keys without ids: the fused reduce + update equals the reference's reduce_grads + update."""
+    from tieredemb.ops.triton import embedding
+
+    monkeypatch.setattr(embedding, "_RUN_BLOCK", 64)
+    if max_programs is not None:
+        monkeypatch.setattr(embedding, "_MAX_RUN_PROGRAMS", max_programs)
+    dim, u = 4, 300
+    opt = make_optimizer("sgd")
+    store, addresses = make_store(gen, dim, u)
+    twin = clone_store(store)
+    hot = torch.randint(0, u, (3,), generator=gen).repeat_interleave(embedding._PIECE + 40)
+    inverse = torch.cat([torch.randint(0, u, (400,), generator=gen), hot])
+    inverse = inverse[torch.randperm(inverse.numel(), generator=gen)].to(DEVICE)
+    n = inverse.numel()
+    grad_src = torch.randn(n, dim, generator=gen).to(DEVICE)
+    src_of_id = torch.randperm(n, generator=gen).to(DEVICE)
+    TritonKernels().reduce_update(grad_src, src_of_id, None, inverse, u, None, store, addresses, opt, 1)
+    TorchKernels().reduce_update(grad_src, src_of_id, None, inverse, u, None, twin, addresses, opt, 1)
+    for got, want in zip(store.segments, twin.segments):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # hot keys: sums in two orders
+
+
 @pytest.mark.parametrize("features", [1, 3])
 def test_bag_rows(gen, features):
     """Each id's output row: its bag, or sample-major (bag f * B + i -> row i * F + f); bags of up to
@@ -161,10 +187,15 @@ def test_sorted_runs_of_no_ids():
         assert u.tolist() == [0] and all(t.numel() == 0 for t in padded)
 
 
-@pytest.mark.parametrize("n", [1, 2500])
-def test_sorted_runs(gen, n):
+@pytest.mark.parametrize("n, max_programs", [(1, None), (2500, None), (5000, 2), (7300, 4)])
+def test_sorted_runs(gen, n, max_programs, monkeypatch):
     """Runs of equal (key, table) pairs in sorted ids, across program blocks: equal to the torch
-    reference, and to torch.unique over the pairs (the same key in two tables is two pairs)."""
+    reference, and to torch.unique over the pairs (the same key in two tables is two pairs).
+    ``max_programs``: fewer programs than blocks (each takes several, as past 1M ids)."""
+    if max_programs is not None:
+        from tieredemb.ops.triton import embedding
+
+        monkeypatch.setattr(embedding, "_MAX_RUN_PROGRAMS", max_programs)
     tables = torch.randint(0, 3, (n,), generator=gen)
     ids = torch.randint(-30, 30, (n,), generator=gen)
     ids[: n // 2] = torch.randint(-2**62, 2**62, (n // 2,), generator=gen)  # a spread of raw ids too

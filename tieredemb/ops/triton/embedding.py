@@ -32,6 +32,7 @@ _TILE_ELEMS = 1024
 _MAX_ROWS = 128  # rows per program in gather / reduce_grads / optimizer_update
 _BAG_CHUNK = 8  # ids of one bag summed per loop iteration (bags of ~10 ids: one warp per bag)
 _RUN_BLOCK = 1024  # sorted ids per program in the dedup's passes
+_MAX_RUN_PROGRAMS = 1024  # the dedup's runs: programs of consecutive blocks, counts summed in one load
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
@@ -51,6 +52,13 @@ def _programs(n: int, block_n: int, cap: int | None) -> int:
 
 def _num_warps(tile_elems: int) -> int:
     return 4 if tile_elems <= 2048 else 8
+
+
+def _scan_grid(n: int) -> tuple[int, int]:
+    """A two-pass scan's grid over n items in blocks of ``_RUN_BLOCK``: (consecutive blocks a
+    program, programs), at most ``_MAX_RUN_PROGRAMS`` programs (their sums are read in one load)."""
+    blocks = triton.cdiv(triton.cdiv(n, _RUN_BLOCK), _MAX_RUN_PROGRAMS)
+    return blocks, triton.cdiv(triton.cdiv(n, _RUN_BLOCK), blocks)
 
 
 def _bag_warps(block_d: int) -> int:
@@ -182,37 +190,60 @@ def _bag_rows_kernel(offsets, out, n, num_bags, bags_per_feature, features, STEP
 _PIECE = 256
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["u"])
-def _plan_scan_input_kernel(counts, scan_in, u, PIECE: tl.constexpr, BLOCK: tl.constexpr):
-    # scan_in int64 (3, u): each key's ids, its pieces (at least one), whether it has several
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit
+def _plan_block(counts, i, u, PIECE: tl.constexpr):
+    """Keys ``i``: their ids, their pieces (at least one; 0 past u), whether they have several."""
     m = i < u
     c = tl.load(counts + i, mask=m, other=0)
-    tl.store(scan_in + i, c, mask=m)
-    tl.store(scan_in + u + i, tl.maximum((c + PIECE - 1) // PIECE, 1), mask=m)
-    tl.store(scan_in + 2 * u + i, (c > PIECE).to(tl.int64), mask=m)
+    return c, tl.where(m, tl.maximum((c + PIECE - 1) // PIECE, 1), 0), (m & (c > PIECE)).to(tl.int64)
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["u"])
-def _plan_pieces_kernel(counts, scan, starts, piece_first, piece_key, candidates, u, PIECE: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # from the inclusive scan of _plan_scan_input_kernel's three rows laid end to end (a row's scan
-    # is the flat one less the total of the rows before it): each key's first id and first piece,
-    # the key of every piece, and the keys of several pieces compacted into ``candidates``
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < u
-    c = tl.load(counts + i, mask=m, other=0)
-    pieces = tl.where(m, tl.maximum((c + PIECE - 1) // PIECE, 1), 0)
-    tl.store(starts + i, tl.load(scan + i, mask=m, other=0) - c, mask=m)
-    first = tl.load(scan + u + i, mask=m, other=0) - tl.load(scan + u - 1) - pieces
-    tl.store(piece_first + i, first, mask=m)
-    for j in range(0, tl.max(pieces, axis=0)):
-        tl.store(piece_key + first + j, i, mask=j < pieces)
-    several = m & (c > PIECE)
-    slot = tl.load(scan + 2 * u + i, mask=several, other=0) - tl.load(scan + 2 * u - 1)
-    tl.store(candidates + slot - 1, i, mask=several)
+@triton.jit(do_not_specialize=["u", "blocks"])
+def _plan_counts_kernel(counts, sums, u, blocks, PIECE: tl.constexpr, BLOCK: tl.constexpr,
+                        MAX_PROGRAMS: tl.constexpr):
+    # sums int64 (3, MAX_PROGRAMS): program p's ids, pieces and keys of several pieces, over its
+    # ``blocks`` consecutive blocks of keys
+    ids = tl.zeros([BLOCK], dtype=tl.int64)
+    pieces = tl.zeros([BLOCK], dtype=tl.int64)
+    several = tl.zeros([BLOCK], dtype=tl.int64)
+    for b in range(0, blocks):
+        i = (tl.program_id(0).to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
+        c, p, s = _plan_block(counts, i, u, PIECE)
+        ids += c
+        pieces += p
+        several += s
+    pid = tl.program_id(0)
+    tl.store(sums + pid, tl.sum(ids, axis=0))
+    tl.store(sums + MAX_PROGRAMS + pid, tl.sum(pieces, axis=0))
+    tl.store(sums + 2 * MAX_PROGRAMS + pid, tl.sum(several, axis=0))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["u", "blocks"])
+def _plan_pieces_kernel(counts, sums, starts, piece_first, piece_key, candidates, u, blocks,
+                        PIECE: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+    # the earlier programs' sums, then block by block prefix sums: each key's first id and first
+    # piece, the key of every piece, and the keys of several pieces compacted into ``candidates``
+    pid = tl.program_id(0)
+    p = tl.arange(0, MAX_PROGRAMS)
+    ids_base = tl.sum(tl.load(sums + p, mask=p < pid, other=0), axis=0)
+    pieces_base = tl.sum(tl.load(sums + MAX_PROGRAMS + p, mask=p < pid, other=0), axis=0)
+    several_base = tl.sum(tl.load(sums + 2 * MAX_PROGRAMS + p, mask=p < pid, other=0), axis=0)
+    for b in range(0, blocks):
+        i = (pid.to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
+        m = i < u
+        c, pieces, several = _plan_block(counts, i, u, PIECE)
+        tl.store(starts + i, ids_base + tl.cumsum(c, axis=0) - c, mask=m)
+        first = pieces_base + tl.cumsum(pieces, axis=0) - pieces
+        tl.store(piece_first + i, first, mask=m)
+        for j in range(0, tl.max(pieces, axis=0)):
+            tl.store(piece_key + first + j, i, mask=j < pieces)
+        slot = several_base + tl.cumsum(several, axis=0)
+        tl.store(candidates + slot - 1, i, mask=several != 0)
+        ids_base += tl.sum(c, axis=0)
+        pieces_base += tl.sum(pieces, axis=0)
+        several_base += tl.sum(several, axis=0)
 
 
 @fast_launch
@@ -296,37 +327,55 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
 
 
 # ------------------------------------------------------------------------------------------ dedup
-@fast_launch
-@triton.jit(do_not_specialize=["n"])
-def _run_heads_kernel(skeys, order, tables, head, n, BLOCK: tl.constexpr):
-    # head int32 (n,): 1 where a run of equal (key, table) starts in the sorted ids
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit
+def _run_heads(skeys, order, tables, i, n):
+    """int64 (BLOCK,): 1 where a run of equal (key, table) starts at sorted position ``i`` (i < n)."""
     m = i < n
     prev = m & (i > 0)
     k = tl.load(skeys + i, mask=m, other=0)
     t = tl.load(tables + tl.load(order + i, mask=m, other=0), mask=m, other=0)
     kp = tl.load(skeys + i - 1, mask=prev, other=0)
     tp = tl.load(tables + tl.load(order + i - 1, mask=prev, other=0), mask=prev, other=0)
-    tl.store(head + i, ((i == 0) | (k != kp) | (t != tp)).to(tl.int32), mask=m)
+    return (m & ((i == 0) | (k != kp) | (t != tp))).to(tl.int64)
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n"])
-def _run_scatter_kernel(skeys, order, tables, head, run_end, keys_out, tables_out, inverse,
-                        starts, ends, n, BLOCK: tl.constexpr):
-    # run_end: inclusive prefix sum of head (run r covers the positions where run_end == r + 1)
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    run = tl.load(run_end + i, mask=m, other=1) - 1
-    pos = tl.load(order + i, mask=m, other=0)
-    tl.store(inverse + pos, run, mask=m)
-    first = m & (tl.load(head + i, mask=m, other=0) != 0)
-    tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
-    tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
-    tl.store(starts + run, i, mask=first)
-    nxt = i + 1 < n
-    last = m & ((i + 1 == n) | (tl.load(head + i + 1, mask=m & nxt, other=0) != 0))
-    tl.store(ends + run, i + 1, mask=last)
+@triton.jit(do_not_specialize=["n", "blocks"])
+def _run_counts_kernel(skeys, order, tables, counts, n, blocks, BLOCK: tl.constexpr):
+    # counts[p]: the runs starting in program p's ``blocks`` consecutive blocks of sorted positions
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for b in range(0, blocks):
+        i = (tl.program_id(0).to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
+        total += _run_heads(skeys, order, tables, i, n)
+    tl.store(counts + tl.program_id(0), tl.sum(total, axis=0))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n", "blocks", "programs"])
+def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, blocks,
+                        programs, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+    # the runs before this program's blocks (the earlier programs' counts), then block by block: each
+    # position's run (a prefix sum of the heads), the run's key, table, first and last position
+    pid = tl.program_id(0)
+    p = tl.arange(0, MAX_PROGRAMS)
+    before = tl.load(counts + p, mask=p < pid, other=0)
+    run_base = tl.sum(before, axis=0)
+    if pid == 0:  # the number of runs, after the programs' counts
+        tl.store(counts + MAX_PROGRAMS, tl.sum(tl.load(counts + p, mask=p < programs, other=0), axis=0))
+    for b in range(0, blocks):
+        i = (pid.to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        head = _run_heads(skeys, order, tables, i, n)
+        run = run_base + tl.cumsum(head, axis=0) - 1
+        pos = tl.load(order + i, mask=m, other=0)
+        tl.store(inverse + pos, run, mask=m)
+        first = head != 0
+        tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
+        tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
+        tl.store(starts + run, i, mask=first)
+        last = m & ((i + 1 == n) | (_run_heads(skeys, order, tables, i + 1, n) != 0))
+        tl.store(ends + run, i + 1, mask=last)
+        run_base += tl.sum(head, axis=0)
 
 
 # -------------------------------------------------------------------------------- fused optimizer
@@ -506,19 +555,22 @@ class TritonKernels:
     def sorted_runs_padded(
         self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference's ``sorted_runs_padded`` in two passes around a prefix sum, no host sync."""
+        """The reference's ``sorted_runs_padded`` in two launches, no host sync: each program counts
+        the runs starting in its blocks, then each adds the counts of the programs before it (at most
+        ``_MAX_RUN_PROGRAMS``, one load) to a prefix sum of its own heads and scatters. (A ``cumsum``
+        between two kernels before: CUB's scan allocates its scratch, 25-44 us of host a call.)"""
         n, dev = skeys.numel(), skeys.device
         if n == 0:
             return skeys, tables, skeys, skeys, torch.zeros(1, dtype=torch.int64, device=dev)
-        grid = (triton.cdiv(n, _RUN_BLOCK),)
-        head = torch.empty(n, dtype=torch.int32, device=dev)
-        _run_heads_kernel[grid](skeys, order, tables, head, n, BLOCK=_RUN_BLOCK)
-        run_end = torch.cumsum(head, 0, dtype=torch.int64)
+        blocks, programs = _scan_grid(n)
+        counts = torch.empty(_MAX_RUN_PROGRAMS + 1, dtype=torch.int64, device=dev)  # + the total
+        _run_counts_kernel[(programs,)](skeys, order, tables, counts, n, blocks, BLOCK=_RUN_BLOCK)
         keys, runs_tables, inverse, starts, ends = (
             torch.empty(n, dtype=torch.int64, device=dev) for _ in range(5))
-        _run_scatter_kernel[grid](skeys, order, tables, head, run_end, keys, runs_tables, inverse,
-                                  starts, ends, n, BLOCK=_RUN_BLOCK)
-        return keys, runs_tables, inverse, ends.sub_(starts), run_end[-1:]
+        _run_scatter_kernel[(programs,)](skeys, order, tables, counts, keys, runs_tables, inverse, starts,
+                                         ends, n, blocks, programs, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
+        return keys, runs_tables, inverse, ends.sub_(starts), counts[_MAX_RUN_PROGRAMS:]
 
     def batch_checks(self, values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
                      table_of_feature: torch.Tensor | None,
@@ -588,15 +640,17 @@ class TritonKernels:
         # and the k keys of several pieces (at most n // _PIECE) that need a second pass
         grid = num_unique + n // _PIECE + 1
         k = min(num_unique, n // _PIECE + 1)
-        u_grid = (triton.cdiv(num_unique, _RUN_BLOCK),)
-        scan_in = torch.empty(3, num_unique, dtype=torch.int64, device=dev)
-        _plan_scan_input_kernel[u_grid](counts, scan_in, num_unique, PIECE=_PIECE, BLOCK=_RUN_BLOCK)
-        scan = torch.cumsum(scan_in.view(-1), 0)  # one flat scan: a scan along dim 1 took 0.5 ms
+        # two passes over the keys, as sorted_runs_padded's (no cumsum between them)
+        blocks, programs = _scan_grid(num_unique)
+        sums = torch.empty(3, _MAX_RUN_PROGRAMS, dtype=torch.int64, device=dev)
+        _plan_counts_kernel[(programs,)](counts, sums, num_unique, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
         starts, piece_first = (torch.empty(num_unique, dtype=torch.int64, device=dev) for _ in range(2))
         piece_key = torch.full((grid + k,), num_unique, dtype=torch.int64, device=dev)
         candidates = piece_key[grid:]  # k slots
-        _plan_pieces_kernel[u_grid](counts, scan, starts, piece_first, piece_key, candidates, num_unique,
-                                    PIECE=_PIECE, BLOCK=_RUN_BLOCK)
+        _plan_pieces_kernel[(programs,)](counts, sums, starts, piece_first, piece_key, candidates,
+                                         num_unique, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
         out = None if update else torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         if update:
