@@ -294,14 +294,15 @@ class KeyIndex:
         counts = torch.zeros(len(self.regions), dtype=torch.int64, device=self.device)
         return counts.index_add_(0, tables, mask.to(torch.int64)).tolist()
 
-    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
-                   valid: torch.Tensor | None = None,
+    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
+                   counts: torch.Tensor, valid: torch.Tensor | None = None,
                    guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
         (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
         per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
         every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
-        is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index."""
+        is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index.
+        ``step`` may be int64 (1,) on the device (a probe captured in a CUDA graph)."""
         n = keys.numel()
         if valid is not None:  # the reference reads the count (the CPU path: no sync to spare)
             keys, tables, counts = keys[: int(valid)], tables[: int(valid)], counts[: int(valid)]

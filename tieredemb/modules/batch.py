@@ -116,6 +116,19 @@ def _first_bad(bad: torch.Tensor, bounds: list[int], features: list[str]) -> tup
 
 
 @dataclass
+class BatchInput:
+    """``Layout.check``'s result: a batch that passed the checks needing no device data, as given
+    (values, lengths and weights where the caller put them)."""
+
+    keys: list[str]
+    order: _Order
+    batch_size: int
+    values: torch.Tensor  # int64 or int32 (n,)
+    per_feature: torch.Tensor  # int64 (F, B) lengths
+    weights: torch.Tensor | None
+
+
+@dataclass
 class StagedBatch:
     """``Layout.stage``'s result: the batch on the device, not yet read on the host."""
 
@@ -206,21 +219,37 @@ class Layout:
         """What can be checked without reading the device, and the device half of the rest: one
         int64 ``summary`` (``TorchKernels.batch_checks``) for ``finish`` to read; the first group's
         tables of ids when its features are the batch's (``identity``)."""
+        return self.put(self.check(batch))
+
+    def put(self, given: BatchInput) -> StagedBatch:
+        """``stage`` of a checked batch: its tensors copied to the device, then the device half."""
+        weights = given.weights
+        if weights is not None:
+            weights = weights.to(device=self.device, dtype=torch.float32)
+        values = given.values.to(device=self.device, dtype=torch.int64).contiguous()
+        return self.stage_on_device(given, values, given.per_feature.to(self.device), weights)
+
+    def check(self, batch: object) -> BatchInput:
+        """The checks that need no device data (names, dtypes, shapes); nothing is copied."""
         kjt = as_kjt(batch)
         keys = kjt.keys()
         batch_size, per_feature = _check_structure(kjt, list(self.table_of))
-        order = self._order(keys)
-        values = kjt.values().to(device=self.device, dtype=torch.int64).contiguous()
-        per_feature = per_feature.to(self.device)
         weights = kjt.weights_or_none() if self.use_weights else None
-        if weights is not None:
-            weights = weights.to(device=self.device, dtype=torch.float32)
+        return BatchInput(keys, self._order(keys), batch_size, kjt.values(), per_feature, weights)
+
+    def stage_on_device(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
+                        weights: torch.Tensor | None) -> StagedBatch:
+        """``stage`` of a checked batch whose values (int64 (n,)), lengths (int64 (F, B)) and weights
+        (float32 (n,) or None) are on the device already: device work only (a CUDA graph may hold
+        it)."""
+        order = given.order
         summary, tables = self.kernels.batch_checks(
             values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
             weights)
         # the first group's bag offsets now, on the device: the host read need not wait for them
         offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
-        return StagedBatch(keys, order, batch_size, values, per_feature, weights, tables, summary, offsets)
+        return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
+                           offsets)
 
     def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the

@@ -122,7 +122,7 @@ class CacheGroup(TableGroup):
         or admits keys (their decisions read the device first)."""
         return self.bound is None and self.admission is None
 
-    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int,
+    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
         the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows

@@ -29,8 +29,17 @@ from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules import state as table_state
-from tieredemb.modules.batch import Batch, GroupBatch, Layout, StagedBatch, check_keys, check_tables
+from tieredemb.modules.batch import (
+    Batch,
+    BatchInput,
+    GroupBatch,
+    Layout,
+    StagedBatch,
+    check_keys,
+    check_tables,
+)
 from tieredemb.modules.cache_table import CacheGroup
+from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
 from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
@@ -68,9 +77,10 @@ class CollectionPrefetch:
     released: bool = False
     finalizer: weakref.finalize | None = field(default=None, repr=False)
     out_rows: list[int] = field(default_factory=list)  # rows of each group's output (forward)
-    stream: object | None = None  # the CUDA stream the batch was resolved on
+    stream: object | None = None  # the CUDA stream the batch was resolved on, then the one using it
     # each group's (gradient source of each id, scale), when made before the host read
     grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    graph_slot: Slot | None = None  # the captured prefetch whose outputs hold the batch, if one does
 
 
 class _Lookup(torch.autograd.Function):
@@ -146,6 +156,10 @@ class _Collection(nn.Module):
         self._mutated: torch.cuda.Event | None = None
         self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
+        # the staged prefetch's device half, replayed from CUDA graphs (values, lengths, weights, step);
+        # Triton's kernels only (the reference's read the device)
+        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64))
+                          if capture_enabled(self.device) and self.kernels.name == "triton" else None)
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -177,12 +191,14 @@ class _Collection(nn.Module):
 
     def _resolve(self, kjt: object) -> CollectionPrefetch:
         with label("## check_batch ##"):
-            staged = self._layout.stage(kjt)
+            given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         group = self._groups[0]
         if (self.training and len(self._groups) == 1 and self.process_group is None
-                and staged.order.identity[0] and group.can_stage()):
-            return self._resolve_staged(staged, group, stream)
+                and given.order.identity[0] and group.can_stage()):
+            return self._resolve_staged(given, group, stream)
+        with label("## check_batch ##"):
+            staged = self._layout.put(given)
         batch = self._layout.finish(staged, staged.summary.tolist())
         training = self.training
         if training:
@@ -197,21 +213,52 @@ class _Collection(nn.Module):
                     groups.append(self._prefetch_sharded(g, gb, training))
         return CollectionPrefetch(batch, groups, training, stream=stream)
 
-    def _resolve_staged(self, staged: StagedBatch, group: TableGroup, stream: object) -> CollectionPrefetch:
+    def _resolve_staged(self, given: BatchInput, group: TableGroup, stream: object) -> CollectionPrefetch:
         """A training batch of one stageable group with one host read for the checks, the dedup and
         the probe together (instead of one each): the probe changes nothing unless the checks pass,
-        so a bad batch still raises with no state changed."""
+        so a bad batch still raises with no state changed. The device work before the read is a
+        replayed CUDA graph when the batch's shape was seen before (``capture.py``)."""
         step = self._clock + 1
+        slot = None
+        if self._captured is not None:
+            key = (tuple(given.keys), given.batch_size, given.values.numel(), given.weights is not None,
+                   group.index.generation)
+            slot = self._captured.acquire(key, lambda *static: self._captured_stage(given, *static),
+                                          given.values, given.per_feature, given.weights, step)
+        if slot is None:
+            with label("## check_batch ##"):
+                staged = self._layout.put(given)
+            with label("## group.prefetch ##"):
+                pending, sources, read = self._stage_device(staged, group, step)
+        else:
+            staged, pending, sources, read = slot.outputs
+            staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
         with label("## group.prefetch ##"):
-            pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
-            sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
-            host = torch.cat([staged.summary, *info]).tolist()
+            host = read.tolist()
         checks = staged.summary.numel()
-        batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
+        try:
+            batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
+        except Exception:
+            if slot is not None:
+                self._captured.release(slot, stream)
+            raise
         self._clock = step
         with label("## group.prefetch ##"):
             gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
-        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources])
+        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot)
+
+    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor):
+        """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
+        gradient sources, the int64 tensor to read: the checks' summary and the probe's counts)."""
+        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
+        sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
+        return pending, sources, torch.cat([staged.summary, *info])
+
+    def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
+                        weights: torch.Tensor | None, step: torch.Tensor):
+        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs."""
+        staged = self._layout.stage_on_device(given, values, per_feature, weights)
+        return (staged, *self._stage_device(staged, self._groups[0], step))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -254,6 +301,7 @@ class _Collection(nn.Module):
             stream = torch.cuda.current_stream(self.device)
             if stream != state.stream:  # prefetched on another stream
                 _hand_over(state, stream)
+                state.stream = stream  # used here from now on
         return state
 
     def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
@@ -323,6 +371,8 @@ class _Collection(nn.Module):
                 state.finalizer.detach()
             for group, part in held:
                 group.release(part)
+            if state.graph_slot is not None:  # its outputs take another batch once the stream is past here
+                self._captured.release(state.graph_slot, state.stream)
 
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False

@@ -250,15 +250,16 @@ class TableGroup:
         a stored row (no admission policy, no bounded table)."""
         return self.admission is None and not self.index.bounded
 
-    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int, guard: torch.Tensor,
-                       by_id: bool = True) -> tuple[StagedPrefetch, list[torch.Tensor]]:
+    def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
+                       guard: torch.Tensor, by_id: bool = True) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
         staged state and the int64 tensors to read (1, R and R long, read with the caller's own in one
         ``torch.cat``) whose values, in that order, ``finish_prefetch`` takes.
         ``by_id``: also each id's row as probed, the forward's addresses when every key is found
-        (gathered while the host waits for its read, not after it)."""
+        (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
+        the device (a captured prefetch; the caller sets the host's in the result)."""
         with label("## dedup ##"):
             skeys, order = sort_pairs(ids, tables, len(self.configs), True)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)

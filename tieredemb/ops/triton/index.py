@@ -94,16 +94,18 @@ def _find_kernel(
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
     table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
-    RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
+    step_ptr, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
     GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-    LOCK: tl.constexpr,
+    LOCK: tl.constexpr, STEP_PTR: tl.constexpr,
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
     # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
     # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (GUARD,), nothing is
-    # changed unless it is all zero
+    # changed unless it is all zero; STEP_PTR: the step is int64 (1,) at step_ptr (a captured probe)
+    if STEP_PTR:
+        step = tl.load(step_ptr)
     bins = tl.arange(0, BINS)
     programs = tl.num_programs(0)
     column = per_region + tl.program_id(0)
@@ -295,8 +297,8 @@ class TritonKeyIndex(KeyIndex):
         one = len(self.regions) == 1
         return buckets(keys, None if one else tables, self._start_dev, self._nb_dev, self.num_buckets)
 
-    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int, counts: torch.Tensor,
-                   valid: torch.Tensor | None = None,
+    def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
+                   counts: torch.Tensor, valid: torch.Tensor | None = None,
                    guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``find_touch`` in one kernel (probe, lock, touch, count per region); reads
         nothing on the host."""
@@ -316,12 +318,14 @@ class TritonKeyIndex(KeyIndex):
         keys = keys.to(torch.int64).contiguous()
         valid = self._unguarded[:1] if valid is None else valid
         guard = self._unguarded[1:] if guard is None else guard
+        on_device = isinstance(step, torch.Tensor)
         _find_touch_kernel[(programs,)](
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
             self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
-            self.num_buckets, self.width, step, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
-            POLICY=policy, BINS=bins, GUARD=guard.numel(), BLOCK_G=triton.next_power_of_2(guard.numel()),
-            BLOCK_K=block_k, BLOCK_W=block_w, LOCK=self.locking, num_warps=4,
+            self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
+            RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=policy, BINS=bins, GUARD=guard.numel(),
+            BLOCK_G=triton.next_power_of_2(guard.numel()), BLOCK_K=block_k, BLOCK_W=block_w,
+            LOCK=self.locking, STEP_PTR=on_device, num_warps=4,
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 

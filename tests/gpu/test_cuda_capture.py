@@ -1,0 +1,196 @@
+"""The captured prefetch (``tieredemb/modules/capture.py``): the device half of a staged prefetch
+replayed from a CUDA graph trains exactly as the same collection run eagerly (TIEREDEMB_CAPTURE=0):
+the same outputs, rows, optimizer state, scores and counters, bit for bit (the same kernels on the
+same inputs), through index growth, shapes that change, bad batches and a prefetch thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb as te
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+
+DEV = torch.device("cuda")
+FEATURES = ["f0", "f1", "f2"]
+
+
+def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", **kw):
+    monkeypatch.setenv("TIEREDEMB_CAPTURE", "1" if capture else "0")
+    tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], pooling=pooling) for i in range(3)]
+    if module is te.EmbeddingCollection:
+        tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
+    collection = module(tables, optimizer=optimizer, device=DEV, seed=3, **kw)
+    assert (collection._captured is not None) == capture
+    return collection
+
+
+def batch(gen: torch.Generator, lengths: torch.Tensor, keys: int, weighted: bool = False):
+    ids = torch.randint(0, keys, (int(lengths.sum()),), generator=gen) * 7919 + 11
+    weights = torch.rand(ids.numel(), generator=gen) if weighted else None
+    return te.KeyedJaggedTensor(FEATURES, ids, lengths, weights=weights).to(DEV)
+
+
+def values(out) -> torch.Tensor:
+    if isinstance(out, dict):
+        return torch.cat([jt.values() for jt in out.values()])
+    return out.values()
+
+
+def step(collection, kjt, upstream: torch.Tensor) -> torch.Tensor:
+    collection.prefetch(kjt)
+    out = values(collection(kjt))
+    (out * upstream[: out.shape[0]]).sum().backward()
+    return out.detach()
+
+
+def assert_same_tables(a, b) -> None:
+    for name in ["t0", "t1", "t2"]:
+        ra, rb = a.export(name), b.export(name)
+        oa, ob = torch.argsort(ra.keys), torch.argsort(rb.keys)
+        assert torch.equal(ra.keys[oa], rb.keys[ob]), name
+        assert torch.equal(ra.weights[oa], rb.weights[ob]), name
+        assert torch.equal(ra.optimizer_state[oa], rb.optimizer_state[ob]), name
+        assert torch.equal(ra.scores[oa], rb.scores[ob]), name
+        sa, sb = a.stats()[name], b.stats()[name]
+        assert (sa.lookups, sa.unique_lookups, sa.hits, sa.misses) == \
+            (sb.lookups, sb.unique_lookups, sb.hits, sb.misses), name
+
+
+def train_both(module, optimizer, monkeypatch, batches, pooling="sum", **kw):
+    eager = make(module, optimizer, monkeypatch, False, pooling, **kw)
+    captured = make(module, optimizer, monkeypatch, True, pooling, **kw)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    upstream = torch.randn(8192, 16 * 3, device=DEV, generator=gen)
+    for i, kjt in enumerate(batches):
+        up = upstream if module is te.EmbeddingBagCollection else upstream.view(-1, 16)
+        want = step(eager, kjt, up)
+        got = step(captured, kjt, up)
+        assert torch.equal(got, want), f"step {i}: outputs differ"
+    assert_same_tables(eager, captured)
+    return eager, captured
+
+
+@pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimizer, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 17, (3 * 256,), generator=gen)  # one shape throughout
+    # ~2000 ids a table and step from ever more keys: past the index's first 8192 slots a table
+    # (a rehash, which the captured probe must follow)
+    batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
+    _, captured = train_both(module, optimizer, monkeypatch, batches)
+    group = captured._groups[0]
+    assert group.index.generation > 0, "the index never grew: the test misses the recapture"
+    stages = captured._captured
+    assert stages.captures >= 2, stages.captures  # once, and again after each rehash
+    assert stages.replays >= 6, stages.replays
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_captured_prefetch_with_weights_and_pooling(pooling, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 6, (3 * 128,), generator=gen)
+    batches = [batch(gen, lengths, 200, weighted=True) for _ in range(6)]
+    _, captured = train_both(te.EmbeddingBagCollection, te.optim.RowWiseAdagrad(lr=0.1), monkeypatch,
+                             batches, pooling=pooling)
+    assert captured._captured.replays >= 4
+
+
+def test_shapes_that_change_are_captured_each_or_never(monkeypatch):
+    """Two shapes alternating: each captured once and replayed; a shape new every step: never
+    captured (eager throughout), and the same training either way."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(1, 6, (3 * 64,), generator=gen)
+    b = torch.randint(1, 6, (3 * 32,), generator=gen)
+    batches = [batch(gen, a if i % 2 == 0 else b, 150) for i in range(10)]
+    _, captured = train_both(te.EmbeddingBagCollection, te.optim.Adagrad(lr=0.1), monkeypatch, batches)
+    assert captured._captured.captures == 2 and captured._captured.replays == 8
+
+    fresh = []
+    for i in range(6):  # one more id each step: n differs, the key too
+        lengths = torch.full((3 * 16,), 2)
+        lengths[0] += i
+        fresh.append(batch(gen, lengths, 150))
+    _, captured = train_both(te.EmbeddingBagCollection, te.optim.Adagrad(lr=0.1), monkeypatch, fresh)
+    assert captured._captured.captures == 0 and captured._captured.replays == 0
+
+
+def test_a_bad_batch_in_a_captured_shape_raises_and_changes_nothing(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 5, (3 * 64,), generator=gen)
+    batches = [batch(gen, lengths, 100) for _ in range(4)]
+    eager, captured = train_both(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, batches)
+    replays = captured._captured.replays
+    bad = batch(gen, lengths, 100)
+    bad.values()[5] = te.RESERVED_KEY
+    before = captured.export("t0")
+    with pytest.raises(ValueError, match="RESERVED_KEY"):
+        captured.prefetch(bad)
+    assert captured._captured.replays == replays + 1  # it went through the graph
+    after = captured.export("t0")
+    assert torch.equal(before.scores.sort().values, after.scores.sort().values)
+    # the slot came back, and training goes on exactly as the eager collection's
+    up = torch.randn(64, 48, device=DEV)
+    for _ in range(3):
+        kjt = batch(gen, lengths, 100)
+        assert torch.equal(step(captured, kjt, up), step(eager, kjt, up))
+    assert_same_tables(eager, captured)
+
+
+def test_more_batches_in_flight_than_slots(monkeypatch):
+    """Three prefetches of one shape before their forwards: two slots replay, the third runs
+    eagerly (the first round: seen once, then captured twice); every batch trains as it does
+    eagerly."""
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, 5, (3 * 64,), generator=gen)
+    eager = make(te.EmbeddingBagCollection, te.optim.SGD(lr=0.1), monkeypatch, False)
+    captured = make(te.EmbeddingBagCollection, te.optim.SGD(lr=0.1), monkeypatch, True)
+    up = torch.randn(64, 48, device=DEV)
+    for round_ in range(3):
+        kjts = [batch(gen, lengths, 120) for _ in range(3)]
+        for collection in (eager, captured):
+            for kjt in kjts:
+                collection.prefetch(kjt)
+        for kjt in kjts:
+            want = eager(kjt).values()
+            got = captured(kjt).values()
+            assert torch.equal(got, want), round_
+            (want * up).sum().backward()
+            (got * up).sum().backward()
+    assert_same_tables(eager, captured)
+    stages = captured._captured
+    assert stages.captures == 2 and stages.replays == 6, (stages.captures, stages.replays)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        return self.ebc(batch["kjt"]).values().square().sum()
+
+
+def test_captured_prefetch_under_a_prefetch_thread(monkeypatch):
+    """TrainPipeline(prefetch_in_thread=True) replaying on its prefetch stream trains exactly as a
+    plain eager loop over the same batches."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 6, (3 * 128,), generator=gen)
+    batches = [batch(gen, lengths, 400) for _ in range(12)]
+    eager = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, False)
+    for kjt in batches:
+        eager(kjt).values().square().sum().backward()
+    captured = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, True)
+    pipeline = te.TrainPipeline(_Model(captured), None, device=DEV, prefetch_in_thread=True)
+    it = iter([{"kjt": kjt} for kjt in batches])
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+    pipeline.close()
+    assert captured._captured.replays >= 8, captured._captured.replays
+    assert_same_tables(eager, captured)

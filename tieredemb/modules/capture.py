@@ -1,0 +1,135 @@
+"""The device half of a staged training prefetch as a replayed CUDA graph.
+
+A warm ``hbm`` step spends most of its host time launching (session 8: ~0.95 ms of a ~1.4 ms step
+in prefetch, for ~0.4 ms of GPU work): the batch checks, the dedup's sort and runs, the probe, each
+id's row and bag, and the read's concatenation are ~25 launches and as many Python calls. They read
+nothing on the host and their shapes follow from the batch's shape alone, so for a shape seen
+before they are captured once (``torch.cuda.CUDAGraph``, over static input buffers) and replayed:
+three copies into the static inputs, one replay.
+
+A graph bakes in every pointer it reads: the index's tables (a rehash replaces them, so the index's
+``generation`` is part of the key) and its static inputs and outputs. A replay's outputs are the
+batch's tensors until its release, so each captured shape has a few slots (one batch in flight on
+each); a shape whose slots are all in flight runs eagerly, as does a shape seen for the first time
+(a shape that changes every step is never captured). ``TIEREDEMB_CAPTURE=0`` turns capture off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ENV = "TIEREDEMB_CAPTURE"
+
+
+def capture_enabled(device: torch.device) -> bool:
+    """Capture on CUDA unless ``TIEREDEMB_CAPTURE=0``."""
+    return device.type == "cuda" and os.environ.get(ENV, "1") != "0"
+
+
+@dataclass
+class Slot:
+    """One captured graph, its static inputs and outputs, and whether a batch holds them."""
+
+    key: tuple
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor | None, ...]
+    outputs: Any
+    busy: bool = False
+    done: torch.cuda.Event | None = None  # recorded at the release of the last batch on it
+
+
+class CapturedStages:
+    """Graphs of staging functions, by batch shape (``key``: one function per key), with ``per_key``
+    slots each and ``max_slots`` in all; a shape is captured once it was run eagerly ``after`` times.
+    The inputs have ``dtypes``."""
+
+    def __init__(self, device: torch.device, dtypes: tuple[torch.dtype, ...], per_key: int = 2,
+                 max_slots: int = 4, after: int = 1) -> None:
+        self.device = device
+        self.dtypes = dtypes
+        self.per_key = per_key
+        self.max_slots = max_slots
+        self.after = after
+        self._slots: list[Slot] = []  # least recently used first
+        self._seen: dict[tuple, int] = {}
+        self._lock = threading.Lock()  # never held across a capture (its gc may release a slot)
+        self.captures = 0
+        self.replays = 0
+
+    def acquire(self, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor | int | None) -> Slot | None:
+        """Copy ``inputs`` (tensors of the shapes ``key`` stands for, on any device and of any
+        dtype that copies to ``dtypes``; an int fills a 0-dim input) into a free slot of ``key``,
+        captured now if need be, replay it on the current stream and hold it for the batch
+        (``release``). None: the caller runs the work eagerly.
+
+        ``fn(*inputs)`` (called only to capture) takes device tensors of ``dtypes`` (None where the
+        input is None) and returns any structure of tensors, the slot's ``outputs``; it must launch
+        device work only (no host reads, no allocation whose size depends on values)."""
+        with self._lock:
+            slot, capture = self._take(key)
+        if capture:
+            slot = self._capture(key, fn, inputs)
+            with self._lock:
+                free = [s for s in self._slots if not s.busy]
+                if len(self._slots) >= self.max_slots and free:  # the least recently used free one goes
+                    self._slots.remove(free[0])
+                self._slots.append(slot)
+        if slot is None:
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        if slot.done is not None:  # the last batch's readers (on another stream, perhaps) are done
+            stream.wait_event(slot.done)
+        for static, given in zip(slot.inputs, inputs):
+            if isinstance(given, int):
+                static.fill_(given)
+            elif static is not None:
+                static.copy_(given)
+        slot.graph.replay()
+        self.replays += 1
+        return slot
+
+    def release(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
+        """The batch on ``slot`` is done once ``stream``'s work queued so far is (default: the
+        current stream)."""
+        done = torch.cuda.Event()
+        done.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        with self._lock:
+            slot.done = done
+            slot.busy = False
+
+    def _take(self, key: tuple) -> tuple[Slot | None, bool]:
+        """(a free slot of ``key``, now held; or None) and whether to capture a new one."""
+        for i, slot in enumerate(self._slots):
+            if slot.key == key and not slot.busy:
+                self._slots.append(self._slots.pop(i))  # most recently used last
+                slot.busy = True
+                return slot, False
+        seen = self._seen.get(key, 0)
+        if seen < self.after:
+            if len(self._seen) > 64:  # shapes that keep changing: forget them
+                self._seen.clear()
+            self._seen[key] = seen + 1
+            return None, False
+        room = len(self._slots) < self.max_slots or any(not s.busy for s in self._slots)
+        # every slot of the shape holds a batch in flight, or every slot does
+        return None, room and sum(s.key == key for s in self._slots) < self.per_key
+
+    def _capture(self, key: tuple, fn: Callable[..., Any], inputs: tuple) -> Slot:
+        static = tuple(None if t is None else
+                       torch.zeros(() if isinstance(t, int) else t.shape, dtype=dtype, device=self.device)
+                       for t, dtype in zip(inputs, self.dtypes))
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a pipeline's other thread keeps launching while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn(*static)
+        self.captures += 1
+        return Slot(key, graph, static, outputs, busy=True)
+
+
+__all__ = ["CapturedStages", "Slot", "capture_enabled"]
