@@ -196,12 +196,14 @@ def test_empty_calls():
         assert res.slots.numel() == 0 and res.evicted_keys.numel() == 0
 
 
+@pytest.mark.parametrize("step_on_device", [False, True])
 @pytest.mark.parametrize("locking", [True, False])
 @pytest.mark.parametrize("guarded", [False, True])
-def test_find_touch_with_a_device_count_and_guard(guarded, locking):
+def test_find_touch_with_a_device_count_and_guard(guarded, locking, step_on_device):
     """find_touch on padded keys: only keys[:valid] count, and a nonzero guard changes nothing; the
     Triton index equals the reference, whose sliced probe is the plain ``find``. An index made with
-    ``locking=False`` does not lock the keys found."""
+    ``locking=False`` does not lock the keys found. The step may come from the device (a captured
+    probe): the LRU region's scores are that step."""
     regions = [Region("lru", None, 16), Region("lfu", None, 16)]
     ref, tri = (cls(4, device=DEVICE, regions=regions, locking=locking) for cls in (KeyIndex, TritonKeyIndex))
     keys = torch.tensor([5, 6, 7, 8, 9, 10], dtype=torch.int64, device=DEVICE)
@@ -214,7 +216,8 @@ def test_find_touch_with_a_device_count_and_guard(guarded, locking):
     counts = torch.full_like(padded, 2)
     valid = torch.tensor([4], device=DEVICE)
     guard = torch.tensor([0, 0, 0, -3 if guarded else 0], device=DEVICE)  # any nonzero entry guards
-    got = tri.find_touch(padded, ptables, 3, counts, valid, guard)
+    step = torch.tensor(3, device=DEVICE) if step_on_device else 3
+    got = tri.find_touch(padded, ptables, step, counts, valid, guard)
     want = ref.find_touch(padded, ptables, 3, counts, valid, guard)
     assert torch.equal(got[0][:4], want[0][:4]) and torch.equal(got[1][:4], want[1][:4])
     assert torch.equal(got[2], want[2])

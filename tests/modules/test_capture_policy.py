@@ -1,0 +1,59 @@
+"""Which batches ``CapturedStages`` replays, captures or leaves to the eager path (its bookkeeping
+alone: capturing and replaying need CUDA, ``tests/gpu/test_cuda_capture.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
+
+
+def stages(**kw) -> CapturedStages:
+    return CapturedStages(torch.device("cpu"), (torch.int64,), **kw)
+
+
+def add(st: CapturedStages, key, busy: bool) -> Slot:
+    slot = Slot(key, None, (), None, busy=busy)
+    st._slots.append(slot)
+    return slot
+
+
+def test_a_shape_is_captured_after_it_ran_eagerly_once():
+    st = stages(after=1)
+    assert st._take("a") == (None, False)  # first sight: eager
+    assert st._take("a") == (None, True)  # second: capture
+    assert st._take("b") == (None, False)
+
+
+def test_a_free_slot_of_the_shape_is_taken_and_held():
+    st = stages()
+    slot = add(st, "a", busy=False)
+    add(st, "b", busy=False)
+    assert st._take("a") == (slot, False) and slot.busy
+    assert st._slots[-1] is slot  # most recently used last
+
+
+def test_no_capture_past_the_slots_of_a_shape_or_of_all():
+    st = stages(per_key=2, max_slots=3, after=0)
+    add(st, "a", busy=True)
+    add(st, "a", busy=True)
+    assert st._take("a") == (None, False)  # both of a's slots in flight: eager
+    add(st, "b", busy=True)
+    assert st._take("c") == (None, False)  # every slot in flight: eager
+    st._slots[-1].busy = False
+    assert st._take("c") == (None, True)  # b's free slot can go
+
+
+def test_shapes_that_keep_changing_are_forgotten():
+    st = stages(after=1)
+    for n in range(200):
+        assert st._take(n) == (None, False)
+    assert len(st._seen) <= 65
+
+
+def test_capture_is_for_cuda_and_can_be_turned_off(monkeypatch):
+    assert not capture_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TIEREDEMB_CAPTURE", "0")
+    assert not capture_enabled(torch.device("cuda"))
+    monkeypatch.setenv("TIEREDEMB_CAPTURE", "1")
+    assert capture_enabled(torch.device("cuda"))
