@@ -489,34 +489,23 @@ def test_admission_stores_a_key_in_the_batch_that_reaches_the_threshold():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
-def test_triton_kernels_match_torch_kernels(module, optimizer):
-    """kernels="triton" (on CUDA, else the interpreter on CPU) equals kernels="torch"."""
+def triton_matches_torch(module, tables, pools, optimizer: str, seed: int, batch_size: int, rows=None):
+    """Train both kernel sets on the same 3 batches (weighted when pooled): outputs and rows equal.
+    ``rows``: (table, keys, weights) written first. Returns the two collections (torch, triton)."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pooled = module is te.EmbeddingBagCollection
-    tables = [
-        te.TableConfig("shared", 4, ["a", "b"]),
-        te.TableConfig("small", 2, ["c"], num_embeddings=6, pooling="mean" if pooled else "sum"),
-    ]
-    pools = {"a": [3, -9, INT64_MAX], "b": [3, 4], "c": [0, 1, 5]}
-    gen = torch.Generator().manual_seed(5)
-    steps = [random_batch(gen, pools, batch_size=2, weighted=pooled) for _ in range(3)]
-    paths = [
-        module(tables, optimizer=make_optimizer(optimizer), device=device, kernels=k)
-        for k in ("torch", "triton")
-    ]
-    rows = torch.rand(2, 4, generator=gen).to(device)
-    for c in paths:
-        c.write("shared", torch.tensor([3, 4], device=device), rows)
+    gen = torch.Generator().manual_seed(seed)
+    steps = [random_batch(gen, pools, batch_size=batch_size, weighted=pooled) for _ in range(3)]
+    paths = [module(tables, optimizer=make_optimizer(optimizer), device=device, kernels=k)
+             for k in ("torch", "triton")]
+    if rows is not None:
+        for c in paths:
+            c.write(rows[0], rows[1].to(device), rows[2].to(device))
     for step, batch in enumerate(steps):
         upstream = random_upstream(gen, batch, tables, pooled)
-        upstream = (
-            {f: u.to(device) for f, u in upstream.items()}
-            if isinstance(upstream, dict)
-            else upstream.to(device)
-        )
+        upstream = ({f: u.to(device) for f, u in upstream.items()} if isinstance(upstream, dict)
+                    else upstream.to(device))
         outs = []
         for c in paths:
             out = c(batch.kjt().to(device))
@@ -528,6 +517,34 @@ def test_triton_kernels_match_torch_kernels(module, optimizer):
         assert got[0].tolist() == want[0].tolist()
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    return paths
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_triton_kernels_match_torch_kernels(module, optimizer):
+    """kernels="triton" (on CUDA, else the interpreter on CPU) equals kernels="torch"."""
+    pooled = module is te.EmbeddingBagCollection
+    tables = [
+        te.TableConfig("shared", 4, ["a", "b"]),
+        te.TableConfig("small", 2, ["c"], num_embeddings=6, pooling="mean" if pooled else "sum"),
+    ]
+    pools = {"a": [3, -9, INT64_MAX], "b": [3, 4], "c": [0, 1, 5]}
+    rows = ("shared", torch.tensor([3, 4]), torch.rand(2, 4, generator=torch.Generator().manual_seed(9)))
+    triton_matches_torch(module, tables, pools, optimizer, seed=5, batch_size=2, rows=rows)
+
+
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_triton_kernels_match_torch_kernels_in_one_staged_group(module):
+    """One table group of raw ids (the staged prefetch: the backward reads each id's gradient source
+    and scale in the dedup's order, made with the prefetch), weighted and mean-pooled bags: the
+    Triton kernels equal the torch reference."""
+    pooled = module is te.EmbeddingBagCollection
+    tables = [te.TableConfig("s", 4, ["a", "b"]),
+              te.TableConfig("m", 4, ["c"], pooling="mean" if pooled else "sum")]
+    pools = {"a": [3, -9, INT64_MAX], "b": [3, 4, 11], "c": [0, 1, 5, 8]}
+    _, triton_path = triton_matches_torch(module, tables, pools, "adam", seed=6, batch_size=3)
+    assert len(triton_path._groups) == 1 and triton_path._groups[0].can_stage()
 
 
 def test_feature_dims_helper_is_consistent():

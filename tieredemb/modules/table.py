@@ -94,6 +94,11 @@ class IdOrder:
 
     order: torch.Tensor
     entries: torch.Tensor
+    # the backward's gradient source (int64 (n,)) and scale (float32 (n,) or None) of each id, in
+    # ``order``'s order (``src_of_id[order]``), when made with the prefetch: the reduction then reads
+    # them directly, one dependent load an id fewer
+    sources: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
 
 
 @dataclass

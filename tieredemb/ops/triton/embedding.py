@@ -274,9 +274,11 @@ def _reduce_pieces_kernel(
     BLOCK_D: tl.constexpr,
     UPDATE: tl.constexpr,
     KIND: tl.constexpr,
+    PRESORTED: tl.constexpr,
 ):
     # grid: (an upper bound of the number of pieces,); piece_key[pid] >= num_unique: no piece.
     # UPDATE: a key of one piece updates its row (addresses[key]) with the sum instead of storing it.
+    # PRESORTED: src_of_id and scale come in ``order``'s order (read at the position, not the id).
     pid = tl.program_id(0).to(tl.int64)
     key = tl.load(piece_key + pid)
     if key < num_unique:
@@ -290,12 +292,15 @@ def _reduce_pieces_kernel(
         for j in range(lo, hi, CHUNK):
             pos = j + tl.arange(0, CHUNK)
             m = pos < hi
-            ids = tl.load(order + pos, mask=m, other=0)
-            src = tl.load(src_of_id + ids, mask=m, other=0)
+            if PRESORTED:  # noqa: SIM108 (a constexpr branch: the other one is not compiled)
+                at = pos
+            else:
+                at = tl.load(order + pos, mask=m, other=0)
+            src = tl.load(src_of_id + at, mask=m, other=0)
             g = tl.load(grad_src + src[:, None] * D + cols[None, :], mask=m[:, None] & cmask[None, :],
                         other=0.0)
             if HAS_SCALE:
-                g = g * tl.load(scale + ids, mask=m, other=0.0)[:, None]
+                g = g * tl.load(scale + at, mask=m, other=0.0)[:, None]
             acc += tl.sum(g, axis=0)
         if count <= PIECE:  # the key's only piece: its result
             if UPDATE:
@@ -608,7 +613,9 @@ class TritonKernels:
 
         Deterministic (no atomics): each key's ids are summed in the order of a stable sort by key,
         in pieces of ``_PIECE`` ids added in order; equal to the reference within fp32 rounding.
-        ``sorted_ids`` (the dedup's ``IdOrder``: ``order``, ``entries``) spares that sort.
+        ``sorted_ids`` (the dedup's ``IdOrder``: ``order``, ``entries``) spares that sort; with its
+        ``sources`` (and ``scales``: ``src_of_id[order]``, ``scale[order]``) the kernel reads those
+        instead of going through ``order`` (one dependent load an id fewer).
         """
         n, dim = inverse.numel(), grad_src.shape[1]
         if n == 0 or num_unique == 0 or dim == 0:
@@ -639,6 +646,9 @@ class TritonKernels:
             counts = torch.bincount(inverse, minlength=num_unique)[:num_unique]
         else:
             order, counts = sorted_ids.order, sorted_ids.entries
+        presorted = getattr(sorted_ids, "sources", None) is not None
+        if presorted:  # the sources (and scales) in ``order``'s order, made by the prefetch
+            src_of_id, scale = sorted_ids.sources, sorted_ids.scales
         # the plan: each key's first id (in ``order``), its pieces of _PIECE ids (a key without ids
         # still gets one: its program stores the zero row), the key of every piece (grid: an upper
         # bound of the pieces, known without a host sync; the rest hold num_unique and do nothing),
@@ -672,7 +682,7 @@ class TritonKernels:
             order, starts, counts, piece_key, piece_first, partial if out is None else out, partial,
             num_unique, dim, table, addresses, width, seg_rows, lr, eps, beta1, beta2, step_size,
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d, UPDATE=bool(update),
-            KIND=kind, num_warps=_bag_warps(block_d),  # gather_pool's shape of work: one warp at D=128
+            KIND=kind, PRESORTED=presorted, num_warps=_bag_warps(block_d),  # one warp at D=128
         )
         _reduce_keys_kernel[(k,)](
             partial, counts, piece_first, candidates, partial if out is None else out, num_unique, dim, table,
