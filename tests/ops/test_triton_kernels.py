@@ -463,3 +463,45 @@ def test_reduction_reads_presorted_sources_as_it_reads_them_through_the_order(ge
     tk.reduce_update(grad_src, src_of_id, scale, inverse, u, presorted, twin, addr, opt, 1)
     for a, b in zip(store.segments, twin.segments):
         assert torch.equal(a, b)
+
+
+def test_reduction_plan_made_ahead_from_a_device_count(gen):
+    """``reduce_plan`` (made by the prefetch from the padded per-key counts and the count of keys on
+    the device, entries past it garbage) gives the reduction the same bits as the plan it makes
+    itself from the host count; the keys past the count never become pieces."""
+    from tieredemb.modules.table import IdOrder
+    from tieredemb.ops.triton.embedding import _PIECE
+
+    dim, u = 8, 9
+    inverse = torch.cat([torch.zeros(2 * _PIECE + 3, dtype=torch.int64),  # a key over three pieces
+                         torch.randint(1, u, (70,), generator=gen)])
+    inverse = inverse[inverse != 4]  # a key without ids
+    inverse = inverse[torch.randperm(inverse.numel(), generator=gen)].to(DEVICE)
+    n = inverse.numel()
+    order = torch.argsort(inverse, stable=True)
+    entries = torch.bincount(inverse, minlength=u)
+    padded = torch.cat([entries, torch.randint(1, 3 * _PIECE, (n - u,), generator=gen).to(DEVICE)])
+    grad_src = torch.randn(n // 2, dim, generator=gen).to(DEVICE)
+    src_of_id = torch.randint(0, n // 2, (n,), generator=gen).to(DEVICE)
+    tk = TritonKernels()
+    plan = tk.reduce_plan(padded, torch.tensor([u], device=DEVICE))
+    want = tk.reduce_grads(grad_src, src_of_id, None, inverse, u, IdOrder(order, entries))
+    got = tk.reduce_grads(grad_src, src_of_id, None, inverse, u, IdOrder(order, entries, plan=plan))
+    assert torch.equal(got, want)
+    starts, piece_first, piece_key, candidates = plan
+    pieces = piece_key[: piece_key.numel() - candidates.numel()]
+    real = pieces[pieces != 2**63 - 1]
+    assert real.tolist() == sorted(real.tolist()) and set(real.tolist()) == set(range(u))
+    assert torch.bincount(real, minlength=u)[0] == 3  # the hot key's pieces
+    assert candidates[candidates != 2**63 - 1].tolist() == [0]
+    opt = make_optimizer("rowwise_adagrad")
+    store, addresses = make_store(gen, dim + opt.state_width(dim), 12)
+    for seg in store.segments:
+        seg[:, dim:].abs_()
+    twin = clone_store(store)
+    addr = addresses[:u].contiguous()
+    tk.reduce_update(grad_src, src_of_id, None, inverse, u, IdOrder(order, entries), store, addr, opt, 1)
+    tk.reduce_update(grad_src, src_of_id, None, inverse, u, IdOrder(order, entries, plan=plan), twin, addr,
+                     opt, 1)
+    for a, b in zip(store.segments, twin.segments):
+        assert torch.equal(a, b)

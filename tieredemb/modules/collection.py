@@ -229,9 +229,9 @@ class _Collection(nn.Module):
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
-                pending, sources, in_order, read = self._stage_device(staged, group, step)
+                pending, sources, ahead, read = self._stage_device(staged, group, step)
         else:
-            staged, pending, sources, in_order, read = slot.outputs
+            staged, pending, sources, ahead, read = slot.outputs
             staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
         with label("## group.prefetch ##"):
             host = read.tolist()
@@ -245,18 +245,20 @@ class _Collection(nn.Module):
         self._clock = step
         with label("## group.prefetch ##"):
             gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
-        gpf.sorted_ids.sources, gpf.sorted_ids.scales = in_order
+        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = ahead
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot)
 
     def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
-        gradient sources and scales, the same in the dedup's order, the int64 tensor to read: the
-        checks' summary and the probe's counts)."""
+        gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
+        tensor to read: the checks' summary and the probe's counts)."""
         pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
-        sources = self._grad_sources(0, staged.first_group())  # the backward's, queued before the read
+        # the backward's work that needs only the batch, queued before the read
+        sources = self._grad_sources(0, staged.first_group())
         src, scale = sources
-        in_order = (src[pending.order], None if scale is None else scale[pending.order])
-        return pending, sources, in_order, torch.cat([staged.summary, *info])
+        ahead = (src[pending.order], None if scale is None else scale[pending.order],
+                 self.kernels.reduce_plan(pending.counts, info[0]))
+        return pending, sources, ahead, torch.cat([staged.summary, *info])
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
                         weights: torch.Tensor | None, step: torch.Tensor):
@@ -576,8 +578,9 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
         tensors += [getattr(part, f.name) for f in fields(part)
                     if isinstance(getattr(part, f.name), torch.Tensor)]
         if getattr(part, "sorted_ids", None) is not None:  # the dedup's sort, read by the backward
-            order = part.sorted_ids
-            tensors += [t for t in (order.order, order.entries, order.sources, order.scales) if t is not None]
+            ids = part.sorted_ids
+            tensors += [t for t in (ids.order, ids.entries, ids.sources, ids.scales, *(ids.plan or ()))
+                        if t is not None]
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)

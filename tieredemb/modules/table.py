@@ -99,6 +99,7 @@ class IdOrder:
     # them directly, one dependent load an id fewer
     sources: torch.Tensor | None = None
     scales: torch.Tensor | None = None
+    plan: tuple[torch.Tensor, ...] | None = None  # the kernels' reduction plan (``reduce_plan``)
 
 
 @dataclass

@@ -113,6 +113,12 @@ class TorchKernels:
         out = torch.zeros(num_unique, grad_src.shape[1], dtype=torch.float32, device=g.device)
         return out.index_add_(0, inverse, g)
 
+    def reduce_plan(self, counts: torch.Tensor, count: torch.Tensor) -> None:
+        """Kernels that plan their reduction may make the plan ahead of the backward (``IdOrder.plan``)
+        from ``counts`` (int64 (n,), ids per key, past ``count`` (int64 (1,), on the device)
+        unspecified); the reference needs none."""
+        return None
+
     def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
                       inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
                       addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:

@@ -32,6 +32,7 @@ _TILE_ELEMS = 1024
 _MAX_ROWS = 128  # rows per program in gather / reduce_grads / optimizer_update
 _BAG_CHUNK = 8  # ids of one bag summed per loop iteration (bags of ~10 ids: one warp per bag)
 _RUN_BLOCK = 1024  # sorted ids per program in the dedup's passes
+_NO_KEY = 2**63 - 1  # the reduction plan's key of a program past the last piece
 _MAX_RUN_PROGRAMS = 1024  # the dedup's runs: programs of consecutive blocks, counts summed in one load
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
@@ -206,10 +207,13 @@ def _plan_block(counts, i, u, PIECE: tl.constexpr):
 
 @fast_launch
 @triton.jit(do_not_specialize=["u", "blocks"])
-def _plan_counts_kernel(counts, sums, u, blocks, PIECE: tl.constexpr, BLOCK: tl.constexpr,
-                        MAX_PROGRAMS: tl.constexpr):
+def _plan_counts_kernel(counts, sums, u, u_ptr, blocks, PIECE: tl.constexpr, BLOCK: tl.constexpr,
+                        MAX_PROGRAMS: tl.constexpr, U_PTR: tl.constexpr):
     # sums int64 (3, MAX_PROGRAMS): program p's ids, pieces and keys of several pieces, over its
-    # ``blocks`` consecutive blocks of keys
+    # ``blocks`` consecutive blocks of keys; U_PTR: the number of keys is int64 (1,) at u_ptr (the
+    # grid then covers a bound of it)
+    if U_PTR:
+        u = tl.load(u_ptr)
     ids = tl.zeros([BLOCK], dtype=tl.int64)
     pieces = tl.zeros([BLOCK], dtype=tl.int64)
     several = tl.zeros([BLOCK], dtype=tl.int64)
@@ -227,10 +231,13 @@ def _plan_counts_kernel(counts, sums, u, blocks, PIECE: tl.constexpr, BLOCK: tl.
 
 @fast_launch
 @triton.jit(do_not_specialize=["u", "blocks"])
-def _plan_pieces_kernel(counts, sums, starts, piece_first, piece_key, candidates, u, blocks,
-                        PIECE: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+def _plan_pieces_kernel(counts, sums, starts, piece_first, piece_key, candidates, u, u_ptr, blocks,
+                        PIECE: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+                        U_PTR: tl.constexpr):
     # the earlier programs' sums, then block by block prefix sums: each key's first id and first
     # piece, the key of every piece, and the keys of several pieces compacted into ``candidates``
+    if U_PTR:
+        u = tl.load(u_ptr)
     pid = tl.program_id(0)
     p = tl.arange(0, MAX_PROGRAMS)
     ids_base = tl.sum(tl.load(sums + p, mask=p < pid, other=0), axis=0)
@@ -622,6 +629,37 @@ class TritonKernels:
             return torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
         return self._reduce(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids, None)
 
+    def reduce_plan(self, counts: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The reduction's plan for the ``count`` (int64 (1,) on the device) keys of ``counts``
+        (int64 (n,), ids per key; entries past the count unspecified), made before the count is
+        known on the host (``IdOrder.plan``): buffers sized for any count up to n."""
+        return self._plan(counts, counts.numel(), counts.numel(), count, None)
+
+    def _plan(self, counts: torch.Tensor, n: int, bound: int, count: torch.Tensor | None,
+              num_unique: int | None) -> tuple[torch.Tensor, ...]:
+        """(starts, piece_first, piece_key, candidates): each key's first id (in the sort), its first
+        piece of _PIECE ids (a key without ids still gets one: its program stores the zero row), the
+        key of every piece (past the last piece ``_NO_KEY``) and the keys of several pieces (at most
+        n // _PIECE; they need a second pass). Two passes over the keys, as ``sorted_runs_padded``'s.
+        n: the ids; ``bound``: a bound of the number of keys, which is ``num_unique`` (host) or
+        ``count`` (device)."""
+        dev = counts.device
+        blocks, programs = _scan_grid(bound)
+        sums = torch.empty(3, _MAX_RUN_PROGRAMS, dtype=torch.int64, device=dev)
+        u = num_unique if num_unique is not None else 0
+        u_ptr = count if count is not None else sums
+        _plan_counts_kernel[(programs,)](counts, sums, u, u_ptr, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=count is not None)
+        starts, piece_first = _rows(2, bound, dev)
+        pieces = bound + n // _PIECE + 1
+        piece_key = torch.full((pieces + min(bound, n // _PIECE + 1),), _NO_KEY, dtype=torch.int64,
+                               device=dev)
+        candidates = piece_key[pieces:]
+        _plan_pieces_kernel[(programs,)](counts, sums, starts, piece_first, piece_key, candidates, u, u_ptr,
+                                         blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=count is not None)
+        return starts, piece_first, piece_key, candidates
+
     def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
                       inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
                       addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:
@@ -649,23 +687,14 @@ class TritonKernels:
         presorted = getattr(sorted_ids, "sources", None) is not None
         if presorted:  # the sources (and scales) in ``order``'s order, made by the prefetch
             src_of_id, scale = sorted_ids.sources, sorted_ids.scales
-        # the plan: each key's first id (in ``order``), its pieces of _PIECE ids (a key without ids
-        # still gets one: its program stores the zero row), the key of every piece (grid: an upper
-        # bound of the pieces, known without a host sync; the rest hold num_unique and do nothing),
-        # and the k keys of several pieces (at most n // _PIECE) that need a second pass
+        plan = getattr(sorted_ids, "plan", None)  # made by the prefetch, or now
+        if plan is None:
+            plan = self._plan(counts, n, num_unique, None, num_unique)
+        starts, piece_first, piece_key, candidates = plan
+        # grid: an upper bound of the pieces, known without a host sync (programs past the last
+        # piece find a key >= num_unique and do nothing); k: a bound of the keys of several pieces
         grid = num_unique + n // _PIECE + 1
         k = min(num_unique, n // _PIECE + 1)
-        # two passes over the keys, as sorted_runs_padded's (no cumsum between them)
-        blocks, programs = _scan_grid(num_unique)
-        sums = torch.empty(3, _MAX_RUN_PROGRAMS, dtype=torch.int64, device=dev)
-        _plan_counts_kernel[(programs,)](counts, sums, num_unique, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
-                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
-        starts, piece_first = _rows(2, num_unique, dev)
-        piece_key = torch.full((grid + k,), num_unique, dtype=torch.int64, device=dev)
-        candidates = piece_key[grid:]  # k slots
-        _plan_pieces_kernel[(programs,)](counts, sums, starts, piece_first, piece_key, candidates,
-                                         num_unique, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
-                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
         out = None if update else torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         if update:
