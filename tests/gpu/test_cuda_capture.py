@@ -194,3 +194,28 @@ def test_captured_prefetch_under_a_prefetch_thread(monkeypatch):
     pipeline.close()
     assert captured._captured.replays >= 8, captured._captured.replays
     assert_same_tables(eager, captured)
+
+
+def test_a_capture_that_fails_leaves_the_eager_path_working():
+    """A staging function that reads the device cannot be captured: ``acquire`` warns, returns None
+    (the caller runs eagerly) and never tries again; CUDA keeps working."""
+    from tieredemb.modules.capture import CapturedStages
+
+    stages = CapturedStages(DEV, (torch.int64,), after=0)
+
+    def reads(x):
+        return x + int(x.sum())  # a host read: not allowed while capturing
+
+    x = torch.arange(8, device=DEV)
+    with pytest.warns(RuntimeWarning, match="prefetches eagerly"):
+        assert stages.acquire(("k",), reads, x) is None
+    assert stages.failed is not None and stages.captures == 0
+    assert stages.acquire(("k",), lambda t: t + 1, x) is None  # no second try
+    assert torch.equal(reads(x), x + 28)  # the eager path, after the failed capture
+
+    ok = CapturedStages(DEV, (torch.int64,), after=0)
+    slot = ok.acquire(("k",), lambda t: t * 2, x)
+    assert slot is not None and torch.equal(slot.outputs, x * 2)
+    ok.release(slot, None)
+    slot = ok.acquire(("k",), lambda t: t * 2, x + 1)  # replayed on new inputs
+    assert ok.captures == 1 and torch.equal(slot.outputs, (x + 1) * 2)

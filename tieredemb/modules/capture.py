@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ class CapturedStages:
         self._lock = threading.Lock()  # never held across a capture (its gc may release a slot)
         self.captures = 0
         self.replays = 0
+        self.failed: str | None = None  # why a capture failed: none is tried again
 
     def acquire(self, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor | int | None) -> Slot | None:
         """Copy ``inputs`` (tensors of the shapes ``key`` stands for, on any device and of any
@@ -71,10 +73,18 @@ class CapturedStages:
         ``fn(*inputs)`` (called only to capture) takes device tensors of ``dtypes`` (None where the
         input is None) and returns any structure of tensors, the slot's ``outputs``; it must launch
         device work only (no host reads, no allocation whose size depends on values)."""
+        if self.failed is not None:
+            return None
         with self._lock:
             slot, capture = self._take(key)
         if capture:
-            slot = self._capture(key, fn, inputs)
+            try:
+                slot = self._capture(key, fn, inputs)
+            except Exception as e:  # noqa: BLE001 (any capture failure: the eager path still works)
+                self.failed = f"{type(e).__name__}: {e}"
+                warnings.warn(f"tieredemb: capturing the prefetch in a CUDA graph failed ({self.failed}); "
+                              "this collection prefetches eagerly from now on", RuntimeWarning, stacklevel=3)
+                return None
             with self._lock:
                 free = [s for s in self._slots if not s.busy]
                 if len(self._slots) >= self.max_slots and free:  # the least recently used free one goes
