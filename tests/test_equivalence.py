@@ -547,6 +547,25 @@ def test_triton_kernels_match_torch_kernels_in_one_staged_group(module):
     assert len(triton_path._groups) == 1 and triton_path._groups[0].can_stage()
 
 
+def test_triton_staged_group_takes_a_batch_without_ids():
+    """A batch whose bags are all empty goes through the staged prefetch (no plan, no sort) and
+    changes no row; the next batch trains as the torch kernels do."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tables = [te.TableConfig("t", 4, ["a", "b"])]
+    paths = [te.EmbeddingBagCollection(tables, device=device, kernels=k) for k in ("torch", "triton")]
+    none = torch.empty(0, dtype=torch.int64)
+    empty = te.KeyedJaggedTensor(["a", "b"], none, torch.zeros(4, dtype=torch.int64))
+    some = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 2]), torch.tensor([1, 0, 2, 0]))
+    for c in paths:
+        for kjt in (empty, some):
+            out = c(kjt.to(device))
+            (out.values() * torch.arange(1.0, 17.0, device=device).view(2, 8)).sum().backward()
+    want, got = sorted_export(paths[0], "t"), sorted_export(paths[1], "t")
+    assert got[0].tolist() == want[0].tolist() == [1, 2]
+    torch.testing.assert_close(got[1], want[1])
+
+
 def test_feature_dims_helper_is_consistent():
     """Guards the helpers the suite leans on (a wrong helper would make every test vacuous)."""
     tables = [te.TableConfig("a", 2, ["x", "y"]), te.TableConfig("b", 5, ["z"])]

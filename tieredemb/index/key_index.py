@@ -302,7 +302,8 @@ class KeyIndex:
         per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
         every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
         is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index.
-        ``step`` may be int64 (1,) on the device (a probe captured in a CUDA graph)."""
+        ``step`` may be an int64 tensor of one element on the device (a probe captured in a CUDA
+        graph)."""
         n = keys.numel()
         if valid is not None:  # the reference reads the count (the CPU path: no sync to spare)
             keys, tables, counts = keys[: int(valid)], tables[: int(valid)], counts[: int(valid)]

@@ -233,18 +233,18 @@ class _Collection(nn.Module):
         else:
             staged, pending, sources, ahead, read = slot.outputs
             staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
-        with label("## group.prefetch ##"):
-            host = read.tolist()
-        checks = staged.summary.numel()
         try:
+            with label("## group.prefetch ##"):
+                host = read.tolist()
+            checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
-        except Exception:
+            self._clock = step
+            with label("## group.prefetch ##"):
+                gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
+        except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
             if slot is not None:
                 self._captured.release(slot, stream)
             raise
-        self._clock = step
-        with label("## group.prefetch ##"):
-            gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = ahead
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot)
 

@@ -629,10 +629,12 @@ class TritonKernels:
             return torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_src.device)
         return self._reduce(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids, None)
 
-    def reduce_plan(self, counts: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def reduce_plan(self, counts: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The reduction's plan for the ``count`` (int64 (1,) on the device) keys of ``counts``
         (int64 (n,), ids per key; entries past the count unspecified), made before the count is
-        known on the host (``IdOrder.plan``): buffers sized for any count up to n."""
+        known on the host (``IdOrder.plan``): buffers sized for any count up to n. None for no ids."""
+        if counts.numel() == 0:
+            return None
         return self._plan(counts, counts.numel(), counts.numel(), count, None)
 
     def _plan(self, counts: torch.Tensor, n: int, bound: int, count: torch.Tensor | None,
