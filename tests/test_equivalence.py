@@ -566,6 +566,50 @@ def test_triton_staged_group_takes_a_batch_without_ids():
     torch.testing.assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
+    """After a batch that found every key, the next staged prefetch also looks its rows up (Triton's
+    kernels); the forward uses that lookup only if this batch found every key too, else looks up
+    again. Outputs and rows equal the torch kernels' either way."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pooled = module is te.EmbeddingBagCollection
+    tables = [te.TableConfig("s", 4, ["a", "b"], pooling="mean" if pooled else "sum")]
+    paths = [module(tables, optimizer=make_optimizer("adam"), device=device, kernels=k)
+             for k in ("torch", "triton")]
+
+    def kjt(ids, lengths):
+        weights = torch.linspace(0.5, 1.5, len(ids)) if pooled else None
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor(lengths),
+                                    weights=weights).to(device)
+
+    known = kjt([1, 2, 3, 2, 5, 1], [2, 1, 2, 1])
+    steps = [(known, None), (known, None), (kjt([5, 3, 1, 1], [1, 1, 0, 2]), True),  # all found: used
+             (kjt([5, 9, 1], [1, 1, 1, 0]), False),  # key 9 is new: looked up again
+             (kjt([2, 9], [1, 0, 0, 1]), None), (kjt([9, 9, 3, 2, 5], [2, 1, 1, 1]), True)]
+    gen = torch.Generator().manual_seed(7)
+    for i, (batch, used) in enumerate(steps):
+        outs = []
+        for c in paths:
+            c.prefetch(batch)
+            if c.kernels.name == "triton" and used is not None:
+                assert (c._queued[-1][1].looked is not None) == used, f"step {i}"
+            out = c(batch)
+            outs.append(out)
+        upstream = torch.randn(values_of(outs[0]).shape, generator=gen).to(device)
+        for out in outs:
+            (values_of(out) * upstream).sum().backward()
+        torch.testing.assert_close(values_of(outs[1]), values_of(outs[0]), rtol=1e-5, atol=1e-6)
+    want, got = sorted_export(paths[0], "s"), sorted_export(paths[1], "s")
+    assert got[0].tolist() == want[0].tolist()
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+def values_of(out) -> torch.Tensor:
+    return torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out.values()
+
+
 def test_feature_dims_helper_is_consistent():
     """Guards the helpers the suite leans on (a wrong helper would make every test vacuous)."""
     tables = [te.TableConfig("a", 2, ["x", "y"]), te.TableConfig("b", 5, ["z"])]

@@ -219,3 +219,40 @@ def test_a_capture_that_fails_leaves_the_eager_path_working():
     ok.release(slot, None)
     slot = ok.acquire(("k",), lambda t: t * 2, x + 1)  # replayed on new inputs
     assert ok.captures == 1 and torch.equal(slot.outputs, (x + 1) * 2)
+
+
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_captured_lookup_ahead_of_the_read(module, monkeypatch):
+    """Batches of known keys: the captured prefetch also looks the rows up, into a fresh output each
+    replay (an earlier step's output keeps its values); a batch with a new key looks up again."""
+    gen = torch.Generator().manual_seed(6)
+    lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+    warm = batch(gen, lengths, 50)
+    per_feature = lengths.view(3, 64).sum(dim=1).tolist()
+
+    def rolled(shift: int):  # warm's ids, each feature's rolled: only known (table, key) pairs
+        parts = warm.values().split(per_feature)
+        return te.KeyedJaggedTensor(FEATURES, torch.cat([p.roll(shift) for p in parts]), lengths.to(DEV))
+
+    batches = [warm, warm] + [rolled(s) for s in range(1, 6)]
+    batches[4].values()[0] = 10**12 + 7  # a key no batch had: the lookup made ahead is not used
+    eager = make(module, te.optim.Adam(lr=0.01), monkeypatch, False)
+    captured = make(module, te.optim.Adam(lr=0.01), monkeypatch, True)
+    up = torch.randn(8192, 16, device=DEV)
+    kept, used = [], []
+    for kjt in batches:
+        outs = []
+        for c in (eager, captured):
+            c.prefetch(kjt)
+            if c is captured:
+                used.append(c._queued[-1][1].looked is not None)
+            out = values(c(kjt))
+            (out * up.view(-1)[: out.numel()].view_as(out)).sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[1], outs[0])
+        kept.append((outs[1], outs[1].clone()))
+    for out, copy in kept:  # no later replay wrote into an earlier output
+        assert torch.equal(out, copy)
+    assert used[2:] == [True, True, False, False, True], used
+    assert captured._captured.replays >= 4
+    assert_same_tables(eager, captured)

@@ -42,7 +42,7 @@ from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
 from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
-from tieredemb.ops.reference import bag_ids
+from tieredemb.ops.reference import Written, bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.backends import HostMemory
@@ -81,6 +81,7 @@ class CollectionPrefetch:
     # each group's (gradient source of each id, scale), when made before the host read
     grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     graph_slot: Slot | None = None  # the captured prefetch whose outputs hold the batch, if one does
+    looked: torch.Tensor | None = None  # the first group's lookup, made with the prefetch (every key found)
 
 
 class _Lookup(torch.autograd.Function):
@@ -91,7 +92,7 @@ class _Lookup(torch.autograd.Function):
         ctx.module, ctx.state = module, state
         # forward without backward (graph dropped) must still release the batch's locks
         state.finalizer = weakref.finalize(ctx, module._release, state)
-        outs = tuple(module._lookup(g, state) for g in range(len(module._groups)))
+        outs = module._lookups(state)
         state.out_rows = [o.shape[0] for o in outs]
         if module._stash is not None:  # the rows are idle until this lookup's backward
             with module._mutating():
@@ -158,8 +159,13 @@ class _Collection(nn.Module):
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         # the staged prefetch's device half, replayed from CUDA graphs (values, lengths, weights, step);
         # Triton's kernels only (the reference's read the device)
-        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64))
+        # (values, lengths, weights, step, the row store's segment table, the lookup's output address)
+        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
+                                                       torch.int64, torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
+        # look up the batch's rows with its prefetch, before the read, when the last batch found every
+        # key (Triton's kernels, which write a captured lookup's output where a device value says)
+        self._look_ahead = False
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -219,19 +225,25 @@ class _Collection(nn.Module):
         so a bad batch still raises with no state changed. The device work before the read is a
         replayed CUDA graph when the batch's shape was seen before (``capture.py``)."""
         step = self._clock + 1
+        ahead = (self._look_ahead and self._stash is None and self.kernels.name == "triton"
+                 and group.probes_rows)
         slot = None
         if self._captured is not None:
+            looked = self._ahead_output(given, group) if ahead else None
+            pointers = group.store.pointer_table() if ahead else None
             key = (tuple(given.keys), given.batch_size, given.values.numel(), given.weights is not None,
-                   group.index.generation)
+                   group.index.generation, None if pointers is None else pointers.numel())
             slot = self._captured.acquire(key, lambda *static: self._captured_stage(given, *static),
-                                          given.values, given.per_feature, given.weights, step)
+                                          given.values, given.per_feature, given.weights, step, pointers,
+                                          None if looked is None else looked.data_ptr())
         if slot is None:
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
-                pending, sources, ahead, read = self._stage_device(staged, group, step)
+                pending, sources, backward, read, looked = self._stage_device(staged, group, step, ahead,
+                                                                              None)
         else:
-            staged, pending, sources, ahead, read = slot.outputs
+            staged, pending, sources, backward, read, _ = slot.outputs
             staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
         try:
             with label("## group.prefetch ##"):
@@ -245,26 +257,38 @@ class _Collection(nn.Module):
             if slot is not None:
                 self._captured.release(slot, stream)
             raise
-        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = ahead
-        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot)
+        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
+        # the lookup made ahead read every id's row as probed: right only if every key was found
+        self._look_ahead = gpf.id_addresses is not None
+        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
+                                  looked=looked if self._look_ahead else None)
 
-    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor):
+    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor, ahead: bool,
+                      written: Written | None):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
         gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
-        tensor to read: the checks' summary and the probe's counts)."""
+        tensor to read (the checks' summary and the probe's counts), and with ``ahead`` the batch's
+        lookup from the rows as probed (written to ``written`` if given, else returned))."""
         pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
         # the backward's work that needs only the batch, queued before the read
         sources = self._grad_sources(0, staged.first_group())
         src, scale = sources
-        ahead = (src[pending.order], None if scale is None else scale[pending.order],
-                 self.kernels.reduce_plan(pending.counts, info[0]))
-        return pending, sources, ahead, torch.cat([staged.summary, *info])
+        backward = (src[pending.order], None if scale is None else scale[pending.order],
+                    self.kernels.reduce_plan(pending.counts, info[0]))
+        looked = None
+        if ahead:  # rows of keys not found read as zeros: the forward looks them up again then
+            looked = self._lookup_rows(0, group.store, pending.id_values, staged.first_group(), scale,
+                                       written)
+        return pending, sources, backward, torch.cat([staged.summary, *info]), looked
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
-                        weights: torch.Tensor | None, step: torch.Tensor):
-        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs."""
+                        weights: torch.Tensor | None, step: torch.Tensor, pointers: torch.Tensor | None,
+                        holder: torch.Tensor | None):
+        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs (the lookup
+        ahead writes where ``holder`` says, reading rows through ``pointers``)."""
         staged = self._layout.stage_on_device(given, values, per_feature, weights)
-        return (staged, *self._stage_device(staged, self._groups[0], step))
+        written = None if holder is None else Written(holder, pointers)
+        return (staged, *self._stage_device(staged, self._groups[0], step, holder is not None, written))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -330,7 +354,7 @@ class _Collection(nn.Module):
         if state.training and torch.is_grad_enabled():
             return state, _Lookup.apply(self._dummy, self, state)
         try:
-            return state, tuple(self._lookup(g, state) for g in range(len(self._groups)))
+            return state, self._lookups(state)
         finally:
             self._release(state)  # no backward will come
 
@@ -383,7 +407,21 @@ class _Collection(nn.Module):
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False
 
+    def _lookups(self, state: CollectionPrefetch) -> tuple[torch.Tensor, ...]:
+        """Each group's lookup of the batch (the first group's made with the prefetch, if it was)."""
+        return tuple(state.looked if g == 0 and state.looked is not None else self._lookup(g, state)
+                     for g in range(len(self._groups)))
+
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
+                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
+        """Group g's lookup of the ids at ``addresses`` (``written``: into a captured output)."""
+        raise NotImplementedError
+
+    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
+        """An empty output for the first group's lookup of a staged batch."""
         raise NotImplementedError
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -573,6 +611,8 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     tensors = [t for gb in state.batch.groups
                for t in (gb.ids, gb.tables, gb.lengths, gb.offsets, gb.weights) if t is not None]
     tensors += [t for pair in state.grad_sources or [] for t in pair if t is not None]
+    if state.looked is not None:
+        tensors.append(state.looked)
     parts = list(state.groups) + [g.served for g in state.groups if isinstance(g, ShardedPrefetch)]
     for part in parts:
         tensors += [getattr(part, f.name) for f in fields(part)
@@ -742,8 +782,15 @@ class EmbeddingBagCollection(_Collection):
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         gb = state.batch.groups[g]
         store, addresses = self._addressed(g, state)
-        return self.kernels.gather_pool(store, addresses, gb.offsets, self._scale(g, gb), self._groups[g].dim,
-                                        self._sample_major[g])
+        return self._lookup_rows(g, store, addresses, gb, self._scale(g, gb))
+
+    def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
+                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
+        return self.kernels.gather_pool(store, addresses, gb.offsets, scale, self._groups[g].dim,
+                                        self._sample_major[g], out_at=written)
+
+    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
+        return torch.empty(given.per_feature.numel(), group.dim, dtype=torch.float32, device=self.device)
 
     def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
         """float32 (n,) per-id factor: weight, divided by the bag length for mean pooling."""
@@ -784,7 +831,14 @@ class EmbeddingCollection(_Collection):
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         store, addresses = self._addressed(g, state)
-        return self.kernels.gather(store, addresses, self._groups[g].dim)
+        return self._lookup_rows(g, store, addresses, state.batch.groups[g], None)
+
+    def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
+                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
+        return self.kernels.gather(store, addresses, self._groups[g].dim, out_at=written)
+
+    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
+        return torch.empty(given.values.numel(), group.dim, dtype=torch.float32, device=self.device)
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.arange(gb.ids.numel(), device=self.device), None
