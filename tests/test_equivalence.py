@@ -606,6 +606,33 @@ def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
 
 
+def test_a_bad_batch_after_a_lookup_ahead_raises_and_changes_nothing():
+    """The lookup made ahead runs before the checks are read: lengths that overrun the ids (and a
+    reserved id) must not make it read outside the batch; the batch raises the checks' error, no
+    row changes, and the next batch trains as the torch kernels do."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tables = [te.TableConfig("s", 4, ["a", "b"])]
+    paths = [te.EmbeddingBagCollection(tables, device=device, kernels=k) for k in ("torch", "triton")]
+    good = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1])).to(device)
+    for c in paths:
+        for _ in range(2):
+            c(good).values().sum().backward()
+    assert paths[1]._look_ahead
+    before = sorted_export(paths[1], "s")
+    overrun = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([900, 1, 1, -3]))
+    reserved = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, te.RESERVED_KEY, 3, 4]),
+                                    torch.tensor([1, 1, 1, 1]))
+    for bad, message in ((overrun, "negative lengths"), (reserved, "RESERVED_KEY")):
+        with pytest.raises(ValueError, match=message):
+            paths[1](bad.to(device))
+    after = sorted_export(paths[1], "s")
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    for c in paths:
+        c(good).values().sum().backward()
+    torch.testing.assert_close(sorted_export(paths[1], "s")[1], sorted_export(paths[0], "s")[1])
+
+
 def values_of(out) -> torch.Tensor:
     return torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out.values()
 

@@ -135,7 +135,7 @@ def _gather_kernel(
 
 # ------------------------------------------------------------------------------------- gather+pool
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gather_pool_kernel(
     ptr_table,
     addresses,
@@ -147,6 +147,7 @@ def _gather_pool_kernel(
     segment_rows,
     bags_per_feature,
     features,
+    n,
     HAS_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -154,7 +155,8 @@ def _gather_pool_kernel(
 ):
     # grid: (num_bags,); out: float32 (num_bags, D) (OUT_AT: int64 (1,) holding its address); one
     # program sums one bag. Bag f * B + b (B = bags_per_feature) goes to row b * features + f:
-    # (B, features * D) with each sample's features side by side.
+    # (B, features * D) with each sample's features side by side. Ids outside [0, n) are skipped: a
+    # lookup made ahead of the batch checks reads offsets that may be wrong (the batch then raises).
     if OUT_AT:
         out = tl.load(out).to(tl.pointer_type(tl.float32))
     bag = tl.program_id(0).to(tl.int64)
@@ -166,7 +168,7 @@ def _gather_pool_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for i0 in range(start, end, BLOCK_I):
         ids = i0 + tl.arange(0, BLOCK_I)
-        in_bag = ids < end
+        in_bag = (ids < end) & (ids >= 0) & (ids < n)
         addr = tl.load(addresses + ids, mask=in_bag, other=-1)
         valid = addr >= 0
         src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
@@ -568,6 +570,7 @@ class TritonKernels:
             store.segment_rows,
             num_bags // features,
             features,
+            addresses.numel(),
             HAS_SCALE=scale is not None,
             BLOCK_I=_BAG_CHUNK,
             BLOCK_D=block_d,
