@@ -6,8 +6,12 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--check-launch] [--scale S] [--steps N]
+#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR] [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
+#
+# --ab OLD_DIR: tests/gpu, then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
+# (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout, alternating
+# new, old, new, old, in one call (machine starts differ by up to 30%: only one call's runs compare).
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
@@ -31,6 +35,7 @@ run_tests=1
 run_dist=0
 run_stash=0
 run_check_launch=0
+ab_old=""
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -48,6 +53,7 @@ while [ $# -gt 0 ]; do
         --dist) run_dist=1 ;;
         --stash) run_stash=1 ;;
         --check-launch) run_check_launch=1 ;;
+        --ab) ab_old="$2"; shift ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -88,6 +94,24 @@ if [ "$run_check_launch" = 1 ]; then
     TIEREDEMB_FAST_LAUNCH=check timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/ops \
         tests/index tests/modules 2>&1 | tail -n 15
     exit "${PIPESTATUS[0]}"
+fi
+
+if [ -n "$ab_old" ]; then
+    echo "== tests/gpu"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 15 | tee "$OUT/pytest.log"
+    here="$PWD"
+    old_root="$(cd "$ab_old" && pwd)"
+    kb() {  # tag, package root, optimizer: the step's line and the reduction's, tagged
+        (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/scripts/kernel_bench.py" --optimizer "$3" \
+            --repeats 10 2>&1) | grep -E "^step|^reduce_update|Error" | sed "s/^/$1 $3 /"
+    }
+    echo "== kernel_bench, new ($here) / old ($old_root)"
+    kb warm "$here" sgd >/dev/null
+    for optimizer in sgd adam sgd adam; do
+        kb new "$here" "$optimizer"
+        kb old "$old_root" "$optimizer"
+    done 2>&1 | tee "$OUT/ab.log"
+    exit 0
 fi
 
 if [ "$run_dist" = 1 ]; then
