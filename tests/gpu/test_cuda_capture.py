@@ -13,6 +13,8 @@ import tieredemb as te
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
 
+from tests.gpu.test_cuda_syncs import _Model  # noqa: E402 (the embedding-only model, loss = sum of squares)
+
 DEV = torch.device("cuda")
 FEATURES = ["f0", "f1", "f2"]
 
@@ -163,15 +165,6 @@ def test_more_batches_in_flight_than_slots(monkeypatch):
     assert_same_tables(eager, captured)
     stages = captured._captured
     assert stages.captures == 2 and stages.replays == 6, (stages.captures, stages.replays)
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, ebc):
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, batch):
-        return self.ebc(batch["kjt"]).values().square().sum()
 
 
 def test_captured_prefetch_under_a_prefetch_thread(monkeypatch):
