@@ -104,7 +104,7 @@ def main() -> None:
 
         def gather(rp=rows_per_program, w=warps, g=grid):
             _gather_kernel[g](ptrs, addresses, out, args.n, D, D, store.segment_rows, BLOCK_N=rp,
-                              BLOCK_D=D, OUT_AT=False, num_warps=w)
+                              BLOCK_D=D, num_warps=w)
 
         def scatter(rp=rows_per_program, w=warps, g=grid):
             _scatter_kernel[g](ptrs, addresses, rows, args.n, D, store.segment_rows, BLOCK_N=rp,
@@ -120,7 +120,7 @@ def main() -> None:
 
         def gather_of(a=addr, g=grid):
             _gather_kernel[g](ptrs, a, out, args.n, D, D, store.segment_rows, BLOCK_N=64, BLOCK_D=D,
-                              OUT_AT=False, num_warps=8)
+                              num_warps=8)
 
         record(f"UVA gather, 64 rows x 8 warps, {name}", timed(gather_of, args.repeat))
 
@@ -133,7 +133,7 @@ def main() -> None:
 
     def both():
         _gather_kernel[grid](ptrs, addresses, out, args.n, D, D, store.segment_rows, BLOCK_N=64, BLOCK_D=D,
-                             OUT_AT=False, num_warps=8)
+                             num_warps=8)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             _scatter_kernel[grid](ptrs, others, rows, args.n, D, store.segment_rows, BLOCK_N=64, BLOCK_W=D,

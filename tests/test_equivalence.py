@@ -568,9 +568,8 @@ def test_triton_staged_group_takes_a_batch_without_ids():
 
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
 def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
-    """After a batch that found every key, the next staged prefetch also looks its rows up (Triton's
-    kernels); the forward uses that lookup only if this batch found every key too, else looks up
-    again. Outputs and rows equal the torch kernels' either way."""
+    """A staged prefetch whose batch found every key looks its rows up right after its read; with a
+    new key the forward looks them up. Outputs and rows equal the torch kernels' either way."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pooled = module is te.EmbeddingBagCollection
@@ -584,18 +583,16 @@ def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
                                     weights=weights).to(device)
 
     known = kjt([1, 2, 3, 2, 5, 1], [2, 1, 2, 1])
-    steps = [(known, None), (known, None), (kjt([5, 3, 1, 1], [1, 1, 0, 2]), True),  # all found: used
-             (kjt([5, 9, 1], [1, 1, 1, 0]), False),  # key 9 is new: looked up again
-             (kjt([2, 9], [1, 0, 0, 1]), None), (kjt([9, 9, 3, 2, 5], [2, 1, 1, 1]), True)]
+    steps = [(known, False), (known, True), (kjt([5, 3, 1, 1], [1, 1, 0, 2]), True),
+             (kjt([5, 9, 1], [1, 1, 1, 0]), False),  # key 9 is new
+             (kjt([2, 9], [1, 0, 0, 1]), True), (kjt([9, 9, 3, 2, 5], [2, 1, 1, 1]), True)]
     gen = torch.Generator().manual_seed(7)
-    for i, (batch, used) in enumerate(steps):
+    for i, (batch, found) in enumerate(steps):
         outs = []
         for c in paths:
             c.prefetch(batch)
-            if c.kernels.name == "triton" and used is not None:
-                assert (c._queued[-1][1].looked is not None) == used, f"step {i}"
-            out = c(batch)
-            outs.append(out)
+            assert (c._queued[-1][1].looked is not None) == found, f"step {i}"
+            outs.append(c(batch))
         upstream = torch.randn(values_of(outs[0]).shape, generator=gen).to(device)
         for out in outs:
             (values_of(out) * upstream).sum().backward()
@@ -606,10 +603,38 @@ def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
 
 
-def test_a_bad_batch_after_a_lookup_ahead_raises_and_changes_nothing():
-    """The lookup made ahead runs before the checks are read: lengths that overrun the ids (and a
-    reserved id) must not make it read outside the batch; the batch raises the checks' error, no
-    row changes, and the next batch trains as the torch kernels do."""
+def test_a_lookup_made_before_rows_changed_is_not_used():
+    """Batch B prefetched (and looked up) before batch A's backward, as a pipeline does, or before a
+    write: the forward of B looks its rows up again and sees the change; after the first such miss
+    the collection stops looking up early."""
+    tables = [te.TableConfig("s", 4, ["a"])]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5))
+    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    b = te.KeyedJaggedTensor(["a"], torch.tensor([2, 1]), torch.tensor([1, 1]))
+    ebc(a).values().sum().backward()  # both keys stored
+    ebc.write("s", torch.tensor([1]), torch.ones(1, 4))
+    out_a = ebc(a)
+    ebc.prefetch(b)
+    assert ebc._queued[-1][1].looked is not None
+    out_a.values().sum().backward()  # rows 1 and 2 change
+    rows, _ = ebc.read("s", torch.tensor([2, 1]))
+    torch.testing.assert_close(ebc(b).values(), rows)
+    assert not ebc._early_lookup
+    ebc.prefetch(b)
+    assert ebc._queued[-1][1].looked is None
+    ebc(b)
+
+    again = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5))
+    again(a).values().sum().backward()
+    again.prefetch(b)
+    again.write("s", torch.tensor([2]), torch.full((1, 4), 7.0))
+    torch.testing.assert_close(again(b).values()[0], torch.full((4,), 7.0))
+
+
+def test_a_bad_batch_between_early_lookups_raises_and_changes_nothing():
+    """After batches that were looked up with their prefetch, bad ones (lengths that overrun the ids,
+    a reserved id) raise the checks' error with no row changed, and the next batch trains as the
+    torch kernels do."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tables = [te.TableConfig("s", 4, ["a", "b"])]
@@ -618,7 +643,7 @@ def test_a_bad_batch_after_a_lookup_ahead_raises_and_changes_nothing():
     for c in paths:
         for _ in range(2):
             c(good).values().sum().backward()
-    assert paths[1]._look_ahead
+    assert paths[1]._early_lookup
     before = sorted_export(paths[1], "s")
     overrun = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([900, 1, 1, -3]))
     reserved = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, te.RESERVED_KEY, 3, 4]),

@@ -506,25 +506,3 @@ def test_reduction_plan_made_ahead_from_a_device_count(gen):
     for a, b in zip(store.segments, twin.segments):
         assert torch.equal(a, b)
 
-
-@pytest.mark.parametrize("pooled", [True, False])
-def test_lookup_written_where_a_device_value_says(gen, pooled):
-    """``out_at`` (a captured lookup): gather and gather_pool write the same bits into the tensor
-    whose address the holder carries, reading rows through the given segment table."""
-    from tieredemb.ops.reference import Written
-
-    dim = 6
-    store, addresses = make_store(gen, dim + 2, 40)
-    ids = pick(gen, addresses, 50)
-    tk = TritonKernels()
-    out = torch.full((12 if pooled else 50, dim), float("nan"), device=DEVICE)
-    written = Written(torch.tensor(out.data_ptr(), dtype=torch.int64, device=DEVICE), store.pointer_table())
-    if pooled:
-        offsets = torch.tensor([0, 3, 3, 10, 14, 20, 27, 30, 38, 41, 45, 49, 50], device=DEVICE)
-        scale = torch.rand(50, generator=gen).to(DEVICE)
-        want = tk.gather_pool(store, ids, offsets, scale, dim, 3)
-        assert tk.gather_pool(store, ids, offsets, scale, dim, 3, out_at=written) is None
-    else:
-        want = tk.gather(store, ids, dim)
-        assert tk.gather(store, ids, dim, out_at=written) is None
-    assert torch.equal(out, want)

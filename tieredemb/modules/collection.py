@@ -42,7 +42,7 @@ from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
 from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
-from tieredemb.ops.reference import Written, bag_ids
+from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.backends import HostMemory
@@ -81,7 +81,10 @@ class CollectionPrefetch:
     # each group's (gradient source of each id, scale), when made before the host read
     grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     graph_slot: Slot | None = None  # the captured prefetch whose outputs hold the batch, if one does
-    looked: torch.Tensor | None = None  # the first group's lookup, made with the prefetch (every key found)
+    # the first group's lookup, made right after the prefetch's read (every key found), while the rows
+    # were as of ``looked_at`` (``_Collection._rows_changed``)
+    looked: torch.Tensor | None = None
+    looked_at: int = -1
 
 
 class _Lookup(torch.autograd.Function):
@@ -159,13 +162,14 @@ class _Collection(nn.Module):
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         # the staged prefetch's device half, replayed from CUDA graphs (values, lengths, weights, step);
         # Triton's kernels only (the reference's read the device)
-        # (values, lengths, weights, step, the row store's segment table, the lookup's output address)
-        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
-                                                       torch.int64, torch.int64))
+        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
-        # look up the batch's rows with its prefetch, before the read, when the last batch found every
-        # key (Triton's kernels, which write a captured lookup's output where a device value says)
-        self._look_ahead = False
+        # a staged prefetch that found every key looks the batch up right after its read, so that the
+        # host's work until the backward runs beside that kernel; its output stands only if no row
+        # changed before the forward (``_rows_changed``: backward updates, writes, restores). Once an
+        # output had to be dropped (a pipeline prefetching batch i+1 before backward i) it stops.
+        self._rows_changed = 0
+        self._early_lookup = True
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -225,25 +229,19 @@ class _Collection(nn.Module):
         so a bad batch still raises with no state changed. The device work before the read is a
         replayed CUDA graph when the batch's shape was seen before (``capture.py``)."""
         step = self._clock + 1
-        ahead = (self._look_ahead and self._stash is None and self.kernels.name == "triton"
-                 and group.probes_rows)
         slot = None
         if self._captured is not None:
-            looked = self._ahead_output(given, group) if ahead else None
-            pointers = group.store.pointer_table() if ahead else None
             key = (tuple(given.keys), given.batch_size, given.values.numel(), given.weights is not None,
-                   group.index.generation, None if pointers is None else pointers.numel())
+                   group.index.generation)
             slot = self._captured.acquire(key, lambda *static: self._captured_stage(given, *static),
-                                          given.values, given.per_feature, given.weights, step, pointers,
-                                          None if looked is None else looked.data_ptr())
+                                          given.values, given.per_feature, given.weights, step)
         if slot is None:
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
-                pending, sources, backward, read, looked = self._stage_device(staged, group, step, ahead,
-                                                                              None)
+                pending, sources, backward, read = self._stage_device(staged, group, step)
         else:
-            staged, pending, sources, backward, read, _ = slot.outputs
+            staged, pending, sources, backward, read = slot.outputs
             staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
         try:
             with label("## group.prefetch ##"):
@@ -251,6 +249,10 @@ class _Collection(nn.Module):
             checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = step
+            looked = None
+            if self._early_lookup and group.probes_rows and self._stash is None and \
+                    not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
+                looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
             with label("## group.prefetch ##"):
                 gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
@@ -258,37 +260,26 @@ class _Collection(nn.Module):
                 self._captured.release(slot, stream)
             raise
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
-        # the lookup made ahead read every id's row as probed: right only if every key was found
-        self._look_ahead = gpf.id_addresses is not None
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
-                                  looked=looked if self._look_ahead else None)
+                                  looked=looked, looked_at=self._rows_changed)
 
-    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor, ahead: bool,
-                      written: Written | None):
+    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
         gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
-        tensor to read (the checks' summary and the probe's counts), and with ``ahead`` the batch's
-        lookup from the rows as probed (written to ``written`` if given, else returned))."""
+        tensor to read: the checks' summary and the probe's counts)."""
         pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
         # the backward's work that needs only the batch, queued before the read
         sources = self._grad_sources(0, staged.first_group())
         src, scale = sources
         backward = (src[pending.order], None if scale is None else scale[pending.order],
                     self.kernels.reduce_plan(pending.counts, info[0]))
-        looked = None
-        if ahead:  # rows of keys not found read as zeros: the forward looks them up again then
-            looked = self._lookup_rows(0, group.store, pending.id_values, staged.first_group(), scale,
-                                       written)
-        return pending, sources, backward, torch.cat([staged.summary, *info]), looked
+        return pending, sources, backward, torch.cat([staged.summary, *info])
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
-                        weights: torch.Tensor | None, step: torch.Tensor, pointers: torch.Tensor | None,
-                        holder: torch.Tensor | None):
-        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs (the lookup
-        ahead writes where ``holder`` says, reading rows through ``pointers``)."""
+                        weights: torch.Tensor | None, step: torch.Tensor):
+        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs."""
         staged = self._layout.stage_on_device(given, values, per_feature, weights)
-        written = None if holder is None else Written(holder, pointers)
-        return (staged, *self._stage_device(staged, self._groups[0], step, holder is not None, written))
+        return (staged, *self._stage_device(staged, self._groups[0], step))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -363,6 +354,7 @@ class _Collection(nn.Module):
             raise RuntimeError("backward ran twice through one embedding lookup (retain_graph?): "
                                "the fused optimizer steps once per forward")
         self.step += 1
+        self._rows_changed += 1
         for g, grad in enumerate(grads):
             gpf, group = state.groups[g], self._groups[g]
             sharded = isinstance(gpf, ShardedPrefetch)
@@ -408,20 +400,21 @@ class _Collection(nn.Module):
     _uses_weights = False
 
     def _lookups(self, state: CollectionPrefetch) -> tuple[torch.Tensor, ...]:
-        """Each group's lookup of the batch (the first group's made with the prefetch, if it was)."""
-        return tuple(state.looked if g == 0 and state.looked is not None else self._lookup(g, state)
+        """Each group's lookup of the batch (the first group's made with the prefetch, if it was and
+        no row changed since)."""
+        looked = state.looked
+        if looked is not None and state.looked_at != self._rows_changed:
+            self._early_lookup = False  # made for nothing (rows changed since): not again
+            looked = None
+        return tuple(looked if g == 0 and looked is not None else self._lookup(g, state)
                      for g in range(len(self._groups)))
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         raise NotImplementedError
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
-                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
-        """Group g's lookup of the ids at ``addresses`` (``written``: into a captured output)."""
-        raise NotImplementedError
-
-    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
-        """An empty output for the first group's lookup of a staged batch."""
+                     scale: torch.Tensor | None) -> torch.Tensor:
+        """Group g's lookup of the ids at ``addresses``."""
         raise NotImplementedError
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -468,6 +461,7 @@ class _Collection(nn.Module):
             raise ValueError(f"table {table!r}: write keys must be distinct")
         weights = weights.to(device=self.device, dtype=torch.float32)
         with self._mutating():
+            self._rows_changed += 1
             if self.process_group is not None:  # to the owners; a key two ranks write: the later rank's
                 order, send, recv, keys = self._route(table, keys)
                 weights = exchange(weights[order], send, recv, self.process_group)
@@ -534,6 +528,7 @@ class _Collection(nn.Module):
         keys = keys.to(self.device)
         rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
         with self._mutating():
+            self._rows_changed += 1
             if self.process_group is not None:
                 order, send, recv, keys = self._route(table, keys)
                 rows = exchange(rows[order], send, recv, self.process_group)
@@ -548,6 +543,7 @@ class _Collection(nn.Module):
         group, i, _ = self._table(table)
         keys = keys.to(self.device)
         with self._mutating():
+            self._rows_changed += 1
             if self.process_group is not None:
                 _, _, _, keys = self._route(table, keys)
             group.delete_rows(i, keys)
@@ -785,12 +781,9 @@ class EmbeddingBagCollection(_Collection):
         return self._lookup_rows(g, store, addresses, gb, self._scale(g, gb))
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
-                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
+                     scale: torch.Tensor | None) -> torch.Tensor:
         return self.kernels.gather_pool(store, addresses, gb.offsets, scale, self._groups[g].dim,
-                                        self._sample_major[g], out_at=written)
-
-    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
-        return torch.empty(given.per_feature.numel(), group.dim, dtype=torch.float32, device=self.device)
+                                        self._sample_major[g])
 
     def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
         """float32 (n,) per-id factor: weight, divided by the bag length for mean pooling."""
@@ -834,11 +827,8 @@ class EmbeddingCollection(_Collection):
         return self._lookup_rows(g, store, addresses, state.batch.groups[g], None)
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
-                     scale: torch.Tensor | None, written: Written | None = None) -> torch.Tensor | None:
-        return self.kernels.gather(store, addresses, self._groups[g].dim, out_at=written)
-
-    def _ahead_output(self, given: BatchInput, group: TableGroup) -> torch.Tensor:
-        return torch.empty(given.values.numel(), group.dim, dtype=torch.float32, device=self.device)
+                     scale: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.gather(store, addresses, self._groups[g].dim)
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.arange(gb.ids.numel(), device=self.device), None

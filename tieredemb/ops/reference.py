@@ -7,30 +7,12 @@ as a zero row and is never updated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
-
-
-@dataclass
-class Written:
-    """Where a captured lookup writes (the ``out_at`` of Triton's ``gather``/``gather_pool``):
-    ``holder`` int64 () holds the address of the float32 output, allocated anew for each replay;
-    ``pointers`` is the row store's segment table as of the replay (graph inputs both: a CUDA graph
-    keeps the pointers it was captured with)."""
-
-    holder: torch.Tensor
-    pointers: torch.Tensor
-
-
-def _no_out_at(out_at: Written | None) -> None:
-    if out_at is not None:
-        raise ValueError("a lookup written where a device value says (out_at) needs the Triton kernels")
 
 
 class TorchKernels:
@@ -40,10 +22,9 @@ class TorchKernels:
     index_class = KeyIndex
 
     def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
-               programs: int | None = None, out_at: Written | None = None) -> torch.Tensor:
+               programs: int | None = None) -> torch.Tensor:
         """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: a bound on a
-        kernel's grid (the Triton kernels'; nothing here). ``out_at``: Triton's only (``Written``)."""
-        _no_out_at(out_at)
+        kernel's grid (the Triton kernels'; nothing here)."""
         return store.gather(addresses, dim)
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
@@ -52,14 +33,11 @@ class TorchKernels:
         store.scatter(addresses, rows)
 
     def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
-                    scale: torch.Tensor | None, dim: int, features: int = 1,
-                    out_at: Written | None = None) -> torch.Tensor:
+                    scale: torch.Tensor | None, dim: int, features: int = 1) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
         scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim).
         ``features``: the bags are that many features' blocks of B bags; bag f * B + i goes to row
-        i * features + f (the rows are then (B, features * dim), sample-major). ``out_at``:
-        Triton's only."""
-        _no_out_at(out_at)
+        i * features + f (the rows are then (B, features * dim), sample-major)."""
         rows = store.gather(addresses, dim)  # (n, dim)
         if scale is not None:
             rows = rows * scale[:, None]

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tieredemb.ops.reference import Written
 from tieredemb.ops.triton.checks import batch_checks
 from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.ops.triton.launch import fast_launch
@@ -117,13 +116,9 @@ def _scatter_kernel(
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _gather_kernel(
-    ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    OUT_AT: tl.constexpr,
+    ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    # grid: (cdiv(n, BLOCK_N),) or fewer programs, as _scatter_kernel; out: float32 (n, D) (OUT_AT:
-    # int64 (1,) holding its address)
-    if OUT_AT:
-        out = tl.load(out).to(tl.pointer_type(tl.float32))
+    # grid: (cdiv(n, BLOCK_N),) or fewer programs, as _scatter_kernel; out: float32 (n, D)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
@@ -135,7 +130,7 @@ def _gather_kernel(
 
 # ------------------------------------------------------------------------------------- gather+pool
 @fast_launch
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def _gather_pool_kernel(
     ptr_table,
     addresses,
@@ -147,18 +142,13 @@ def _gather_pool_kernel(
     segment_rows,
     bags_per_feature,
     features,
-    n,
     HAS_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    OUT_AT: tl.constexpr,
 ):
-    # grid: (num_bags,); out: float32 (num_bags, D) (OUT_AT: int64 (1,) holding its address); one
-    # program sums one bag. Bag f * B + b (B = bags_per_feature) goes to row b * features + f:
-    # (B, features * D) with each sample's features side by side. Ids outside [0, n) are skipped: a
-    # lookup made ahead of the batch checks reads offsets that may be wrong (the batch then raises).
-    if OUT_AT:
-        out = tl.load(out).to(tl.pointer_type(tl.float32))
+    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag. Bag f * B + b (B =
+    # bags_per_feature) goes to row b * features + f: (B, features * D) with each sample's features
+    # side by side.
     bag = tl.program_id(0).to(tl.int64)
     out_row = (bag % bags_per_feature) * features + bag // bags_per_feature
     start = tl.load(offsets + bag)
@@ -168,7 +158,7 @@ def _gather_pool_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for i0 in range(start, end, BLOCK_I):
         ids = i0 + tl.arange(0, BLOCK_I)
-        in_bag = (ids < end) & (ids >= 0) & (ids < n)
+        in_bag = ids < end
         addr = tl.load(addresses + ids, mask=in_bag, other=-1)
         valid = addr >= 0
         src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
@@ -490,19 +480,18 @@ class TritonKernels:
     index_class = TritonKeyIndex
 
     def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
-               programs: int | None = None, out_at: Written | None = None) -> torch.Tensor | None:
+               programs: int | None = None) -> torch.Tensor:
         """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: at most that
         many programs (each loops over its share): rows in host memory need a few loads in flight,
-        not the whole device. ``out_at``: write the rows there instead (returns None)."""
+        not the whole device."""
         n = addresses.numel()
-        out = (torch.empty(n, dim, dtype=torch.float32, device=addresses.device) if out_at is None
-               else out_at.holder)
+        out = torch.empty(n, dim, dtype=torch.float32, device=addresses.device)
         if n == 0 or dim == 0:
-            return None if out_at is not None else out
+            return out
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
         _gather_kernel[(_programs(n, block_n, programs),)](
-            store.pointer_table() if out_at is None else out_at.pointers,
+            store.pointer_table(),
             addresses.contiguous(),
             out,
             n,
@@ -511,10 +500,9 @@ class TritonKernels:
             store.segment_rows,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
-            OUT_AT=out_at is not None,
             num_warps=_num_warps(block_n * block_d),
         )
-        return None if out_at is not None else out
+        return out
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
                 programs: int | None = None) -> None:
@@ -545,22 +533,19 @@ class TritonKernels:
         scale: torch.Tensor | None,
         dim: int,
         features: int = 1,
-        out_at: Written | None = None,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Pooled bags. addresses: int64 (n,) one per id; offsets: int64 (b+1,) bag boundaries;
         scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim).
         ``features``: the bags are that many features' blocks of B bags; bag f * B + i goes to row
-        i * features + f (the rows are then (B, features * dim), sample-major). ``out_at``: write
-        the bags there instead (returns None)."""
+        i * features + f (the rows are then (B, features * dim), sample-major)."""
         num_bags = offsets.numel() - 1
-        out = (torch.empty(num_bags, dim, dtype=torch.float32, device=offsets.device) if out_at is None
-               else out_at.holder)
+        out = torch.empty(num_bags, dim, dtype=torch.float32, device=offsets.device)
         if num_bags <= 0 or dim == 0:
-            return None if out_at is not None else out
+            return out
         addresses = addresses.contiguous()
         block_d = _block_d(dim)
         _gather_pool_kernel[(num_bags,)](
-            store.pointer_table() if out_at is None else out_at.pointers,
+            store.pointer_table(),
             addresses,
             offsets.contiguous(),
             addresses if scale is None else scale.contiguous(),
@@ -570,14 +555,12 @@ class TritonKernels:
             store.segment_rows,
             num_bags // features,
             features,
-            addresses.numel(),
             HAS_SCALE=scale is not None,
             BLOCK_I=_BAG_CHUNK,
             BLOCK_D=block_d,
-            OUT_AT=out_at is not None,
             num_warps=_bag_warps(block_d),
         )
-        return None if out_at is not None else out
+        return out
 
     def sorted_runs(
         self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
