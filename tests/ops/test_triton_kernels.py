@@ -506,3 +506,45 @@ def test_reduction_plan_made_ahead_from_a_device_count(gen):
     for a, b in zip(store.segments, twin.segments):
         assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("fault", ["none", "reserved key", "short"])
+def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
+    """A batch padded to a bucket (ids past ``count`` hold the largest key, which sorts after every
+    real id): the checks see only the first ``count`` ids, the runs only their sorted positions, and
+    the padding's ``inverse`` is 0; everything else as the unpadded batch, Triton and reference."""
+    from tieredemb.config import RESERVED_KEY
+    from tieredemb.ops.triton import embedding as E
+
+    monkeypatch.setattr(E, "_MAX_RUN_PROGRAMS", 4)  # programs over several blocks
+    monkeypatch.setattr(E, "_RUN_BLOCK", 32)
+    nf, b = 4, 30
+    lengths, values, _ = _batch(gen, nf, b, None)
+    values[::7] = 2**63 - 1  # real ids equal to the padding's key come first (a stable sort)
+    if fault == "reserved key":
+        values[-2] = RESERVED_KEY
+    elif fault == "short":
+        lengths[2, 3] += 1
+    n, pad = values.numel(), 37
+    table_of_feature = torch.tensor([0, 1, 1, 2])
+    padded = torch.cat([values, torch.full((pad,), 2**63 - 1)]).to(DEVICE)
+    count = torch.tensor([n], device=DEVICE)
+    args = [t.to(DEVICE) for t in (lengths, )] + [None, table_of_feature.to(DEVICE), None]
+    for kern in (TritonKernels(), TorchKernels()):
+        want_summary, want_tables = kern.batch_checks(values.to(DEVICE), *args)
+        got_summary, got_tables = kern.batch_checks(padded, *args, count)
+        assert got_summary.tolist() == want_summary.tolist()
+        assert torch.equal(got_tables[:n], want_tables)
+        if fault != "none":
+            continue
+        skeys, order = torch.sort(values.to(DEVICE), stable=True)
+        want = kern.sorted_runs_padded(skeys, order, want_tables)
+        pkeys, porder = torch.sort(padded, stable=True)
+        assert torch.equal(porder[:n], order)
+        got = kern.sorted_runs_padded(pkeys, porder, got_tables, count)
+        u = int(want[4][0])
+        assert int(got[4][0]) == u
+        for g, w in zip(got[:2], want[:2]):  # keys, tables
+            assert torch.equal(g[:u], w[:u])
+        assert torch.equal(got[2][:n], want[2]) and (got[2][n:] == 0).all()  # inverse
+        assert torch.equal(got[3][:u], want[3][:u])  # entries

@@ -66,15 +66,22 @@ class TorchKernels:
         return skeys[starts], stables[starts], inverse, entries
 
     def batch_checks(self, values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
-                     table_of_feature: torch.Tensor | None,
-                     weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     table_of_feature: torch.Tensor | None, weights: torch.Tensor | None,
+                     count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The device half of a batch's checks. values: int64 (n,) ids, feature-major; per_feature:
         int64 (F, B) lengths; limits: int64 (F,) each feature's num_embeddings or -1 (None: all -1);
         table_of_feature: int64 (F,) or None; weights: float32 (n,) or None. Returns ``summary`` int64
         (2F + 3,): ids per feature, negative lengths per feature, a bad-id flag (out of range, or
         the reserved key), a non-finite-weight flag, the lengths' total minus n (everything after
         the first F entries is zero when the batch passes), and each id's table
-        (``table_of_feature`` of its feature; None without it)."""
+        (``table_of_feature`` of its feature; None without it). ``count``: int64 (1,), only the first
+        ``count`` ids are the batch's, the rest padding (not checked; their tables unspecified)."""
+        if count is not None:  # the reference reads it (Triton's kernels read it on the device)
+            real = int(count)
+            summary, tables = self.batch_checks(values[:real], per_feature, limits, table_of_feature,
+                                                None if weights is None else weights[:real])
+            pad = values.numel() - real
+            return summary, None if tables is None else torch.cat([tables, tables.new_zeros(pad)])
         counts = per_feature.sum(dim=1)
         feature = run_of(counts, torch.arange(values.numel(), device=values.device))
         nonfinite = (~torch.isfinite(weights).all() if weights is not None
@@ -93,9 +100,18 @@ class TorchKernels:
         per_feature = (offsets.numel() - 1) // features
         return bag % per_feature * features + bag // per_feature
 
-    def sorted_runs_padded(self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor):
+    def sorted_runs_padded(self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+                           count: torch.Tensor | None = None):
         """``sorted_runs`` without reading the number of runs u on the host: keys, tables and lengths
-        come padded to n (entries past u unspecified), with u as int64 (1,) on the device."""
+        come padded to n (entries past u unspecified), with u as int64 (1,) on the device.
+        ``count``: int64 (1,), the batch's ids (the rest padding, which sorts after them and makes no
+        run; its ``inverse`` is 0)."""
+        if count is not None:
+            real = int(count)
+            keys, runs_tables, inverse, entries, u = self.sorted_runs_padded(skeys[:real], order[:real],
+                                                                             tables)
+            pad = skeys.numel() - real
+            return (*(torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, inverse, entries)), u)
         keys, runs_tables, inverse, entries = self.sorted_runs(skeys, order, tables)
         pad = skeys.numel() - keys.numel()
         keys, runs_tables, entries = (torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, entries))

@@ -32,13 +32,16 @@ def _feature_sums_kernel(lengths, summary, batch_size, F, BLOCK: tl.constexpr):
 
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
-def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary, n, F,
+def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary, n, n_ptr, F,
                       RESERVED: tl.constexpr, HAS_LIMITS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                      HAS_TABLES: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_TABLES: tl.constexpr, N_PTR: tl.constexpr, BLOCK: tl.constexpr):
     # grid: (max(1, cdiv(n, BLOCK)),), after _feature_sums_kernel. The feature of position p is the
     # number of features ending at or before p (clamped to F - 1: the counts are not checked yet).
     # Flags: summary[2F] bad ids, summary[2F + 1] non-finite weights; program 0 writes
-    # summary[2F + 2] = (ids the lengths count) - n.
+    # summary[2F + 2] = (ids the lengths count) - n. N_PTR: the ids are int64 (1,) at n_ptr, the rest
+    # of the n positions padding (not checked; their tables unspecified)
+    if N_PTR:
+        n = tl.load(n_ptr)
     p0 = tl.program_id(0).to(tl.int64) * BLOCK
     f = 0
     end = tl.load(summary)
@@ -74,8 +77,8 @@ def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary
 
 
 def batch_checks(values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
-                 table_of_feature: torch.Tensor | None,
-                 weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 table_of_feature: torch.Tensor | None, weights: torch.Tensor | None,
+                 count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``TorchKernels.batch_checks`` in two kernels."""
     nf, batch_size = per_feature.shape
     n, dev = values.numel(), values.device
@@ -86,7 +89,7 @@ def batch_checks(values: torch.Tensor, per_feature: torch.Tensor, limits: torch.
     _check_ids_kernel[(max(1, triton.cdiv(n, _IDS_BLOCK)),)](
         values, values if weights is None else weights.contiguous(),
         values if limits is None else limits, values if tables is None else table_of_feature,
-        values if tables is None else tables, summary, n, nf, RESERVED=RESERVED_KEY,
-        HAS_LIMITS=limits is not None, HAS_WEIGHTS=weights is not None, HAS_TABLES=tables is not None,
-        BLOCK=_IDS_BLOCK)
+        values if tables is None else tables, summary, n, summary if count is None else count, nf,
+        RESERVED=RESERVED_KEY, HAS_LIMITS=limits is not None, HAS_WEIGHTS=weights is not None,
+        HAS_TABLES=tables is not None, N_PTR=count is not None, BLOCK=_IDS_BLOCK)
     return summary, tables

@@ -359,8 +359,12 @@ def _run_heads(skeys, order, tables, i, n):
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks"])
-def _run_counts_kernel(skeys, order, tables, counts, n, blocks, BLOCK: tl.constexpr):
-    # counts[p]: the runs starting in program p's ``blocks`` consecutive blocks of sorted positions
+def _run_counts_kernel(skeys, order, tables, counts, n, n_ptr, blocks, BLOCK: tl.constexpr,
+                       N_PTR: tl.constexpr):
+    # counts[p]: the runs starting in program p's ``blocks`` consecutive blocks of sorted positions;
+    # N_PTR: the real ids are int64 (1,) at n_ptr (padding, sorted after them, makes no run)
+    if N_PTR:
+        n = tl.load(n_ptr)
     total = tl.zeros([BLOCK], dtype=tl.int64)
     for b in range(0, blocks):
         i = (tl.program_id(0).to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
@@ -370,10 +374,15 @@ def _run_counts_kernel(skeys, order, tables, counts, n, blocks, BLOCK: tl.conste
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks", "programs"])
-def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, blocks,
-                        programs, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, n_ptr,
+                        blocks, programs, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+                        N_PTR: tl.constexpr):
     # the runs before this program's blocks (the earlier programs' counts), then block by block: each
-    # position's run (a prefix sum of the heads), the run's key, table, first and last position
+    # position's run (a prefix sum of the heads), the run's key, table, first and last position.
+    # N_PTR: the real ids are int64 (1,) at n_ptr, the other positions up to n padding (run 0)
+    bound = n
+    if N_PTR:
+        n = tl.load(n_ptr)
     pid = tl.program_id(0)
     p = tl.arange(0, MAX_PROGRAMS)
     before = tl.load(counts + p, mask=p < pid, other=0)
@@ -385,8 +394,8 @@ def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inve
         m = i < n
         head = _run_heads(skeys, order, tables, i, n)
         run = run_base + tl.cumsum(head, axis=0) - 1
-        pos = tl.load(order + i, mask=m, other=0)
-        tl.store(inverse + pos, run, mask=m)
+        pos = tl.load(order + i, mask=i < bound, other=0)
+        tl.store(inverse + pos, tl.where(m, run, 0), mask=i < bound)
         first = head != 0
         tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
         tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
@@ -571,7 +580,8 @@ class TritonKernels:
         return keys[:u], runs_tables[:u], inverse, entries[:u]
 
     def sorted_runs_padded(
-        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
+        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+        count: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs_padded`` in two launches, no host sync: each program counts
         the runs starting in its blocks, then each adds the counts of the programs before it (at most
@@ -582,18 +592,20 @@ class TritonKernels:
             return skeys, tables, skeys, skeys, torch.zeros(1, dtype=torch.int64, device=dev)
         blocks, programs = _scan_grid(n)
         counts = torch.empty(_MAX_RUN_PROGRAMS + 1, dtype=torch.int64, device=dev)  # + the total
-        _run_counts_kernel[(programs,)](skeys, order, tables, counts, n, blocks, BLOCK=_RUN_BLOCK)
+        real = counts if count is None else count  # (a dummy pointer without padding)
+        _run_counts_kernel[(programs,)](skeys, order, tables, counts, n, real, blocks, BLOCK=_RUN_BLOCK,
+                                        N_PTR=count is not None)
         keys, runs_tables, inverse, starts, ends = _rows(5, n, dev)
         _run_scatter_kernel[(programs,)](skeys, order, tables, counts, keys, runs_tables, inverse, starts,
-                                         ends, n, blocks, programs, BLOCK=_RUN_BLOCK,
-                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS)
+                                         ends, n, real, blocks, programs, BLOCK=_RUN_BLOCK,
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, N_PTR=count is not None)
         return keys, runs_tables, inverse, ends.sub_(starts), counts[_MAX_RUN_PROGRAMS:]
 
     def batch_checks(self, values: torch.Tensor, per_feature: torch.Tensor, limits: torch.Tensor | None,
-                     table_of_feature: torch.Tensor | None,
-                     weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     table_of_feature: torch.Tensor | None, weights: torch.Tensor | None,
+                     count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reference's ``batch_checks`` in two kernels (``checks.py``)."""
-        return batch_checks(values, per_feature, limits, table_of_feature, weights)
+        return batch_checks(values, per_feature, limits, table_of_feature, weights, count)
 
     def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
         """The reference's ``bag_rows``: a binary search a position (one program a bag was 4x
