@@ -658,6 +658,67 @@ def test_a_bad_batch_between_early_lookups_raises_and_changes_nothing():
     torch.testing.assert_close(sorted_export(paths[1], "s")[1], sorted_export(paths[0], "s")[1])
 
 
+@pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
+def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
+    """What a CUDA graph of a jagged batch shape replays: the staged prefetch's device half over ids
+    padded to a bucket (stale ids and weights past the batch, as a graph's static buffer holds),
+    trimmed after. Run here eagerly on the interpreter (the graph itself: tests/gpu), for every
+    staged prefetch of jagged, weighted, mean-pooled batches: outputs and rows equal the torch
+    kernels'."""
+    import types
+    from types import SimpleNamespace
+
+    from tieredemb.modules import collection as C
+
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pooled = module is te.EmbeddingBagCollection
+    replays = []
+
+    def padded_replay(self, given, group, step):
+        n = given.values.numel()
+        if n == 0:
+            return None
+        bucket = C._bucket(n) + 3
+        values = torch.randint(0, 50, (bucket,), device=device)  # what the last batch left there
+        values[:n] = given.values.to(device)
+        weights = None
+        if given.weights is not None:
+            weights = torch.rand(bucket, device=device) * 9
+            weights[:n] = given.weights.to(device)
+        outputs = self._captured_stage(given, values, given.per_feature.to(device), weights,
+                                       torch.tensor(step, device=device), torch.tensor(n, device=device))
+        replays.append(n)
+        return SimpleNamespace(outputs=outputs)
+
+    tables = [te.TableConfig("s", 4, ["a", "b"], pooling="mean" if pooled else "sum"),
+              te.TableConfig("t", 4, ["c"])]
+    pools = {"a": [3, -9, INT64_MAX, 8], "b": [3, 4, 11], "c": [0, 1, 5, 8, 40]}
+    paths = [module(tables, optimizer=make_optimizer("adam"), device=device, kernels=k)
+             for k in ("torch", "triton")]
+    padded = paths[1]  # the reference stays unpadded
+    monkeypatch.setattr(padded, "_replay_staged", types.MethodType(padded_replay, padded))
+    padded._captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
+    gen = torch.Generator().manual_seed(8)
+    for step in range(5):
+        batch = random_batch(gen, pools, batch_size=4, weighted=pooled)
+        upstream = random_upstream(gen, batch, tables, pooled)
+        upstream = ({f: u.to(device) for f, u in upstream.items()} if isinstance(upstream, dict)
+                    else upstream.to(device))
+        outs = []
+        for c in paths:
+            out = c(batch.kjt().to(device))
+            weighted_loss(out, upstream).backward()
+            outs.append(out)
+        assert_outputs_close(outs[1], outs[0], f"step {step + 1}")
+    assert len(replays) >= 4  # nearly every step
+    for t in tables:
+        want, got = sorted_export(paths[0], t.name), sorted_export(paths[1], t.name)
+        assert got[0].tolist() == want[0].tolist()
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
 def values_of(out) -> torch.Tensor:
     return torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out.values()
 

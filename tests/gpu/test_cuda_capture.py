@@ -101,9 +101,9 @@ def test_captured_prefetch_with_weights_and_pooling(pooling, monkeypatch):
     assert captured._captured.replays >= 4
 
 
-def test_shapes_that_change_are_captured_each_or_never(monkeypatch):
-    """Two shapes alternating: each captured once and replayed; a shape new every step: never
-    captured (eager throughout), and the same training either way."""
+def test_shapes_that_change_are_captured_each_or_padded(monkeypatch):
+    """Two shapes alternating: each captured once and replayed; a shape new every step: its ids
+    padded to a bucket, the bucket captured once seen twice; the same training either way."""
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(1, 6, (3 * 64,), generator=gen)
     b = torch.randint(1, 6, (3 * 32,), generator=gen)
@@ -112,12 +112,25 @@ def test_shapes_that_change_are_captured_each_or_never(monkeypatch):
     assert captured._captured.captures == 2 and captured._captured.replays == 8
 
     fresh = []
-    for i in range(6):  # one more id each step: n differs, the key too
+    for i in range(6):  # one more id each step: n = 96 .. 101, in the buckets 96, 100 (x4), 104
         lengths = torch.full((3 * 16,), 2)
         lengths[0] += i
         fresh.append(batch(gen, lengths, 150))
     _, captured = train_both(te.EmbeddingBagCollection, te.optim.Adagrad(lr=0.1), monkeypatch, fresh)
-    assert captured._captured.captures == 0 and captured._captured.replays == 0
+    assert captured._captured.captures == 1 and captured._captured.replays == 3
+
+
+@pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
+def test_jagged_batches_replay_a_padded_graph(optimizer, monkeypatch):
+    """Lengths drawn anew every step (the id count changes every step, as with real features): the
+    prefetch replays the graph of the ids' bucket, padded; the same training as eagerly."""
+    gen = torch.Generator().manual_seed(9)
+    batches = [batch(gen, torch.randint(0, 9, (3 * 256,), generator=gen), 400, weighted=True)
+               for _ in range(10)]
+    assert len({kjt.values().numel() for kjt in batches}) == 10
+    _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, pooling="mean")
+    stages = captured._captured
+    assert stages.replays >= 6 and stages.captures <= 3, (stages.captures, stages.replays)
 
 
 def test_a_bad_batch_in_a_captured_shape_raises_and_changes_nothing(monkeypatch):
@@ -143,9 +156,9 @@ def test_a_bad_batch_in_a_captured_shape_raises_and_changes_nothing(monkeypatch)
 
 
 def test_more_batches_in_flight_than_slots(monkeypatch):
-    """Three prefetches of one shape before their forwards: two slots replay, the third runs
-    eagerly (the first round: seen once, then captured twice); every batch trains as it does
-    eagerly."""
+    """Three prefetches of one shape before their forwards: two slots of the shape replay, the third
+    batch takes the padded bucket's graph (the first round: seen once, then two captures; the second:
+    the bucket's capture); every batch trains as it does eagerly."""
     gen = torch.Generator().manual_seed(4)
     lengths = torch.randint(1, 5, (3 * 64,), generator=gen)
     eager = make(te.EmbeddingBagCollection, te.optim.SGD(lr=0.1), monkeypatch, False)
@@ -164,7 +177,7 @@ def test_more_batches_in_flight_than_slots(monkeypatch):
             (got * up).sum().backward()
     assert_same_tables(eager, captured)
     stages = captured._captured
-    assert stages.captures == 2 and stages.replays == 6, (stages.captures, stages.replays)
+    assert stages.captures == 3 and stages.replays == 8, (stages.captures, stages.replays)
 
 
 def test_captured_prefetch_under_a_prefetch_thread(monkeypatch):

@@ -238,14 +238,14 @@ class Layout:
         return BatchInput(keys, self._order(keys), batch_size, kjt.values(), per_feature, weights)
 
     def stage_on_device(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
-                        weights: torch.Tensor | None) -> StagedBatch:
+                        weights: torch.Tensor | None, count: torch.Tensor | None = None) -> StagedBatch:
         """``stage`` of a checked batch whose values (int64 (n,)), lengths (int64 (F, B)) and weights
         (float32 (n,) or None) are on the device already: device work only (a CUDA graph may hold
-        it)."""
+        it). ``count``: int64 () on the device, the batch's ids; the rest of ``values`` is padding."""
         order = given.order
         summary, tables = self.kernels.batch_checks(
             values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
-            weights)
+            weights, count)
         # the first group's bag offsets now, on the device: the host read need not wait for them
         offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,

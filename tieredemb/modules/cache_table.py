@@ -125,11 +125,12 @@ class CacheGroup(TableGroup):
         return self.bound is None and self.admission is None
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
-                       guard: torch.Tensor) -> tuple[StagedPrefetch, list[torch.Tensor]]:
+                       guard: torch.Tensor,
+                       id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
         the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
         (a cache's misses get theirs after the read)."""
-        return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False)
+        return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False, id_count=id_count)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         with label("## resolve ##"):

@@ -64,11 +64,14 @@ class CapturedStages:
         self.replays = 0
         self.failed: str | None = None  # why a capture failed: none is tried again
 
-    def acquire(self, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor | int | None) -> Slot | None:
+    def acquire(self, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor | int | None,
+                lengths: tuple[int | None, ...] = ()) -> Slot | None:
         """Copy ``inputs`` (tensors of the shapes ``key`` stands for, on any device and of any
         dtype that copies to ``dtypes``; an int fills a 0-dim input) into a free slot of ``key``,
         captured now if need be, replay it on the current stream and hold it for the batch
-        (``release``). None: the caller runs the work eagerly.
+        (``release``). None: the caller runs the work eagerly. ``lengths``: per input, the first
+        dimension of its static buffer when longer than the input's (a batch padded to a bucket: the
+        input fills its first rows, the rest keeps what it held).
 
         ``fn(*inputs)`` (called only to capture) takes device tensors of ``dtypes`` (None where the
         input is None) and returns any structure of tensors, the slot's ``outputs``; it must launch
@@ -79,7 +82,7 @@ class CapturedStages:
             slot, capture = self._take(key)
         if capture:
             try:
-                slot = self._capture(key, fn, inputs)
+                slot = self._capture(key, fn, inputs, lengths)
             except Exception as e:  # noqa: BLE001 (any capture failure: the eager path still works)
                 self.failed = f"{type(e).__name__}: {e}"
                 warnings.warn(f"tieredemb: capturing the prefetch in a CUDA graph failed ({self.failed}); "
@@ -99,7 +102,7 @@ class CapturedStages:
             if isinstance(given, int):
                 static.fill_(given)
             elif static is not None:
-                static.copy_(given)
+                static[: given.shape[0]].copy_(given)
         slot.graph.replay()
         self.replays += 1
         return slot
@@ -130,10 +133,16 @@ class CapturedStages:
         # every slot of the shape holds a batch in flight, or every slot does
         return None, room and sum(s.key == key for s in self._slots) < self.per_key
 
-    def _capture(self, key: tuple, fn: Callable[..., Any], inputs: tuple) -> Slot:
-        static = tuple(None if t is None else
-                       torch.zeros(() if isinstance(t, int) else t.shape, dtype=dtype, device=self.device)
-                       for t, dtype in zip(inputs, self.dtypes))
+    def _capture(self, key: tuple, fn: Callable[..., Any], inputs: tuple, lengths: tuple) -> Slot:
+        lengths = lengths + (None,) * (len(inputs) - len(lengths))
+
+        def buffer(t: torch.Tensor | int | None, dtype: torch.dtype, rows: int | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            shape = () if isinstance(t, int) else (t.shape[0] if rows is None else rows, *t.shape[1:])
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        static = tuple(buffer(*args) for args in zip(inputs, self.dtypes, lengths))
         graph = torch.cuda.CUDAGraph()
         # thread_local: a pipeline's other thread keeps launching while this one captures
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):

@@ -162,7 +162,9 @@ class _Collection(nn.Module):
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         # the staged prefetch's device half, replayed from CUDA graphs (values, lengths, weights, step);
         # Triton's kernels only (the reference's read the device)
-        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64))
+        # (values, lengths, weights, step, the ids of a batch padded to a bucket)
+        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
+                                                       torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
         # a staged prefetch that found every key looks the batch up right after its read, so that the
         # host's work until the backward runs beside that kernel; its output stands only if no row
@@ -229,20 +231,14 @@ class _Collection(nn.Module):
         so a bad batch still raises with no state changed. The device work before the read is a
         replayed CUDA graph when the batch's shape was seen before (``capture.py``)."""
         step = self._clock + 1
-        slot = None
-        if self._captured is not None:
-            key = (tuple(given.keys), given.batch_size, given.values.numel(), given.weights is not None,
-                   group.index.generation)
-            slot = self._captured.acquire(key, lambda *static: self._captured_stage(given, *static),
-                                          given.values, given.per_feature, given.weights, step)
+        slot = self._replay_staged(given, group, step)
         if slot is None:
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
                 pending, sources, backward, read = self._stage_device(staged, group, step)
         else:
-            staged, pending, sources, backward, read = slot.outputs
-            staged, pending = dataclasses.replace(staged), dataclasses.replace(pending, step=step)
+            staged, pending, sources, backward, read = _trimmed(slot.outputs, given.values.numel(), step)
         try:
             with label("## group.prefetch ##"):
                 host = read.tolist()
@@ -263,11 +259,32 @@ class _Collection(nn.Module):
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
                                   looked=looked, looked_at=self._rows_changed)
 
-    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor):
+    def _replay_staged(self, given: BatchInput, group: TableGroup, step: int) -> Slot | None:
+        """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
+        of its shape padded to a bucket of ids (batches whose id count changes every step); None:
+        run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
+        n = given.values.numel()
+        if self._captured is None or n == 0:
+            return None
+        shape = (tuple(given.keys), given.batch_size, given.weights is not None, group.index.generation)
+        inputs = (given.values, given.per_feature, given.weights, step)
+        slot = self._captured.acquire((*shape, n), lambda *static: self._captured_stage(given, *static),
+                                      *inputs, None)
+        if slot is None:
+            bucket = _bucket(n)
+            slot = self._captured.acquire((*shape, "padded", bucket),
+                                          lambda *static: self._captured_stage(given, *static), *inputs, n,
+                                          lengths=(bucket, None, bucket))
+        return slot
+
+    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor,
+                      id_count: torch.Tensor | None = None):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
         gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
-        tensor to read: the checks' summary and the probe's counts)."""
-        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard())
+        tensor to read: the checks' summary and the probe's counts). ``id_count``: the batch's ids
+        (int64 () on the device), the rest padding."""
+        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
+                                             id_count=id_count)
         # the backward's work that needs only the batch, queued before the read
         sources = self._grad_sources(0, staged.first_group())
         src, scale = sources
@@ -276,10 +293,15 @@ class _Collection(nn.Module):
         return pending, sources, backward, torch.cat([staged.summary, *info])
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
-                        weights: torch.Tensor | None, step: torch.Tensor):
-        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs."""
-        staged = self._layout.stage_on_device(given, values, per_feature, weights)
-        return (staged, *self._stage_device(staged, self._groups[0], step))
+                        weights: torch.Tensor | None, step: torch.Tensor, id_count: torch.Tensor | None):
+        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
+        batch fills only that many of the static ids (and weights), the rest becomes padding here."""
+        if id_count is not None:
+            real = torch.arange(values.numel(), device=values.device) < id_count
+            values = torch.where(real, values, _PADDING)
+            weights = None if weights is None else torch.where(real, weights, 0.0)
+        staged = self._layout.stage_on_device(given, values, per_feature, weights, id_count)
+        return (staged, *self._stage_device(staged, self._groups[0], step, id_count))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -597,6 +619,31 @@ class _Collection(nn.Module):
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
         return f"tables=[{dims}], optimizer={self.optimizer}, storage_mode={self.storage_mode!r}"
+
+
+_PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
+
+
+def _bucket(n: int) -> int:
+    """The ids a padded capture holds for a batch of n: n rounded up to a sixteenth of the power of
+    two below it (at most 1/16 of the pre-read work spent on padding)."""
+    step = 1 << max(0, n.bit_length() - 5)
+    return -(-n // step) * step
+
+
+def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
+    """A replayed staged prefetch's outputs for a batch of n ids (a padded graph's are longer), with
+    the host's step: (staged batch, staged prefetch, gradient sources, the backward's, the read)."""
+    staged, pending, (src, scale), (src_sorted, scale_sorted, plan), read = outputs
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:n]
+
+    staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
+                                 weights=cut(staged.weights))
+    pending = dataclasses.replace(pending, step=step, inverse=cut(pending.inverse), order=cut(pending.order),
+                                  id_values=cut(pending.id_values))
+    return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
 
 
 def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:

@@ -261,7 +261,8 @@ class TableGroup:
         return self.admission is None and not self.index.bounded
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
-                       guard: torch.Tensor, by_id: bool = True) -> tuple[StagedPrefetch, list[torch.Tensor]]:
+                       guard: torch.Tensor, by_id: bool = True,
+                       id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
@@ -269,10 +270,13 @@ class TableGroup:
         ``torch.cat``) whose values, in that order, ``finish_prefetch`` takes.
         ``by_id``: also each id's row as probed, the forward's addresses when every key is found
         (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
-        the device (a captured prefetch; the caller sets the host's in the result)."""
+        the device (a captured prefetch; the caller sets the host's in the result). ``id_count``:
+        int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
+        captured prefetch of a batch shape padded to a bucket)."""
         with label("## dedup ##"):
             skeys, order = sort_pairs(ids, tables, len(self.configs), True)
-            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables)
+            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables,
+                                                                                  id_count)
         with label("## resolve ##"):
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
         regions = len(self.configs)
