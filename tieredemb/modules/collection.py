@@ -160,9 +160,8 @@ class _Collection(nn.Module):
         self._mutated: torch.cuda.Event | None = None
         self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
         self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
-        # the staged prefetch's device half, replayed from CUDA graphs (values, lengths, weights, step);
-        # Triton's kernels only (the reference's read the device)
-        # (values, lengths, weights, step, the ids of a batch padded to a bucket)
+        # the staged prefetch's device half, replayed from CUDA graphs, with Triton's kernels only (the
+        # reference's read the device); inputs: values, lengths, weights, step, a padded batch's ids
         self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
                                                        torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
