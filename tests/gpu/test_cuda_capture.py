@@ -88,7 +88,7 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
     assert group.index.generation > 0, "the index never grew: the test misses the recapture"
     stages = captured._captured
     assert stages.captures >= 2, stages.captures  # once, and again after each rehash
-    assert stages.replays >= 6, stages.replays
+    assert stages.replays >= 4, stages.replays  # every step but the first of each index generation
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
@@ -125,12 +125,15 @@ def test_jagged_batches_replay_a_padded_graph(optimizer, monkeypatch):
     """Lengths drawn anew every step (the id count changes every step, as with real features): the
     prefetch replays the graph of the ids' bucket, padded; the same training as eagerly."""
     gen = torch.Generator().manual_seed(9)
-    batches = [batch(gen, torch.randint(0, 9, (3 * 256,), generator=gen), 400, weighted=True)
-               for _ in range(10)]
-    assert len({kjt.values().numel() for kjt in batches}) == 10
+    batches = []
+    for i in range(10):  # n = 3000 + i ids, all in the bucket of 3072
+        lengths = torch.full((3 * 256,), 3)
+        lengths[torch.randperm(3 * 256, generator=gen)[: 696 + i]] += 1
+        batches.append(batch(gen, lengths, 400, weighted=True))
+    assert [kjt.values().numel() for kjt in batches] == list(range(3000, 3010))
     _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, pooling="mean")
     stages = captured._captured
-    assert stages.replays >= 6 and stages.captures <= 3, (stages.captures, stages.replays)
+    assert stages.captures == 1 and stages.replays == 9, (stages.captures, stages.replays)
 
 
 def test_a_bad_batch_in_a_captured_shape_raises_and_changes_nothing(monkeypatch):

@@ -57,3 +57,13 @@ def test_capture_is_for_cuda_and_can_be_turned_off(monkeypatch):
     assert not capture_enabled(torch.device("cuda"))
     monkeypatch.setenv("TIEREDEMB_CAPTURE", "1")
     assert capture_enabled(torch.device("cuda"))
+
+
+def test_buckets_of_a_padded_capture_hold_the_batch_with_little_padding():
+    from tieredemb.modules.collection import _bucket
+
+    buckets = [_bucket(n) for n in range(1, 5000)]
+    assert all(b >= n and b - n <= max(1, n // 16) for n, b in zip(range(1, 5000), buckets))
+    assert buckets == sorted(buckets)  # a bucket holds a range of counts
+    assert len(set(buckets[2999:3009])) == 1  # 3000 .. 3009: one graph
+    assert _bucket(1048600) == 1048576 + 65536
