@@ -489,16 +489,20 @@ def test_admission_stores_a_key_in_the_batch_that_reaches_the_threshold():
 # --------------------------------------------------------------------------------------------------
 
 
-def triton_matches_torch(module, tables, pools, optimizer: str, seed: int, batch_size: int, rows=None):
-    """Train both kernel sets on the same 3 batches (weighted when pooled): outputs and rows equal.
-    ``rows``: (table, keys, weights) written first. Returns the two collections (torch, triton)."""
+def triton_matches_torch(module, tables, pools, optimizer: str, seed: int, batch_size: int, rows=None,
+                         steps: int = 3, prepare=None):
+    """Train both kernel sets on the same ``steps`` batches (weighted when pooled): outputs and rows
+    equal. ``rows``: (table, keys, weights) written first; ``prepare(collection)``: done to the
+    Triton one first. Returns the two collections (torch, triton)."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pooled = module is te.EmbeddingBagCollection
     gen = torch.Generator().manual_seed(seed)
-    steps = [random_batch(gen, pools, batch_size=batch_size, weighted=pooled) for _ in range(3)]
+    steps = [random_batch(gen, pools, batch_size=batch_size, weighted=pooled) for _ in range(steps)]
     paths = [module(tables, optimizer=make_optimizer(optimizer), device=device, kernels=k)
              for k in ("torch", "triton")]
+    if prepare is not None:
+        prepare(paths[1])
     if rows is not None:
         for c in paths:
             c.write(rows[0], rows[1].to(device), rows[2].to(device))
@@ -691,32 +695,15 @@ def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
         replays.append(n)
         return SimpleNamespace(outputs=outputs)
 
+    def prepare(padded):  # the Triton collection; the reference stays unpadded
+        monkeypatch.setattr(padded, "_replay_staged", types.MethodType(padded_replay, padded))
+        padded._captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
+
     tables = [te.TableConfig("s", 4, ["a", "b"], pooling="mean" if pooled else "sum"),
               te.TableConfig("t", 4, ["c"])]
     pools = {"a": [3, -9, INT64_MAX, 8], "b": [3, 4, 11], "c": [0, 1, 5, 8, 40]}
-    paths = [module(tables, optimizer=make_optimizer("adam"), device=device, kernels=k)
-             for k in ("torch", "triton")]
-    padded = paths[1]  # the reference stays unpadded
-    monkeypatch.setattr(padded, "_replay_staged", types.MethodType(padded_replay, padded))
-    padded._captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
-    gen = torch.Generator().manual_seed(8)
-    for step in range(5):
-        batch = random_batch(gen, pools, batch_size=4, weighted=pooled)
-        upstream = random_upstream(gen, batch, tables, pooled)
-        upstream = ({f: u.to(device) for f, u in upstream.items()} if isinstance(upstream, dict)
-                    else upstream.to(device))
-        outs = []
-        for c in paths:
-            out = c(batch.kjt().to(device))
-            weighted_loss(out, upstream).backward()
-            outs.append(out)
-        assert_outputs_close(outs[1], outs[0], f"step {step + 1}")
+    triton_matches_torch(module, tables, pools, "adam", seed=8, batch_size=4, steps=5, prepare=prepare)
     assert len(replays) >= 4  # nearly every step
-    for t in tables:
-        want, got = sorted_export(paths[0], t.name), sorted_export(paths[1], t.name)
-        assert got[0].tolist() == want[0].tolist()
-        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
 
 
 def values_of(out) -> torch.Tensor:
