@@ -10,8 +10,10 @@ three copies into the static inputs, one replay.
 A graph bakes in every pointer it reads: the index's tables (a rehash replaces them, so the index's
 ``generation`` is part of the key) and its static inputs and outputs. A replay's outputs are the
 batch's tensors until its release, so each captured shape has a few slots (one batch in flight on
-each); a shape whose slots are all in flight runs eagerly, as does a shape seen for the first time
-(a shape that changes every step is never captured). ``TIEREDEMB_CAPTURE=0`` turns capture off.
+each); a shape whose slots are all in flight runs eagerly, as does a shape seen for the first time.
+A batch whose id count changes every step is padded to a bucket by the caller (an input may fill only
+the front of its static buffer: ``lengths``). ``TIEREDEMB_CAPTURE=0`` turns capture off; a capture
+that fails turns it off for the object, with a warning.
 """
 
 from __future__ import annotations
