@@ -335,6 +335,9 @@ class _Collection(nn.Module):
     def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
         and forward see batches in the same order. Without a pending prefetch, resolve now."""
+        state = self._take_ready(kjt)
+        if state is not None:
+            return state
         with self._mutating():
             state = self._take_prefetched_locked(kjt)
             for group, gpf in zip(self._groups, state.groups):  # deferred insertions, if still due
@@ -344,6 +347,26 @@ class _Collection(nn.Module):
             if stream != state.stream:  # prefetched on another stream
                 _hand_over(state, stream)
                 state.stream = stream  # used here from now on
+        return state
+
+    def _take_ready(self, kjt: object) -> CollectionPrefetch | None:
+        """The oldest prefetched batch when taking it changes nothing: ``kjt`` itself, prefetched in
+        this mode on this stream (the last change to the tables too), no insertion deferred; then no
+        lock and no event (the step's path from its read to the backward: ~0.04 ms of host, session
+        9's profile). None: take it under the lock."""
+        if not self._queued:
+            return None
+        queued, state = self._queued[0]  # only this thread takes from the queue
+        if queued is not kjt or state.training != self.training:
+            return None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if state.stream != stream or self._mutated_on not in (None, stream):  # then the lock orders
+                return None
+        parts = [g.served if isinstance(g, ShardedPrefetch) else g for g in state.groups]
+        if any(part.deferred is not None for part in parts):
+            return None
+        del self._queued[0]
         return state
 
     def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
