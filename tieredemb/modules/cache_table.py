@@ -117,8 +117,6 @@ class CacheGroup(TableGroup):
         info = torch.cat([per_region[: len(self.configs)], self.index.sizes_on_device]).tolist()
         return self._place(unique, utab, inverse, counts, step, slots, per_region, info)
 
-    probes_rows = False  # a cache's misses get their rows after the read
-
     def can_stage(self) -> bool:
         """Every key of a batch gets a cache row or a scratch row: staged unless a table is bounded
         or admits keys (their decisions read the device first)."""

@@ -245,7 +245,7 @@ class _Collection(nn.Module):
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = step
             looked = None
-            if self._early_lookup and group.probes_rows and self._stash is None and \
+            if self._early_lookup and pending.id_values is not None and self._stash is None and \
                     not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
                 looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
             with label("## group.prefetch ##"):

@@ -251,10 +251,6 @@ class TableGroup:
         pf.sorted_ids = sorted_ids
         return pf
 
-    # a staged prefetch probes each id's row (``StagedPrefetch.id_values``): the forward's lookup can
-    # be made with it
-    probes_rows = True
-
     def can_stage(self) -> bool:
         """Whether a training prefetch can be staged (``stage_prefetch``): every key of a batch gets
         a stored row (no admission policy, no bounded table)."""

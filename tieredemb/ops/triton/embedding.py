@@ -647,23 +647,23 @@ class TritonKernels:
         known on the host (``IdOrder.plan``): buffers sized for any count up to n. None for no ids."""
         if counts.numel() == 0:
             return None
-        return self._plan(counts, counts.numel(), counts.numel(), count, None)
+        return self._plan(counts, counts.numel(), count)
 
-    def _plan(self, counts: torch.Tensor, n: int, bound: int, count: torch.Tensor | None,
-              num_unique: int | None) -> tuple[torch.Tensor, ...]:
+    def _plan(self, counts: torch.Tensor, n: int, keys: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(starts, piece_first, piece_key, candidates): each key's first id (in the sort), its first
         piece of _PIECE ids (a key without ids still gets one: its program stores the zero row), the
         key of every piece (past the last piece ``_NO_KEY``) and the keys of several pieces (at most
         n // _PIECE; they need a second pass). Two passes over the keys, as ``sorted_runs_padded``'s.
-        n: the ids; ``bound``: a bound of the number of keys, which is ``num_unique`` (host) or
-        ``count`` (device)."""
+        n: the ids; ``keys``: their number of keys, an int, or int64 (1,) on the device (then the
+        buffers hold as many keys as ``counts`` has entries)."""
         dev = counts.device
+        on_device = isinstance(keys, torch.Tensor)
+        bound = counts.numel() if on_device else keys
         blocks, programs = _scan_grid(bound)
         sums = torch.empty(3, _MAX_RUN_PROGRAMS, dtype=torch.int64, device=dev)
-        u = num_unique if num_unique is not None else 0
-        u_ptr = count if count is not None else sums
+        u, u_ptr = (0, keys) if on_device else (keys, sums)  # (sums: a pointer not read)
         _plan_counts_kernel[(programs,)](counts, sums, u, u_ptr, blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
-                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=count is not None)
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=on_device)
         starts, piece_first = _rows(2, bound, dev)
         pieces = bound + n // _PIECE + 1
         piece_key = torch.full((pieces + min(bound, n // _PIECE + 1),), _NO_KEY, dtype=torch.int64,
@@ -671,7 +671,7 @@ class TritonKernels:
         candidates = piece_key[pieces:]
         _plan_pieces_kernel[(programs,)](counts, sums, starts, piece_first, piece_key, candidates, u, u_ptr,
                                          blocks, PIECE=_PIECE, BLOCK=_RUN_BLOCK,
-                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=count is not None)
+                                         MAX_PROGRAMS=_MAX_RUN_PROGRAMS, U_PTR=on_device)
         return starts, piece_first, piece_key, candidates
 
     def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
@@ -703,7 +703,7 @@ class TritonKernels:
             src_of_id, scale = sorted_ids.sources, sorted_ids.scales
         plan = getattr(sorted_ids, "plan", None)  # made by the prefetch, or now
         if plan is None:
-            plan = self._plan(counts, n, num_unique, None, num_unique)
+            plan = self._plan(counts, n, num_unique)
         starts, piece_first, piece_key, candidates = plan
         # grid: an upper bound of the pieces, known without a host sync (programs past the last
         # piece find a key >= num_unique and do nothing); k: a bound of the keys of several pieces
