@@ -183,25 +183,35 @@ def test_more_batches_in_flight_than_slots(monkeypatch):
     assert stages.captures == 3 and stages.replays == 8, (stages.captures, stages.replays)
 
 
-def test_captured_prefetch_under_a_prefetch_thread(monkeypatch):
-    """TrainPipeline(prefetch_in_thread=True) replaying on its prefetch stream trains exactly as a
-    plain eager loop over the same batches."""
+def test_a_prefetch_thread_replays_but_never_captures(monkeypatch):
+    """A plain loop captures the batch shape on the training thread; a TrainPipeline
+    (prefetch_in_thread=True) over the same collection then replays that graph on its worker's stream
+    and captures nothing there (a capture is not safe beside a thread that synchronizes); a shape
+    first seen under the worker stays eager. Trains exactly as an eager loop over the same batches."""
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 6, (3 * 128,), generator=gen)
     batches = [batch(gen, lengths, 400) for _ in range(12)]
+    other = torch.randint(1, 6, (3 * 128,), generator=gen)
+    batches += [batch(gen, other, 400) for _ in range(4)]  # a new shape, under the worker only
     eager = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, False)
     for kjt in batches:
         eager(kjt).values().square().sum().backward()
     captured = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, True)
+    for kjt in batches[:3]:  # seen, captured, replayed: on this thread
+        captured.prefetch(kjt)
+        captured(kjt).values().square().sum().backward()
+    stages = captured._captured
+    assert (stages.captures, stages.replays) == (1, 2)
     pipeline = te.TrainPipeline(_Model(captured), None, device=DEV, prefetch_in_thread=True)
-    it = iter([{"kjt": kjt} for kjt in batches])
+    it = iter([{"kjt": kjt} for kjt in batches[3:]])
     while True:
         try:
             pipeline.progress(it)
         except StopIteration:
             break
     pipeline.close()
-    assert captured._captured.replays >= 8, captured._captured.replays
+    assert (stages.captures, stages.replays) == (1, 11), (stages.captures, stages.replays)
+    assert stages.failed is None
     assert_same_tables(eager, captured)
 
 

@@ -14,6 +14,14 @@ each); a shape whose slots are all in flight runs eagerly, as does a shape seen 
 A batch whose id count changes every step is padded to a bucket by the caller (an input may fill only
 the front of its static buffer: ``lengths``). ``TIEREDEMB_CAPTURE=0`` turns capture off; a capture
 that fails turns it off for the object, with a warning.
+
+A capture is only safe while no other thread of the process synchronizes with the device: a
+device-wide wait (a pinned allocation, a synchronize) from another thread during a capture invalidates
+it, and that thread's own call fails too. So only the caller that owns the training loop captures
+(``capture=True``: the collection passes it on the thread that runs its forward); a
+``TrainPipeline(prefetch_in_thread=True)`` worker replays what that thread captured, never captures.
+And the capture itself does not synchronize the device or empty the allocators' caches as
+``torch.cuda.graph`` does on entry: a capture costs a few launches' worth of host time, not a sync.
 """
 
 from __future__ import annotations
@@ -65,15 +73,17 @@ class CapturedStages:
         self.captures = 0
         self.replays = 0
         self.failed: str | None = None  # why a capture failed: none is tried again
+        self._stream: torch.cuda.Stream | None = None  # where graphs are captured
 
     def acquire(self, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor | int | None,
-                lengths: tuple[int | None, ...] = ()) -> Slot | None:
+                lengths: tuple[int | None, ...] = (), capture: bool = True) -> Slot | None:
         """Copy ``inputs`` (tensors of the shapes ``key`` stands for, on any device and of any
         dtype that copies to ``dtypes``; an int fills a 0-dim input) into a free slot of ``key``,
         captured now if need be, replay it on the current stream and hold it for the batch
         (``release``). None: the caller runs the work eagerly. ``lengths``: per input, the first
         dimension of its static buffer when longer than the input's (a batch padded to a bucket: the
-        input fills its first rows, the rest keeps what it held).
+        input fills its first rows, the rest keeps what it held). ``capture``: whether this call may
+        capture a graph (False: only a slot captured before is replayed).
 
         ``fn(*inputs)`` (called only to capture) takes device tensors of ``dtypes`` (None where the
         input is None) and returns any structure of tensors, the slot's ``outputs``; it must launch
@@ -81,8 +91,8 @@ class CapturedStages:
         if self.failed is not None:
             return None
         with self._lock:
-            slot, capture = self._take(key)
-        if capture:
+            slot, wanted = self._take(key)
+        if wanted and capture:
             try:
                 slot = self._capture(key, fn, inputs, lengths)
             except Exception as e:  # noqa: BLE001 (any capture failure: the eager path still works)
@@ -146,9 +156,15 @@ class CapturedStages:
 
         static = tuple(buffer(*args) for args in zip(inputs, self.dtypes, lengths))
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a pipeline's other thread keeps launching while this one captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = fn(*static)
+        if self._stream is None:  # a side stream: the legacy default stream cannot capture
+            self._stream = torch.cuda.Stream(self.device)
+        # thread_local: only this thread's unsafe calls invalidate the capture (module docstring)
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = fn(*static)
+            finally:
+                graph.capture_end()
         self.captures += 1
         return Slot(key, graph, static, outputs, busy=True)
 

@@ -171,6 +171,7 @@ class _Collection(nn.Module):
         # output had to be dropped (a pipeline prefetching batch i+1 before backward i) it stops.
         self._rows_changed = 0
         self._early_lookup = True
+        self._forward_thread: int | None = None  # the only thread that captures (capture.py)
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -267,13 +268,14 @@ class _Collection(nn.Module):
             return None
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, group.index.generation)
         inputs = (given.values, given.per_feature, given.weights, step)
+        capture = threading.get_ident() == self._forward_thread
         slot = self._captured.acquire((*shape, n), lambda *static: self._captured_stage(given, *static),
-                                      *inputs, None)
+                                      *inputs, None, capture=capture)
         if slot is None:
             bucket = _bucket(n)
             slot = self._captured.acquire((*shape, "padded", bucket),
                                           lambda *static: self._captured_stage(given, *static), *inputs, n,
-                                          lengths=(bucket, None, bucket))
+                                          lengths=(bucket, None, bucket), capture=capture)
         return slot
 
     def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor,
@@ -383,6 +385,7 @@ class _Collection(nn.Module):
         return self._resolve(kjt)
 
     def _run(self, kjt: object) -> tuple[CollectionPrefetch, tuple[torch.Tensor, ...]]:
+        self._forward_thread = threading.get_ident()
         if self._stash is not None:  # stashed by a forward whose backward never came
             self._stash.restore(self)
         state = self._take_prefetched(kjt)
