@@ -9,6 +9,7 @@ and across the features of a shared table, features in any order).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -633,6 +634,24 @@ def test_a_lookup_made_before_rows_changed_is_not_used():
     again.prefetch(b)
     again.write("s", torch.tensor([2]), torch.full((1, 4), 7.0))
     torch.testing.assert_close(again(b).values()[0], torch.full((4,), 7.0))
+
+
+def test_a_prefetch_on_another_thread_never_looks_early():
+    """A pipeline's worker prefetching beside the training thread: its lookup could run before that
+    thread's last update (launched on another stream, the change already counted), so only the thread
+    that runs forward and backward looks the rows up with the prefetch."""
+    ebc = te.EmbeddingBagCollection([te.TableConfig("s", 4, ["a"])], optimizer=te.optim.SGD(lr=0.5))
+    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    ebc(a).values().sum().backward()  # both keys stored
+    worker = threading.Thread(target=ebc.prefetch, args=(a,))
+    worker.start()
+    worker.join()
+    assert ebc._queued[-1][1].looked is None
+    ebc(a).values().sum().backward()
+    ebc.prefetch(a)
+    assert ebc._queued[-1][1].looked is not None
+    rows, _ = ebc.read("s", torch.tensor([1, 2]))
+    torch.testing.assert_close(ebc(a).values(), rows)  # one id a bag
 
 
 def test_a_bad_batch_between_early_lookups_raises_and_changes_nothing():

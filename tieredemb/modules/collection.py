@@ -171,7 +171,8 @@ class _Collection(nn.Module):
         # output had to be dropped (a pipeline prefetching batch i+1 before backward i) it stops.
         self._rows_changed = 0
         self._early_lookup = True
-        self._forward_thread: int | None = None  # the only thread that captures (capture.py)
+        self._forward_thread: int | None = None  # the only thread that captures (capture.py) or looks early
+        self._updated_on: torch.cuda.Stream | None = None  # the last backward's stream
         self._prepare_outputs()
 
     def _prepare_outputs(self) -> None:
@@ -245,8 +246,8 @@ class _Collection(nn.Module):
             checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = step
-            looked = None
-            if self._early_lookup and pending.id_values is not None and self._stash is None and \
+            looked, looked_at = None, self._rows_changed
+            if self._may_look_early(stream) and pending.id_values is not None and \
                     not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
                 looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
             with label("## group.prefetch ##"):
@@ -257,7 +258,17 @@ class _Collection(nn.Module):
             raise
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
-                                  looked=looked, looked_at=self._rows_changed)
+                                  looked=looked, looked_at=looked_at)
+
+    def _may_look_early(self, stream: object) -> bool:
+        """Whether a lookup launched now reads the rows as every change counted in ``_rows_changed``
+        left them: on the thread of the forward and backward (their changes were launched before, in
+        host order) and on the stream of the last backward (whose updates take no event; a write or
+        a restore does, and the prefetch waits for it). A pipeline's worker prefetching batch i+1
+        beside backward i on its own stream never looks early: its lookup could read rows before
+        that backward's update, with the count already bumped."""
+        return (self._early_lookup and self._stash is None and threading.get_ident() == self._forward_thread
+                and self._updated_on in (None, stream))
 
     def _replay_staged(self, given: BatchInput, group: TableGroup, step: int) -> Slot | None:
         """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
@@ -402,6 +413,7 @@ class _Collection(nn.Module):
                                "the fused optimizer steps once per forward")
         self.step += 1
         self._rows_changed += 1
+        self._updated_on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for g, grad in enumerate(grads):
             gpf, group = state.groups[g], self._groups[g]
             sharded = isinstance(gpf, ShardedPrefetch)
