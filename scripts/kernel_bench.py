@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="GPU time of each kernel in 10 steps")
     p.add_argument("--set", action="append", default=[], metavar="NAME=INT",
                    help="a constant of tieredemb.ops.triton.embedding, set before anything runs")
+    p.add_argument("--no-early-lookup", action="store_true",
+                   help="the forward looks its rows up itself, not the prefetch right after its read")
     p.add_argument("--table-order", action="store_true",
                    help="also reduce with the keys renumbered table by table (bag gradients of one "
                         "table at a time: what L2 locality is worth)")
@@ -64,6 +66,7 @@ def main() -> None:
     shape = HbmShape().scaled(args.scale)
     ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[args.optimizer][0](),
                                     device=dev, kernels="triton")
+    ebc._early_lookup = not args.no_early_lookup
     preinsert_rows(ebc, shape, dev, 0)
     batches = HbmBatches(shape, dev, 0)
     grad = upstream_grad(shape, dev, 0)
