@@ -10,8 +10,9 @@
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
 # --ab OLD_DIR: tests/gpu, then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
-# (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout, alternating
-# new, old, new, old, in one call (machine starts differ by up to 30%: only one call's runs compare).
+# (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout (also without
+# the early lookup), alternating, in one call (machine starts differ by up to 30%: only one call's
+# runs compare); last, each kernel's GPU time in the Adam step, new and old.
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
@@ -101,16 +102,22 @@ if [ -n "$ab_old" ]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 15 | tee "$OUT/pytest.log"
     here="$PWD"
     old_root="$(cd "$ab_old" && pwd)"
-    kb() {  # tag, package root, optimizer: the step's line and the reduction's, tagged
+    kb() {  # tag, package root, optimizer, more kernel_bench arguments: the step's line and the
+            # reduction's (and a profile's kernel lines), tagged
         (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/scripts/kernel_bench.py" --optimizer "$3" \
-            --repeats 10 2>&1) | grep -E "^step|^reduce_update|Error" | sed "s/^/$1 $3 /"
+            --repeats 10 "${@:4}" 2>&1) | grep -E "^step|^reduce_update|Error|^  " | sed "s/^/$1 $3 /"
     }
-    echo "== kernel_bench, new ($here) / old ($old_root)"
+    echo "== kernel_bench, new ($here) / new without the early lookup / old ($old_root)"
     kb warm "$here" sgd >/dev/null
+    kb warm "$here" adam >/dev/null
     for optimizer in sgd adam sgd adam; do
         kb new "$here" "$optimizer"
+        kb new-nolook "$here" "$optimizer" --no-early-lookup
         kb old "$old_root" "$optimizer"
     done 2>&1 | tee "$OUT/ab.log"
+    echo "== GPU time per kernel, Adam, new / old"
+    kb new "$here" adam --profile 2>&1 | grep -v -E " (step|reduce_update) " | tee -a "$OUT/ab.log"
+    kb old "$old_root" adam --profile 2>&1 | grep -v -E " (step|reduce_update) " | tee -a "$OUT/ab.log"
     exit 0
 fi
 
