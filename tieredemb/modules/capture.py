@@ -26,6 +26,7 @@ And the capture itself does not synchronize the device or empty the allocators' 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -158,15 +159,30 @@ class CapturedStages:
         graph = torch.cuda.CUDAGraph()
         if self._stream is None:  # a side stream: the legacy default stream cannot capture
             self._stream = torch.cuda.Stream(self.device)
+        pool = torch.cuda.graph_pool_handle()  # the graph's own memory pool, named here (_hand_back)
         # thread_local: only this thread's unsafe calls invalidate the capture (module docstring)
         with torch.cuda.stream(self._stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = fn(*static)
             finally:
-                graph.capture_end()
+                try:
+                    graph.capture_end()
+                except BaseException:
+                    self._hand_back(pool)
+                    raise
         self.captures += 1
         return Slot(key, graph, static, outputs, busy=True)
+
+    def _hand_back(self, pool: tuple[int, int]) -> None:
+        """After a capture that failed: torch's ``capture_end`` raises at ``cudaStreamEndCapture``,
+        before it ends the allocation to the graph's pool, and the graph never releases a pool it did
+        not finish; left so, the caching allocator would go on as if a capture were under way (events
+        of freed blocks deferred for good). End and release it here; each call may find it done."""
+        device = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        for hand_back in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+            with contextlib.suppress(Exception):  # already done by torch: nothing to undo
+                hand_back(device, pool)
 
 
 __all__ = ["CapturedStages", "Slot", "capture_enabled"]
