@@ -171,7 +171,7 @@ class _Collection(nn.Module):
         # output had to be dropped (a pipeline prefetching batch i+1 before backward i) it stops.
         self._rows_changed = 0
         self._early_lookup = True
-        self._forward_thread: int | None = None  # the only thread that captures (capture.py) or looks early
+        self._forward_thread: int | None = None  # _on_forward_thread
         self._updated_on: torch.cuda.Stream | None = None  # the last backward's stream
         self._prepare_outputs()
 
@@ -267,8 +267,13 @@ class _Collection(nn.Module):
         a restore does, and the prefetch waits for it). A pipeline's worker prefetching batch i+1
         beside backward i on its own stream never looks early: its lookup could read rows before
         that backward's update, with the count already bumped."""
-        return (self._early_lookup and self._stash is None and threading.get_ident() == self._forward_thread
+        return (self._early_lookup and self._stash is None and self._on_forward_thread()
                 and self._updated_on in (None, stream))
+
+    def _on_forward_thread(self) -> bool:
+        """Whether this thread runs the forward (and so the backward's launches come before, in host
+        order): the only one that captures a graph or looks a batch up early."""
+        return threading.get_ident() == self._forward_thread
 
     def _replay_staged(self, given: BatchInput, group: TableGroup, step: int) -> Slot | None:
         """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
@@ -279,7 +284,7 @@ class _Collection(nn.Module):
             return None
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, group.index.generation)
         inputs = (given.values, given.per_feature, given.weights, step)
-        capture = threading.get_ident() == self._forward_thread
+        capture = self._on_forward_thread()
         slot = self._captured.acquire((*shape, n), lambda *static: self._captured_stage(given, *static),
                                       *inputs, None, capture=capture)
         if slot is None:
