@@ -6,13 +6,15 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR] [--scale S] [--steps N]
+#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]...]
+#                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
 # --ab OLD_DIR: tests/gpu, then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
-# (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout (also without
-# the early lookup), alternating, in one call (machine starts differ by up to 30%: only one call's
-# runs compare); last, each kernel's GPU time in the Adam step, new and old.
+# (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout (also with
+# each --variant's kernel_bench arguments, e.g. "--set _REDUCE_TILE=64" or "--no-early-lookup"),
+# alternating, in one call (machine starts differ by up to 30%: only one call's runs compare); last,
+# each kernel's GPU time in the Adam step, new and old.
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
@@ -37,6 +39,7 @@ run_dist=0
 run_stash=0
 run_check_launch=0
 ab_old=""
+variants=()
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -55,6 +58,7 @@ while [ $# -gt 0 ]; do
         --stash) run_stash=1 ;;
         --check-launch) run_check_launch=1 ;;
         --ab) ab_old="$2"; shift ;;
+        --variant) variants+=("$2"); shift ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -107,12 +111,15 @@ if [ -n "$ab_old" ]; then
         (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/scripts/kernel_bench.py" --optimizer "$3" \
             --repeats 10 "${@:4}" 2>&1) | grep -E "^step|^reduce_update|Error|^  " | sed "s/^/$1 $3 /"
     }
-    echo "== kernel_bench, new ($here) / new without the early lookup / old ($old_root)"
+    echo "== kernel_bench, new ($here) / new with each variant / old ($old_root)"
     kb warm "$here" sgd >/dev/null
     kb warm "$here" adam >/dev/null
     for optimizer in sgd adam sgd adam; do
         kb new "$here" "$optimizer"
-        kb new-nolook "$here" "$optimizer" --no-early-lookup
+        for variant in "${variants[@]}"; do
+            # shellcheck disable=SC2086 (a variant is a list of arguments)
+            kb "new[$variant]" "$here" "$optimizer" $variant
+        done
         kb old "$old_root" "$optimizer"
     done 2>&1 | tee "$OUT/ab.log"
     echo "== GPU time per kernel, Adam, new / old"

@@ -105,6 +105,20 @@ def test_gather_pool(gen, dim, scaled):
                                rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("dim", [64, 128, 300])
+def test_gather_pool_of_bags_over_several_chunks(gen, dim):
+    """Wide rows take fewer of a bag's ids a loop iteration (8 at D=64, 4 at D=128, 1 at D=300):
+    bags of up to 20 ids pool over several iterations."""
+    store, addresses = make_store(gen, dim, 40)
+    offsets = random_offsets(gen, 10, 20)
+    n = int(offsets[-1])
+    addr = pick(gen, addresses, n)
+    scale = torch.rand(n, generator=gen).to(DEVICE)
+    got = TritonKernels().gather_pool(store, addr, offsets, scale, dim)
+    torch.testing.assert_close(got, TorchKernels().gather_pool(store, addr, offsets, scale, dim),
+                               rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("scaled", [False, True])
 def test_reduce_grads(gen, dim, scaled):
