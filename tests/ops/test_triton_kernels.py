@@ -257,6 +257,39 @@ def test_reduce_grads_with_the_dedups_order(gen, grouped):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("kernels", [TorchKernels(), TritonKernels()], ids=["torch", "triton"])
+def test_unique_pairs_of_keys_whose_sort_keys_meet_across_tables(kernels):
+    """Ids grouped by table sort on key ^ table << s (s = 62 for 3 tables): keys chosen so that two
+    tables' pairs get one sort key (and negative and extreme keys) still come out as their own pairs,
+    each pair's ids together in position order: the pairs and counts of a plain per-pair count."""
+    from tieredemb.modules.table import unique_pairs
+
+    def i64(x: int) -> int:
+        return (x + 2**63) % 2**64 - 2**63
+
+    big = 2**63 - 1
+    per_table = [[5, i64(5 ^ 1 << 62), 7, 5, -1, big],  # table 0: 5 ^ 1 << 62 meets table 1's 5
+                 [5, 7, 5, i64(-1 ^ 3 << 62), 5],       # table 1: -1 ^ 3 << 62 meets table 2's -1
+                 [i64(5 ^ 3 << 62), 5, big, -1, 5]]     # table 2: 5 ^ 3 << 62 meets both 5s above
+    ids = torch.tensor([k for keys in per_table for k in keys], dtype=torch.int64)
+    tables = torch.tensor([t for t, keys in enumerate(per_table) for _ in keys])
+    keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, kernels)
+    pairs = list(zip(utab.tolist(), keys.tolist()))
+    assert len(set(pairs)) == len(pairs)
+    want = {}
+    for pair in zip(tables.tolist(), ids.tolist()):
+        want[pair] = want.get(pair, 0) + 1
+    assert dict(zip(pairs, counts.tolist())) == want
+    assert [pairs[i] for i in inverse.tolist()] == list(zip(tables.tolist(), ids.tolist()))
+    # the order: each pair's ids adjacent, in position order
+    order = sorted_ids.order.tolist()
+    runs = [pairs[inverse[i]] for i in order]
+    assert [p for i, p in enumerate(runs) if i == 0 or p != runs[i - 1]] == pairs
+    for pair in pairs:
+        at = [i for i in order if pairs[inverse[i]] == pair]
+        assert at == sorted(at)
+
+
 def make_optimizer(kind: str) -> optim.EmbeddingOptimizer:
     return {
         "sgd": lambda: optim.SGD(lr=0.1),
