@@ -30,7 +30,6 @@ from tieredemb.storage.row_store import RowStore
 # Adam update (four live tiles: w, m, v, g) and run up to 10x slower.
 _TILE_ELEMS = 1024
 _MAX_ROWS = 128  # rows per program in gather / reduce_grads / optimizer_update
-_BAG_CHUNK = 8  # ids a loop iteration of one key's sum in the reduction (bags of ~10 ids: one warp)
 # elements of one bag's ids a loop iteration of gather_pool (8 ids at most): at D=128 4 ids pooled the
 # `hbm` batch in 0.166-0.170 ms, 8 ids in 0.204-0.207, 2 in 0.163-0.166 (H200, 2026-11-21)
 _BAG_ELEMS = 512
@@ -71,9 +70,10 @@ def _scan_grid(n: int) -> tuple[int, int]:
     return blocks, triton.cdiv(triton.cdiv(n, _RUN_BLOCK), blocks)
 
 
-def _bag_warps(block_d: int, chunk: int = _BAG_CHUNK) -> int:
-    """One warp per 1024 elements of a chunk of ``chunk`` ids: D=128 runs fastest with a single warp."""
-    return max(1, min(8, chunk * block_d // 1024))
+def _bag_warps(tile_elems: int) -> int:
+    """One warp per 1024 elements of a tile of one bag's (or one key's) ids, 1 to 8: D=128 pools and
+    reduces fastest with a single warp."""
+    return max(1, min(8, tile_elems // 1024))
 
 
 def _bag_chunk(block_d: int) -> int:
@@ -576,7 +576,7 @@ class TritonKernels:
             HAS_SCALE=scale is not None,
             BLOCK_I=chunk,
             BLOCK_D=block_d,
-            num_warps=_bag_warps(block_d, chunk),
+            num_warps=_bag_warps(chunk * block_d),
         )
         return out
 
@@ -734,7 +734,7 @@ class TritonKernels:
             order, starts, counts, piece_key, piece_first, partial if out is None else out, partial,
             num_unique, dim, table, addresses, width, seg_rows, lr, eps, beta1, beta2, step_size,
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d, UPDATE=bool(update),
-            KIND=kind, PRESORTED=presorted, num_warps=_bag_warps(block_d),  # one warp at D=128
+            KIND=kind, PRESORTED=presorted, num_warps=_bag_warps(chunk * block_d),
         )
         _reduce_keys_kernel[(k,)](
             partial, counts, piece_first, candidates, partial if out is None else out, num_unique, dim, table,
