@@ -123,24 +123,21 @@ class StagedPrefetch:
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-def sort_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, grouped: bool,
-               id_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
+               grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """ids ordered so that the ids of each distinct (table, key) pair are adjacent, in position order:
     (each one's key, positions). ``grouped`` (each table's ids together, tables in order, as a batch
     lays them out): one stable sort on ``key ^ table << s``, the table in the top bits. Two pairs of
     one sort key have two tables, so position order keeps each pair's ids together; keys below 2**s
     (s = 64 - bits of the last table) come table by table, and the gradient reduction, which reads
     each id's bag gradient in this order, then reads one table's (its feature's) at a time, a
-    working set that stays in L2. Otherwise sorted by key, equal keys in table order. ``id_count``:
-    int64 () on the device, the real ids; the padding after them (``_PADDING``, the largest key)
-    sorts last whatever its tables hold."""
+    working set that stays in L2. Otherwise sorted by key, equal keys in table order. A padded
+    batch's padding (the largest key, in table 0: ``batch_checks``) keeps the largest sort key."""
     if num_tables == 1:
         return torch.sort(ids, stable=True)
     if grouped:
         shift = 64 - (num_tables - 1).bit_length()
         tables = tables.to(torch.int64)
-        if id_count is not None:  # the padding's table 0: its sort key stays the largest
-            tables = torch.where(torch.arange(ids.numel(), device=ids.device) < id_count, tables, 0)
         mixed, order = torch.sort(ids ^ (tables << shift), stable=True)
         return mixed ^ (tables[order] << shift), order
     # a stable sort by key keeps the table order among equal keys
@@ -285,7 +282,7 @@ class TableGroup:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
         captured prefetch of a batch shape padded to a bucket)."""
         with label("## dedup ##"):
-            skeys, order = sort_pairs(ids, tables, len(self.configs), True, id_count)
+            skeys, order = sort_pairs(ids, tables, len(self.configs), True)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables,
                                                                                   id_count)
         with label("## resolve ##"):

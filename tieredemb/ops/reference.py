@@ -75,7 +75,7 @@ class TorchKernels:
         the reserved key), a non-finite-weight flag, the lengths' total minus n (everything after
         the first F entries is zero when the batch passes), and each id's table
         (``table_of_feature`` of its feature; None without it). ``count``: int64 (1,), only the first
-        ``count`` ids are the batch's, the rest padding (not checked; their tables unspecified)."""
+        ``count`` ids are the batch's, the rest padding (not checked; their table 0)."""
         if count is not None:  # the reference reads it (Triton's kernels read it on the device)
             real = int(count)
             summary, tables = self.batch_checks(values[:real], per_feature, limits, table_of_feature,

@@ -39,7 +39,8 @@ def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary
     # number of features ending at or before p (clamped to F - 1: the counts are not checked yet).
     # Flags: summary[2F] bad ids, summary[2F + 1] non-finite weights; program 0 writes
     # summary[2F + 2] = (ids the lengths count) - n. N_PTR: the ids are int64 (1,) at n_ptr, the rest
-    # of the n positions padding (not checked; their tables unspecified)
+    # of the n positions padding (not checked; their table 0)
+    bound = n
     if N_PTR:
         n = tl.load(n_ptr)
     p0 = tl.program_id(0).to(tl.int64) * BLOCK
@@ -68,7 +69,7 @@ def _check_ids_kernel(values, weights, limits, table_of_feature, tables, summary
         if tl.max(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int32), axis=0) > 0:
             tl.atomic_max(summary + 2 * F + 1, 1)
     if HAS_TABLES:
-        tl.store(tables + pos, tl.load(table_of_feature + feature, mask=m, other=0), mask=m)
+        tl.store(tables + pos, tl.load(table_of_feature + feature, mask=m, other=0), mask=pos < bound)
     if tl.program_id(0) == 0:
         total = tl.load(summary)
         for g in range(1, F):
