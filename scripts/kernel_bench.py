@@ -50,6 +50,10 @@ def parse_args() -> argparse.Namespace:
                    help="a constant of tieredemb.ops.triton.embedding, set before anything runs")
     p.add_argument("--no-early-lookup", action="store_true",
                    help="the forward looks its rows up itself, not the prefetch right after its read")
+    p.add_argument("--overlap", choices=["forward", "backward", "deferred"], default=None,
+                   help="each step prefetches the next batch on a high-priority side stream right after "
+                        "its forward or its backward (waiting only for its forward); deferred: "
+                        "prefetch_deferred between forward and backward, on the one stream")
     p.add_argument("--table-order", action="store_true",
                    help="also reduce with the keys renumbered table by table (bag gradients of one "
                         "table at a time: what L2 locality is worth)")
@@ -86,6 +90,10 @@ def main() -> None:
           f"n = {call[0][3].numel()}, u = {call[0][4]}")
 
     def whole_step() -> tuple[float, float]:
+        if args.overlap:
+            overlapped_steps(ebc, grad, kjts[5 : 5 + args.steps], args.overlap)  # warm: the side's graphs
+            return float("nan"), overlapped_steps(ebc, grad, kjts[5 + args.steps : 5 + 2 * args.steps],
+                                                  args.overlap)
         drained = statistics.median(timed(lambda k=k: step(k), 1) for k in kjts[5 : 5 + args.steps])
         sync()
         t0 = time.perf_counter()
@@ -115,6 +123,55 @@ def main() -> None:
         second = f"{t2:8.3f}" if t2 is not None else ""
         print(f"{what:28s} {variant:14s} {t1:8.3f} {second}")
     print("(step: drained median, back-to-back mean; reduce_update, then reduce_grads alone)")
+
+
+class Overlapped:
+    """Steps that prefetch the next batch on a high-priority side stream that waits only for this
+    step's forward, right after the forward (``after="forward"``: TrainPipeline's order, the
+    prefetch's device work beside the forward's, its read before the backward's launches) or after
+    the backward (the prefetch beside the backward's update); ``"deferred"``: ``prefetch_deferred``
+    right after the forward on the one stream (TrainPipeline's inline prefetch: the read waits for
+    the next forward). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)``
+    trains ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
+
+    def __init__(self, ebc, grad, first, after: str = "backward") -> None:
+        self.ebc, self.grad, self.after = ebc, grad, after
+        self.side = torch.cuda.Stream(DEVICE, priority=-100) if after != "deferred" else None
+        self.main = torch.cuda.current_stream(DEVICE)
+        self.ready = None
+        self._prefetch(first, None)
+
+    def _prefetch(self, kjt, after) -> None:
+        if self.side is None:
+            self.ebc.prefetch_deferred(kjt)
+            return
+        if after is not None:
+            self.side.wait_event(after)
+        with torch.cuda.stream(self.side):
+            self.ebc.prefetch(kjt)
+        self.ready = self.side.record_event()
+
+    def step(self, kjt, next_kjt) -> None:
+        if self.ready is not None:
+            self.main.wait_event(self.ready)
+        out = self.ebc(kjt).values()
+        after_forward = self.main.record_event()
+        if next_kjt is not None and self.after in ("forward", "deferred"):
+            self._prefetch(next_kjt, after_forward)
+        out.backward(self.grad)
+        if next_kjt is not None and self.after == "backward":
+            self._prefetch(next_kjt, after_forward)
+
+
+def overlapped_steps(ebc, grad, kjts, after: str) -> float:
+    """Mean ms a step of ``Overlapped`` steps over ``kjts``, back to back."""
+    run = Overlapped(ebc, grad, kjts[0], after)
+    sync()
+    t0 = time.perf_counter()
+    for kjt, next_kjt in zip(kjts, [*kjts[1:], None]):
+        run.step(kjt, next_kjt)
+    sync()
+    return (time.perf_counter() - t0) / len(kjts) * 1e3
 
 
 def capture(kernels, names) -> dict[str, tuple]:

@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--launches", action="store_true",
                    help="with --host: also each Triton kernel's launch and a few torch calls, by name")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
+    p.add_argument("--overlap", choices=["forward", "backward", "deferred"], default=None,
+                   help="each step prefetches the next batch on a side stream after its forward or "
+                        "backward (kernel_bench.Overlapped)")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
@@ -45,13 +48,21 @@ def main() -> None:
     ebc, shape, batches = build(args, dev)
     grad = upstream_grad(shape, dev, 0)
 
-    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps)]  # made outside the profile
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 1)]  # made outside the profile
     torch.cuda.synchronize()
 
     def step(i: int) -> None:
         kjt = kjts[i]
         ebc.prefetch(kjt)
         ebc(kjt).values().backward(grad)
+
+    if args.overlap:
+        from kernel_bench import Overlapped
+
+        overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
+
+        def step(i: int) -> None:  # noqa: F811 (the overlapped step instead)
+            overlapped.step(kjts[i], kjts[i + 1])
 
     for i in range(args.warmup):
         step(i)

@@ -39,7 +39,7 @@ from tests.conftest import (
 )
 
 STEPS = 20
-SCHEDULES = ["prefetch", "pipelined"]  # besides "plain": see train_side_by_side
+SCHEDULES = ["prefetch", "pipelined", "deferred"]  # besides "plain": see train_side_by_side
 HYPOTHESIS = settings(
     max_examples=12,
     deadline=None,
@@ -85,21 +85,23 @@ def train_side_by_side(
 ) -> None:
     """One step per batch on both; outputs compared at every step.
 
-    schedule: "plain" (forward, backward), "prefetch" (prefetch(i), forward(i), backward(i)) or
+    schedule: "plain" (forward, backward), "prefetch" (prefetch(i), forward(i), backward(i)),
     "pipelined" (forward(i), prefetch(i + 1), backward(i): the next batch is resolved before this
-    batch's update lands, as a training pipeline does).
+    batch's update lands, as a training pipeline does) or "deferred" (the same with
+    prefetch_deferred: batch i+1's host half waits for its forward, after backward i).
     """
     tables = reference.configs
     kjts = [batch.kjt() for batch in batches]
-    if schedule == "pipelined" and kjts:
-        collection.prefetch(kjts[0])
+    ahead = collection.prefetch_deferred if schedule == "deferred" else collection.prefetch
+    if schedule in ("pipelined", "deferred") and kjts:
+        ahead(kjts[0])
     for step, batch in enumerate(batches):
         upstream = random_upstream(gen, batch, tables, pooled=reference.pooled)
         if schedule == "prefetch":
             collection.prefetch(kjts[step])
         out = collection(kjts[step])
-        if schedule == "pipelined" and step + 1 < len(kjts):
-            collection.prefetch(kjts[step + 1])
+        if schedule in ("pipelined", "deferred") and step + 1 < len(kjts):
+            ahead(kjts[step + 1])
         weighted_loss(out, upstream).backward()
         want = reference.train_step(batch, upstream)
         assert_outputs_close(out, want, f"step {step + 1}")
@@ -679,6 +681,56 @@ def test_a_bad_batch_between_early_lookups_raises_and_changes_nothing():
     for c in paths:
         c(good).values().sum().backward()
     torch.testing.assert_close(sorted_export(paths[1], "s")[1], sorted_export(paths[0], "s")[1])
+
+
+def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change():
+    """prefetch_deferred of a bad batch returns; the batch's forward raises the checks' error with no
+    row and no counter changed, and the collection trains on. A deferred batch of new keys is settled
+    (its host half run: keys inserted and counted) by whatever touches the tables first (stats(),
+    read(), write(), the next prefetch) and trains as after a plain prefetch."""
+    from tieredemb.modules.collection import _Staged
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tables = [te.TableConfig("s", 4, ["a", "b"])]
+
+    def kjt(ids):
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([1] * len(ids))).to(device)
+
+    good, new = kjt([1, 2, 3, 4]), kjt([5, 6, 1, 2])  # keys 5 and 6 are new
+
+    def trained():
+        c = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5), device=device)
+        c(good).values().sum().backward()
+        return c
+
+    ebc = trained()
+    before, stats = sorted_export(ebc, "s"), ebc.stats()["s"]
+    bad = kjt([1, te.RESERVED_KEY, 3, 4])
+    ebc.prefetch_deferred(bad)
+    assert isinstance(ebc._queued[0][1], _Staged)  # nothing read, nothing raised yet
+    with pytest.raises(ValueError, match="RESERVED_KEY"):
+        ebc(bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, sorted_export(ebc, "s")))
+    assert ebc.stats()["s"] == stats and not ebc._queued
+    ebc(good).values().sum().backward()  # trains on
+
+    settles = {"stats": lambda c: c.stats(), "read": lambda c: c.read("s", torch.tensor([9])),
+               "write": lambda c: c.write("s", torch.tensor([9]), torch.ones(1, 4)),
+               "prefetch": lambda c: c.prefetch_deferred(good)}
+    for name, settle in settles.items():
+        want, got = trained(), trained()
+        want.prefetch(new)
+        got.prefetch_deferred(new)
+        assert isinstance(got._queued[0][1], _Staged), name
+        settle(got)
+        assert not isinstance(got._queued[0][1], _Staged), name
+        if name == "write":
+            want.write("s", torch.tensor([9]), torch.ones(1, 4))
+        for c in (want, got):
+            c(new).values().sum().backward()
+            c(good).values().sum().backward()  # got: the batch its settle queued
+        assert got.stats()["s"] == want.stats()["s"], name
+        assert all(torch.equal(a, b) for a, b in zip(sorted_export(got, "s"), sorted_export(want, "s"))), name
 
 
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])

@@ -82,7 +82,7 @@ def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
 
 
 def test_the_pipelined_configuration_trains_the_same_rows(tmp_path) -> None:
-    """``--pipeline``: ours again under TrainPipeline (prefetch on a worker thread), timed and held to
+    """``--pipeline``: ours again under TrainPipeline (its inline, deferred prefetch), timed and held to
     the same exact rows as the plain run."""
     rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
                "--optimizers", "sgd", "--threads", "1", "--pipeline", "--out", str(tmp_path)])

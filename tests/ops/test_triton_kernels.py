@@ -258,19 +258,19 @@ def test_reduce_grads_with_the_dedups_order(gen, grouped):
 
 
 @pytest.mark.parametrize("kernels", [TorchKernels(), TritonKernels()], ids=["torch", "triton"])
-def test_unique_pairs_of_keys_whose_sort_keys_meet_across_tables(kernels):
-    """Ids grouped by table sort on key ^ table << s (s = 62 for 3 tables): keys chosen so that two
-    tables' pairs get one sort key (and negative and extreme keys) still come out as their own pairs,
-    each pair's ids together in position order: the pairs and counts of a plain per-pair count."""
+def test_unique_pairs_of_keys_shared_across_tables(kernels):
+    """One key in several tables, keys that differ only in their top bits, negative and extreme keys:
+    each (table, key) pair comes out once, its ids together in position order, with the pairs and
+    counts of a plain per-pair count."""
     from tieredemb.modules.table import unique_pairs
 
     def i64(x: int) -> int:
         return (x + 2**63) % 2**64 - 2**63
 
     big = 2**63 - 1
-    per_table = [[5, i64(5 ^ 1 << 62), 7, 5, -1, big],  # table 0: 5 ^ 1 << 62 meets table 1's 5
-                 [5, 7, 5, i64(-1 ^ 3 << 62), 5],       # table 1: -1 ^ 3 << 62 meets table 2's -1
-                 [i64(5 ^ 3 << 62), 5, big, -1, 5]]     # table 2: 5 ^ 3 << 62 meets both 5s above
+    per_table = [[5, i64(5 ^ 1 << 62), 7, 5, -1, big],  # 5 and 5 ^ 1 << 62: only the top bits differ
+                 [5, 7, 5, i64(-1 ^ 3 << 62), 5],
+                 [i64(5 ^ 3 << 62), 5, big, -1, 5]]
     ids = torch.tensor([k for keys in per_table for k in keys], dtype=torch.int64)
     tables = torch.tensor([t for t, keys in enumerate(per_table) for _ in keys])
     keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, kernels)

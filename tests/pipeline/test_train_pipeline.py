@@ -156,15 +156,17 @@ def pipelined(pipeline: TrainPipeline, batches) -> list:
 
 
 def count_prefetches(model) -> list[int]:
-    """Counts the calls of each collection's prefetch (from now on); the list grows in place."""
+    """Counts the calls of each collection's prefetch or prefetch_deferred (from now on); the list
+    grows in place."""
     counts = [0] * len(model.collections)
     for i, c in enumerate(model.collections):
+        for name in ("prefetch", "prefetch_deferred"):
 
-        def counted(kjt, i=i, inner=c.prefetch):
-            counts[i] += 1
-            inner(kjt)
+            def counted(kjt, i=i, inner=getattr(c, name)):
+                counts[i] += 1
+                inner(kjt)
 
-        c.prefetch = counted
+            setattr(c, name, counted)
     return counts
 
 

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     hbm.add_argument("--no-preinsert", dest="preinsert", action="store_false",
                      help="start from empty tables (new keys are inserted while timing)")
     hbm.add_argument("--pipeline", action="store_true",
-                     help="also each 'ours' under te.TrainPipeline(prefetch_in_thread=True)")
+                     help="also each 'ours' under te.TrainPipeline (inline prefetch, read deferred)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
                                  "footprint over host memory, vs all in HBM (DESIGN section 7)"),

@@ -6,8 +6,8 @@ and on the same batches:
 
     ours    te.EmbeddingBagCollection over raw ids (num_embeddings=None); a step is
             prefetch + forward + backward of a fixed upstream gradient (the fused update runs inside);
-            with ``pipeline``, also under te.TrainPipeline(prefetch_in_thread=True) (the next batch's
-            prefetch on a worker thread beside the step; its mean step is both columns)
+            with ``pipeline``, also under te.TrainPipeline (batch i+1's prefetch between forward i
+            and backward i, its host read deferred to forward i+1; its mean step is both columns)
     peer    one torch.nn.EmbeddingBag(rows, D, mode="sum", sparse=True) per table, indexed by the Zipf
             rank, with torch.optim.SGD | Adagrad | SparseAdam; a step is forward + backward +
             optimizer.step + zero_grad. Its initial weights are ours' initial rows of the same keys.
@@ -91,7 +91,7 @@ class HbmOptions:
     warmup: int = 10
     seed: int = 0
     preinsert: bool = True  # every row stored before timing, as the peer's dense tables are
-    pipeline: bool = False  # each "ours" also under te.TrainPipeline(prefetch_in_thread=True)
+    pipeline: bool = False  # each "ours" also under te.TrainPipeline
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -291,10 +291,10 @@ class UpstreamLoss(torch.nn.Module):
 
 def run_ours_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
                        grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
-    """Ours under ``te.TrainPipeline(prefetch_in_thread=True)`` on the same batches as the plain run
-    (warmup, then the timed and back-to-back ones, all timed here): the mean step of a pipeline,
-    whose next batch's prefetch runs on a worker thread beside the step. The collection is gone
-    (and its memory freed) when this returns."""
+    """Ours under ``te.TrainPipeline`` (its default, inline prefetch) on the same batches as the plain
+    run (warmup, then the timed and back-to-back ones, all timed here): the mean step of a pipeline,
+    whose next batch's device work runs beside the step and whose host read waits for that batch's
+    forward. The collection is gone (and its memory freed) when this returns."""
     reset_peak(opts.device)
     result = _train_pipelined(opts, optimizer, kernels, batches, grad)
     free_memory(opts.device)
@@ -307,8 +307,7 @@ def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: Hb
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
     m = Measurement("ours", optimizer, f"ours ({name} kernels, TrainPipeline)", kernels=f"{name}+pipeline")
     model = UpstreamLoss(ebc, grad)
-    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=opts.device,
-                            prefetch_in_thread=True)
+    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=opts.device)
     todo = [batches.batch(i) for i in range(opts.warmup + 2 * opts.steps)]
     data = [{"kjt": b.kjt} for b in todo]
 

@@ -87,6 +87,32 @@ class CollectionPrefetch:
     looked_at: int = -1
 
 
+@dataclass
+class _Staged:
+    """A staged prefetch, its device half launched; ``deferred``: its host half is still to come
+    (``_Collection.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
+    CUDA, ready at ``done``). ``outputs``: (staged batch, staged prefetch, gradient sources, the
+    backward's, the read)."""
+
+    group: TableGroup
+    step: int
+    slot: Slot | None
+    outputs: tuple
+    stream: object
+    deferred: bool = False
+    host: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    training: bool = True
+
+
+@dataclass
+class _Failed:
+    """A deferred prefetch whose host half raised: the error waits for the batch's forward."""
+
+    error: BaseException
+    training: bool = True
+
+
 class _Lookup(torch.autograd.Function):
     """Forward: per-group lookups by address. Backward: the fused optimizer step (returns no grads)."""
 
@@ -181,6 +207,7 @@ class _Collection(nn.Module):
     @contextmanager
     def _mutating(self):
         with self._lock:
+            self._settle()  # a deferred prefetch's host half comes before any other change
             if self.device.type != "cuda":
                 yield
                 return
@@ -202,14 +229,27 @@ class _Collection(nn.Module):
         with self._mutating():
             self._queued.append((kjt, self._resolve(kjt)))
 
-    def _resolve(self, kjt: object) -> CollectionPrefetch:
+    def prefetch_deferred(self, kjt: object) -> None:
+        """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
+        training batch of one table group without admission or bounded tables, no stashing),
+        its device work is queued and its one host read (the checks' verdict, the distinct keys, the
+        misses) waits until the batch is needed: its forward, or the next change to the tables. A
+        bad batch then raises at its forward. Otherwise the same as ``prefetch``. Made for a loop
+        that prefetches batch i+1 between forward i and backward i (``TrainPipeline``): backward i's
+        launches then run while the device resolves batch i+1, and the host never waits for
+        backward i's update."""
+        with self._mutating():
+            self._queued.append((kjt, self._resolve(kjt, defer=True)))
+
+    def _resolve(self, kjt: object, defer: bool = False) -> CollectionPrefetch | _Staged:
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         group = self._groups[0]
         if (self.training and len(self._groups) == 1 and self.process_group is None
                 and given.order.identity[0] and group.can_stage()):
-            return self._resolve_staged(given, group, stream)
+            staged = self._stage(given, group, stream, defer and self._stash is None)
+            return staged if staged.deferred else self._finish_staged(staged)
         with label("## check_batch ##"):
             staged = self._layout.put(given)
         batch = self._layout.finish(staged, staged.summary.tolist())
@@ -226,26 +266,44 @@ class _Collection(nn.Module):
                     groups.append(self._prefetch_sharded(g, gb, training))
         return CollectionPrefetch(batch, groups, training, stream=stream)
 
-    def _resolve_staged(self, given: BatchInput, group: TableGroup, stream: object) -> CollectionPrefetch:
-        """A training batch of one stageable group with one host read for the checks, the dedup and
-        the probe together (instead of one each): the probe changes nothing unless the checks pass,
-        so a bad batch still raises with no state changed. The device work before the read is a
-        replayed CUDA graph when the batch's shape was seen before (``capture.py``)."""
+    def _stage(self, given: BatchInput, group: TableGroup, stream: object, defer: bool) -> _Staged:
+        """The device half of a staged prefetch (a training batch of one stageable group, with one
+        host read for the checks, the dedup and the probe together instead of one each): a replayed
+        CUDA graph when the batch's shape was seen before (``capture.py``). ``defer``: its read
+        copied now into pinned memory behind it, for ``_finish_staged`` to take later."""
         step = self._clock + 1
         slot = self._replay_staged(given, group, step)
         if slot is None:
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
-                pending, sources, backward, read = self._stage_device(staged, group, step)
+                outputs = (staged, *self._stage_device(staged, group, step))
         else:
-            staged, pending, sources, backward, read = _trimmed(slot.outputs, given.values.numel(), step)
+            outputs = _trimmed(slot.outputs, given.values.numel(), step)
+        record = _Staged(group, step, slot, outputs, stream, deferred=defer)
+        read = outputs[-1]
+        if defer and stream is not None:
+            record.host = torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
+            record.host.copy_(read, non_blocking=True)
+            record.done = torch.cuda.Event()
+            record.done.record(stream)
+        elif defer:
+            record.host = read
+        return record
+
+    def _finish_staged(self, record: _Staged) -> CollectionPrefetch:
+        """The host half of a staged prefetch: its read, then the insertion. The probe changed
+        nothing unless the checks passed, so a bad batch raises here with no state changed."""
+        staged, pending, sources, backward, read = record.outputs
+        group, slot, stream = record.group, record.slot, record.stream
         try:
             with label("## group.prefetch ##"):
-                host = read.tolist()
+                if record.done is not None:
+                    record.done.synchronize()
+                host = (read if record.host is None else record.host).tolist()
             checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
-            self._clock = step
+            self._clock = record.step
             looked, looked_at = None, self._rows_changed
             if self._may_look_early(stream) and pending.id_values is not None and \
                     not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
@@ -259,6 +317,26 @@ class _Collection(nn.Module):
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
                                   looked=looked, looked_at=looked_at)
+
+    def _settle(self) -> None:
+        """Finish the deferred prefetches in the queue, oldest first, each on its own stream (ordered
+        after the last change to the tables); one whose host half raises keeps its error for its
+        forward (``_Failed``), so whatever settled it goes on."""
+        for i, (kjt, record) in enumerate(self._queued):
+            if not isinstance(record, _Staged):
+                continue
+            stream = record.stream
+            with self._lock, torch.cuda.stream(stream) if stream is not None else nullcontext():
+                if stream is not None and self._mutated_on not in (None, stream):
+                    stream.wait_event(self._mutated)
+                try:
+                    self._queued[i] = (kjt, self._finish_staged(record))
+                except Exception as e:  # noqa: BLE001 (raised at the batch's forward)
+                    self._queued[i] = (kjt, _Failed(e))
+                finally:
+                    if stream is not None:
+                        self._mutated.record(stream)
+                        self._mutated_on = stream
 
     def _may_look_early(self, stream: object) -> bool:
         """Whether a lookup launched now reads the rows as every change counted in ``_rows_changed``
@@ -311,7 +389,7 @@ class _Collection(nn.Module):
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
                         weights: torch.Tensor | None, step: torch.Tensor, id_count: torch.Tensor | None):
-        """What ``_resolve_staged`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
+        """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
         batch fills only that many of the static ids (and weights), the rest becomes padding here."""
         if id_count is not None:
             real = torch.arange(values.numel(), device=values.device) < id_count
@@ -374,8 +452,10 @@ class _Collection(nn.Module):
         9's profile). None: take it under the lock."""
         if not self._queued:
             return None
+        if isinstance(self._queued[0][1], _Staged):
+            self._settle()
         queued, state = self._queued[0]  # only this thread takes from the queue
-        if queued is not kjt or state.training != self.training:
+        if queued is not kjt or state.training != self.training or isinstance(state, _Failed):
             return None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
@@ -387,6 +467,27 @@ class _Collection(nn.Module):
         del self._queued[0]
         return state
 
+    def _finish_deferred(self, kjt: object) -> None:
+        """Finish the deferred prefetches queued up to ``kjt``'s and raise its error if its host half
+        failed (``TrainPipeline``: a bad batch fails before the model sees it)."""
+        with self._lock:
+            self._settle()
+            for queued, state in self._queued:
+                if queued is kjt and isinstance(state, _Failed):
+                    raise state.error
+
+    def _withdraw(self, kjt: object) -> None:
+        """Drop ``kjt``'s queued prefetch (by identity) and release its locks and scratch rows
+        (``TrainPipeline``: a batch its forward did not take, or in flight when it stops)."""
+        with self._lock:
+            self._settle()
+            for i, (queued, state) in enumerate(self._queued):
+                if queued is kjt:
+                    del self._queued[i]
+                    if not isinstance(state, _Failed):
+                        self._release(state)
+                    return
+
     def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
         if not self._queued or (not self.training and self._queued[0][1].training):
             return self._resolve(kjt)  # nothing prefetched, or an eval forward between training steps
@@ -395,6 +496,8 @@ class _Collection(nn.Module):
             raise RuntimeError("forward got a batch other than the oldest prefetched one: prefetch "
                                "and forward must see the same batches in the same order")
         del self._queued[0]
+        if isinstance(state, _Failed):
+            raise state.error
         if state.training == self.training:
             return state
         self._release(state)  # prefetched in the other mode: resolve again

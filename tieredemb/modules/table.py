@@ -125,22 +125,12 @@ UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 def sort_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
                grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids ordered so that the ids of each distinct (table, key) pair are adjacent, in position order:
-    (each one's key, positions). ``grouped`` (each table's ids together, tables in order, as a batch
-    lays them out): one stable sort on ``key ^ table << s``, the table in the top bits. Two pairs of
-    one sort key have two tables, so position order keeps each pair's ids together; keys below 2**s
-    (s = 64 - bits of the last table) come table by table, and the gradient reduction, which reads
-    each id's bag gradient in this order, then reads one table's (its feature's) at a time, a
-    working set that stays in L2. Otherwise sorted by key, equal keys in table order. A padded
-    batch's padding (the largest key, in table 0: ``batch_checks``) keeps the largest sort key."""
-    if num_tables == 1:
+    """ids sorted by key, equal keys in table order (pairs adjacent): (sorted keys, positions)."""
+    # a stable sort by key keeps the table order among equal keys (``grouped``: the batch already
+    # lays each table's ids out together, tables in order). Sorting on key ^ table << s instead, to
+    # reduce one table's bag gradients at a time, measured no faster (docs/kernels.md, session 12).
+    if grouped or num_tables == 1:
         return torch.sort(ids, stable=True)
-    if grouped:
-        shift = 64 - (num_tables - 1).bit_length()
-        tables = tables.to(torch.int64)
-        mixed, order = torch.sort(ids ^ (tables << shift), stable=True)
-        return mixed ^ (tables[order] << shift), order
-    # a stable sort by key keeps the table order among equal keys
     by_table = torch.argsort(tables, stable=True)
     skeys, by_key = torch.sort(ids[by_table], stable=True)
     return skeys, by_table[by_key]

@@ -278,7 +278,10 @@ class TrainPipeline:
             _wait(ready, after)
             _wait(ready, record.copied)
             for collection, kjt in record.plan:
-                collection.prefetch(kjt)
+                if self._executor is None and self._stash is None:  # its read waits for forward i+1
+                    collection.prefetch_deferred(kjt)
+                else:
+                    collection.prefetch(kjt)
             record.prefetched = _record(stream)
 
     def _wait_for_batch(self, record: _InFlight) -> None:
@@ -287,6 +290,8 @@ class TrainPipeline:
                 raise record.error
             if record.prefetch is not None:
                 record.prefetch.result()  # the worker's host work; raises the prefetch's error
+            for collection, kjt in record.plan:  # an inline prefetch's read, deferred until now
+                collection._finish_deferred(kjt)
             training = _current_stream(self.device)
             _wait(training, record.copied)
             _wait(training, record.prefetched)
@@ -297,7 +302,7 @@ class TrainPipeline:
         unused = [(c, kjt) for c, kjt in record.plan if _is_queued(c, kjt)]
         if unused:
             for c, kjt in unused:
-                _cancel_prefetch(c, kjt)
+                c._withdraw(kjt)
             raise RuntimeError(
                 f"the model's forward did not pass the batch's KeyedJaggedTensor with features "
                 f"{list(unused[0][1].keys())} to the embedding collection with those features; the "
@@ -359,7 +364,7 @@ class TrainPipeline:
             if record.prefetch is not None:
                 wait_futures([record.prefetch])  # let a running prefetch end before cancelling it
             for collection, kjt in record.plan:
-                _cancel_prefetch(collection, kjt)
+                collection._withdraw(kjt)
         self._batches.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -459,19 +464,10 @@ def _loss_of(output: object) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the collections' prefetch queue
-# The collections have no public verb yet to ask about or withdraw one queued prefetch; these two
-# helpers are the only places the pipeline reads their queue (candidates for _Collection methods).
+# The collections have no public verb yet to ask about one queued prefetch; this is the only place
+# the pipeline reads their queue (a candidate for a _Collection method).
 def _is_queued(collection: _Collection, kjt: object) -> bool:
     return any(queued is kjt for queued, _ in collection._queued)
-
-
-def _cancel_prefetch(collection: _Collection, kjt: object) -> None:
-    """Withdraw ``kjt``'s queued prefetch (by identity) and release its locks and scratch rows."""
-    for i, (queued, state) in enumerate(collection._queued):
-        if queued is kjt:
-            del collection._queued[i]
-            collection._release(state)
-            return
 
 
 # ------------------------------------------------------------------------------ streams and events
