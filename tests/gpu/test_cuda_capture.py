@@ -219,6 +219,40 @@ def test_a_prefetch_thread_replays_but_never_captures(monkeypatch):
     assert_same_tables(eager, captured)
 
 
+def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeypatch):
+    """TrainPipeline's inline prefetch (``prefetch_deferred``): batch i+1's captured device half is
+    replayed between forward i and backward i and read at forward i+1, after backward i's launches;
+    jagged batches of one shape and then new keys in a second shape. Trains exactly as an eager loop
+    (rows, optimizer state, scores, counters)."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.randint(1, 6, (3 * 128,), generator=gen)
+    batches = [batch(gen, lengths, 300) for _ in range(10)]
+    other = torch.randint(1, 6, (3 * 128,), generator=gen)
+    batches += [batch(gen, other, 3000) for _ in range(6)]  # new keys in every batch
+    eager = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, False)
+    for kjt in batches:
+        eager(kjt).values().square().sum().backward()
+    captured = make(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, True)
+    deferred = []
+    inner = captured.prefetch_deferred
+
+    def counted(kjt):
+        inner(kjt)
+        deferred.append(captured._queued[-1][1].__class__.__name__ == "_Staged")
+
+    captured.prefetch_deferred = counted
+    pipeline = te.TrainPipeline(_Model(captured), None, device=DEV)
+    it = iter([{"kjt": kjt} for kjt in batches])
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+    assert len(deferred) == len(batches) and all(deferred)
+    assert captured._captured.replays > 0 and captured._captured.failed is None
+    assert_same_tables(eager, captured)
+
+
 def test_a_capture_that_fails_leaves_the_eager_path_working():
     """A staging function that reads the device cannot be captured: ``acquire`` warns, returns None
     (the caller runs eagerly) and never tries again; CUDA keeps working."""
