@@ -3,7 +3,7 @@
 # CUDA present, then `tieredemb bench hbm`, `bench cache` and `bench ssd` on the GPU. Logs and the
 # bench reports go under $OUT (./gpu_out when unset); the bench tables are printed again at the end.
 # The cache benches run only while the script's 10-minute deadline leaves them time (each gets
-# CACHE_TIMEOUT or what is left); --cache-only runs them alone.
+# CACHE_TIMEOUT or what is left); --cache-only runs them alone. The hbm bench includes --pipeline.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
 #                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]...]
@@ -182,7 +182,7 @@ fi
 
 if [ "$run_bench" = 1 ] && [ "$run_hbm" = 1 ]; then
     echo "== bench hbm (scale $scale)"
-    timeout "$BENCH_TIMEOUT" "${bench[@]}" hbm --device cuda --scale "$scale" --steps "$steps" \
+    timeout "$BENCH_TIMEOUT" "${bench[@]}" hbm --device cuda --pipeline --scale "$scale" --steps "$steps" \
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
     [ "$bench_rc" = 0 ] || status=1
