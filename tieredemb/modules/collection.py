@@ -668,6 +668,8 @@ class _Collection(nn.Module):
     # ------------------------------------------------------------------------------ checkpoints
     def _checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
+        with self._lock:
+            self._settle()  # a deferred prefetch's clock counts, as its rows do
         return {"step": self.step, "clock": self._clock, "seed": self.seed,
                 "optimizer": type(self.optimizer).__name__,
                 "tables": {t.name: {"dim": t.embedding_dim,
