@@ -331,8 +331,10 @@ class _Collection(nn.Module):
                     stream.wait_event(self._mutated)
                 try:
                     self._queued[i] = (kjt, self._finish_staged(record))
-                except Exception as e:  # noqa: BLE001 (raised at the batch's forward)
+                except BaseException as e:  # raised at the batch's forward (an interrupt: now too)
                     self._queued[i] = (kjt, _Failed(e))
+                    if not isinstance(e, Exception):
+                        raise
                 finally:
                     if stream is not None:
                         self._mutated.record(stream)

@@ -56,7 +56,8 @@ class TrainPipeline:
 
         wait_for_batch  batch i:   its copy and prefetch are complete          (training stream waits)
         forward         batch i:   output = model(batch); loss = output or output[0]
-        prefetch        batch i+1: each collection resolves its rows           (before backward i)
+        prefetch        batch i+1: each collection resolves its rows           (before backward i;
+                                   inline, its host read waits for wait_for_batch i+1)
         backward        batch i:   loss.backward(): the fused embedding optimizers update their rows
         optimizer       batch i:   optimizer.step() on the dense parameters
         copy_batch      batch i+2: next(iterator), pin, host-to-device copy    (overlaps step i+1)
@@ -71,14 +72,18 @@ class TrainPipeline:
       after the training stream's work of step i (an event, not ``record_stream``: batch i+2's buffers
       may reuse the blocks batch i just freed), and the training stream waits on the copy's event.
     - training stream (the caller's current stream): forward, backward, optimizer; by default also the
-      prefetch, between forward i and backward i.
+      prefetch, between forward i and backward i, through ``prefetch_deferred``: where the batch's
+      prefetch is staged (one table group, no admission or bounded tables, no stashing) its device
+      work is queued there and its one host read comes at ``wait_for_batch`` i+1, so the host
+      launches backward i without waiting for the device (``docs/pipeline.md``).
     - prefetch stream, with ``prefetch_in_thread=True``: prefetch i+1 runs on a single worker thread
       (its host syncs - ``torch.unique``, miss checks, backend calls - leave the training thread) on
       its own stream, after an event recorded behind forward i; forward i+1 waits for the thread and
       then for the prefetch's event. The collections serialize their index and row-store changes
       (a lock, and an event chain between streams) and hand prefetched tensors over with
-      ``record_stream``, so backward i's release beside prefetch i+1 is safe. Off by default until
-      its overlap is measured.
+      ``record_stream``, so backward i's release beside prefetch i+1 is safe. Faster than inline for
+      a cache-mode collection under a heavy dense model (its fetch's host work leaves the training
+      thread); slower in ``hbm_direct``.
 
     Args:
         model: called as ``model(batch)``; returns the loss (a scalar tensor) or ``(loss, output)``.
