@@ -50,10 +50,11 @@ def parse_args() -> argparse.Namespace:
                    help="a constant of tieredemb.ops.triton.embedding, set before anything runs")
     p.add_argument("--no-early-lookup", action="store_true",
                    help="the forward looks its rows up itself, not the prefetch right after its read")
-    p.add_argument("--overlap", choices=["forward", "backward", "deferred"], default=None,
+    p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a high-priority side stream right after "
                         "its forward or its backward (waiting only for its forward); deferred: "
-                        "prefetch_deferred between forward and backward, on the one stream")
+                        "prefetch_deferred between forward and backward, on the one stream; "
+                        "deferred-side: the same on the side stream")
     p.add_argument("--table-order", action="store_true",
                    help="also reduce with the keys renumbered table by table (bag gradients of one "
                         "table at a time: what L2 locality is worth)")
@@ -131,8 +132,9 @@ class Overlapped:
     prefetch's device work beside the forward's, its read before the backward's launches) or after
     the backward (the prefetch beside the backward's update); ``"deferred"``: ``prefetch_deferred``
     right after the forward on the one stream (TrainPipeline's inline prefetch: the read waits for
-    the next forward). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)``
-    trains ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
+    the next forward); ``"deferred-side"``: the same on the side stream (its device work beside the
+    backward's). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)`` trains
+    ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
 
     def __init__(self, ebc, grad, first, after: str = "backward") -> None:
         self.ebc, self.grad, self.after = ebc, grad, after
@@ -148,6 +150,9 @@ class Overlapped:
         if after is not None:
             self.side.wait_event(after)
         with torch.cuda.stream(self.side):
+            if self.after == "deferred-side":  # the collection orders its use on the main stream
+                self.ebc.prefetch_deferred(kjt)
+                return
             self.ebc.prefetch(kjt)
         self.ready = self.side.record_event()
 
@@ -156,7 +161,7 @@ class Overlapped:
             self.main.wait_event(self.ready)
         out = self.ebc(kjt).values()
         after_forward = self.main.record_event()
-        if next_kjt is not None and self.after in ("forward", "deferred"):
+        if next_kjt is not None and self.after in ("forward", "deferred", "deferred-side"):
             self._prefetch(next_kjt, after_forward)
         out.backward(self.grad)
         if next_kjt is not None and self.after == "backward":

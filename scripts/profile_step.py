@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--launches", action="store_true",
                    help="with --host: also each Triton kernel's launch and a few torch calls, by name")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
-    p.add_argument("--overlap", choices=["forward", "backward", "deferred"], default=None,
+    p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
                         "backward (kernel_bench.Overlapped)")
     p.add_argument("--autograd-threads", action="store_true",
