@@ -249,6 +249,7 @@ def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeyp
         except StopIteration:
             break
     assert len(deferred) == len(batches) and all(deferred)
+    assert 1 <= len(captured._read_buffers) <= 2  # pinned read buffers kept and reused, not one a batch
     assert captured._captured.replays > 0 and captured._captured.failed is None
     assert_same_tables(eager, captured)
 

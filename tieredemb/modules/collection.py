@@ -177,6 +177,7 @@ class _Collection(nn.Module):
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queued: list[tuple[object, CollectionPrefetch]] = []
+        self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads (prefetch_deferred)
         # autograd needs an input that requires grad to call our backward
         self._dummy = torch.zeros(1, requires_grad=True)
         # prefetch may run on another thread and CUDA stream than forward/backward (TrainPipeline's
@@ -283,7 +284,7 @@ class _Collection(nn.Module):
         record = _Staged(group, step, slot, outputs, stream, deferred=defer)
         read = outputs[-1]
         if defer and stream is not None:
-            record.host = torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
+            record.host = self._read_buffer(read)
             record.host.copy_(read, non_blocking=True)
             record.done = torch.cuda.Event()
             record.done.record(stream)
@@ -301,6 +302,8 @@ class _Collection(nn.Module):
                 if record.done is not None:
                     record.done.synchronize()
                 host = (read if record.host is None else record.host).tolist()
+                if record.done is not None:  # its copy is done and read: the next one may take it
+                    self._read_buffers.append(record.host)
             checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = record.step
@@ -317,6 +320,14 @@ class _Collection(nn.Module):
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
         return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
                                   looked=looked, looked_at=looked_at)
+
+    def _read_buffer(self, read: torch.Tensor) -> torch.Tensor:
+        """Pinned host memory for a deferred read of ``read``'s size: one kept from an earlier read
+        (allocated once, DESIGN section 4 rule 2), or a new one."""
+        for k, buffer in enumerate(self._read_buffers):
+            if buffer.shape == read.shape:
+                return self._read_buffers.pop(k)
+        return torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
 
     def _settle(self) -> None:
         """Finish the deferred prefetches in the queue, oldest first, each on its own stream (ordered
