@@ -159,14 +159,17 @@ def count_prefetches(model) -> list[int]:
     """Counts the calls of each collection's prefetch or prefetch_deferred (from now on); the list
     grows in place."""
     counts = [0] * len(model.collections)
+
+    def counting(i, inner):
+        def counted(kjt):
+            counts[i] += 1
+            inner(kjt)
+
+        return counted
+
     for i, c in enumerate(model.collections):
         for name in ("prefetch", "prefetch_deferred"):
-
-            def counted(kjt, i=i, inner=getattr(c, name)):
-                counts[i] += 1
-                inner(kjt)
-
-            setattr(c, name, counted)
+            setattr(c, name, counting(i, getattr(c, name)))
     return counts
 
 

@@ -176,7 +176,7 @@ class _Collection(nn.Module):
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
-        self._queued: list[tuple[object, CollectionPrefetch]] = []
+        self._queued: list[tuple[object, CollectionPrefetch | _Staged | _Failed]] = []
         self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads (prefetch_deferred)
         # autograd needs an input that requires grad to call our backward
         self._dummy = torch.zeros(1, requires_grad=True)
@@ -288,8 +288,6 @@ class _Collection(nn.Module):
             record.host.copy_(read, non_blocking=True)
             record.done = torch.cuda.Event()
             record.done.record(stream)
-        elif defer:
-            record.host = read
         return record
 
     def _finish_staged(self, record: _Staged) -> CollectionPrefetch:
@@ -333,23 +331,29 @@ class _Collection(nn.Module):
         """Finish the deferred prefetches in the queue, oldest first, each on its own stream (ordered
         after the last change to the tables); one whose host half raises keeps its error for its
         forward (``_Failed``), so whatever settled it goes on."""
-        for i, (kjt, record) in enumerate(self._queued):
-            if not isinstance(record, _Staged):
-                continue
-            stream = record.stream
-            with self._lock, torch.cuda.stream(stream) if stream is not None else nullcontext():
-                if stream is not None and self._mutated_on not in (None, stream):
-                    stream.wait_event(self._mutated)
-                try:
-                    self._queued[i] = (kjt, self._finish_staged(record))
-                except BaseException as e:  # raised at the batch's forward (an interrupt: now too)
-                    self._queued[i] = (kjt, _Failed(e))
-                    if not isinstance(e, Exception):
+        with self._lock:
+            for i, (kjt, record) in enumerate(self._queued):
+                if isinstance(record, _Staged):
+                    try:
+                        self._queued[i] = (kjt, self._settled(record))
+                    except BaseException as e:  # an interrupt: no half-finished entry stays queued
+                        self._queued[i] = (kjt, _Failed(e))
                         raise
-                finally:
-                    if stream is not None:
-                        self._mutated.record(stream)
-                        self._mutated_on = stream
+
+    def _settled(self, record: _Staged) -> CollectionPrefetch | _Failed:
+        """``record``'s host half on its stream, a change to the tables like any other (its event)."""
+        stream = record.stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if stream is not None and self._mutated_on not in (None, stream):
+                stream.wait_event(self._mutated)
+            try:
+                return self._finish_staged(record)
+            except Exception as e:  # noqa: BLE001 (raised at the batch's forward)
+                return _Failed(e)
+            finally:
+                if stream is not None:
+                    self._mutated.record(stream)
+                    self._mutated_on = stream
 
     def _may_look_early(self, stream: object) -> bool:
         """Whether a lookup launched now reads the rows as every change counted in ``_rows_changed``
@@ -681,8 +685,7 @@ class _Collection(nn.Module):
     # ------------------------------------------------------------------------------ checkpoints
     def _checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
-        with self._lock:
-            self._settle()  # a deferred prefetch's clock counts, as its rows do
+        self._settle()  # a deferred prefetch's clock counts, as its rows do
         return {"step": self.step, "clock": self._clock, "seed": self.seed,
                 "optimizer": type(self.optimizer).__name__,
                 "tables": {t.name: {"dim": t.embedding_dim,
