@@ -733,6 +733,33 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
         assert all(torch.equal(a, b) for a, b in zip(sorted_export(got, "s"), sorted_export(want, "s"))), name
 
 
+def test_an_eval_forward_between_a_deferred_prefetch_and_its_forward():
+    """A batch of new keys prefetched deferred, an eval forward of another batch, then the batch's
+    training forward: the eval forward settles the batch first (it sees the new keys' rows, as after a
+    plain prefetch) and changes nothing; outputs, rows and counters equal the plain prefetch's."""
+    tables = [te.TableConfig("s", 4, ["a", "b"])]
+
+    def kjt(ids):
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([1] * len(ids)))
+
+    runs = []
+    for deferred in (False, True):
+        ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.1))
+        ebc(kjt([1, 2, 3, 4])).values().sum().backward()
+        batch = kjt([1, 5, 6, 2])  # keys 5 and 6 are new
+        (ebc.prefetch_deferred if deferred else ebc.prefetch)(batch)
+        ebc.eval()
+        with torch.no_grad():
+            seen = ebc(kjt([5, 1, 7, 6])).values()
+        ebc.train()
+        out = ebc(batch).values()
+        out.sum().backward()
+        runs.append((seen, out.detach(), *sorted_export(ebc, "s"), ebc.stats()["s"]))
+    assert torch.count_nonzero(runs[0][0][0]) > 0  # the eval forward found key 5 stored
+    for got, want in zip(runs[1], runs[0]):
+        assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+
+
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
 def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
     """What a CUDA graph of a jagged batch shape replays: the staged prefetch's device half over ids
