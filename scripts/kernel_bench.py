@@ -5,10 +5,11 @@ Builds the ``hbm`` workload (every row stored), runs a few steps and keeps the a
 median of ``--repeats``, the queue drained before each), and the whole step (drained median and back
 to back). ``--profile``: each kernel's GPU time inside the step (torch profiler); ``--table-order``:
 the reduction again with the keys renumbered table by table (what L2 locality of the bag gradients
-is worth).
+is worth); ``--overlap ORDER``: the whole step back to back with the next batch's prefetch in another
+order (``Overlapped``; ``deferred`` is TrainPipeline's inline prefetch).
 
     python3 scripts/kernel_bench.py [--scale S] [--optimizer sgd|adam] [--table-order] [--profile]
-                                    [--set NAME=INT ...]
+                                    [--set NAME=INT ...] [--overlap forward|backward|deferred|deferred-side]
 
 Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after;
 ``--set NAME=INT`` sets a tuning constant of ``tieredemb.ops.triton.embedding`` first.
