@@ -77,7 +77,7 @@ def main() -> None:
     batches = HbmBatches(shape, dev, 0)
     grad = upstream_grad(shape, dev, 0)
     kernels = ebc.kernels
-    captured = capture(kernels, ("gather_pool", "reduce_update", "sorted_runs_padded"))
+    captured = capture(kernels, ("gather_pool", "reduce_update", "id_order", "sorted_runs_padded"))
     kjts = [batches.batch(i).kjt for i in range(args.steps * 2 + 5)]
 
     def step(kjt):
@@ -114,10 +114,13 @@ def main() -> None:
         rows.extend(table_order_rows(kernels, call, shape.num_tables, args.repeats))
     if args.profile:
         profile(step, kjts[5:15])
-    a, k = captured["sorted_runs_padded"]
-    ids = a[0][torch.randperm(a[0].numel(), device=dev)]
-    rows.append(("sort (int64 keys, stable)", "", timed(lambda: torch.sort(ids, stable=True), args.repeats),
+    a, k = captured["sorted_runs_padded"]  # (the ids, or in packages before id_order the sorted keys)
+    rows.append(("sort (int64 keys, stable)", "", timed(lambda: torch.sort(a[0], stable=True), args.repeats),
                  None))
+    if "id_order" in captured:
+        a2, k2 = captured["id_order"]
+        rows.append(("id_order (int32 hashes)", "", timed(lambda: kernels.id_order(*a2, **k2), args.repeats),
+                     None))
     rows.append(("sorted_runs_padded", "", timed(lambda: kernels.sorted_runs_padded(*a, **k), args.repeats),
                  None))
     print(f"{'what':28s} {'variant':14s} {'ms':>8s} {'ms (2)':>8s}")
@@ -192,7 +195,8 @@ def capture(kernels, names) -> dict[str, tuple]:
         return wrapper
 
     for name in names:
-        setattr(kernels, name, wrap(name, getattr(kernels, name)))
+        if hasattr(kernels, name):  # (an older package may lack one)
+            setattr(kernels, name, wrap(name, getattr(kernels, name)))
     return captured
 
 

@@ -203,7 +203,7 @@ def test_sorted_runs_of_no_ids():
 
 @pytest.mark.parametrize("n, max_programs", [(1, None), (2500, None), (5000, 2), (7300, 4)])
 def test_sorted_runs(gen, n, max_programs, monkeypatch):
-    """Runs of equal (key, table) pairs in sorted ids, across program blocks: equal to the torch
+    """Runs of equal (key, table) pairs in ids sorted by key, across program blocks: equal to the torch
     reference, and to torch.unique over the pairs (the same key in two tables is two pairs).
     ``max_programs``: fewer programs than blocks (each takes several, as past 1M ids)."""
     if max_programs is not None:
@@ -215,9 +215,8 @@ def test_sorted_runs(gen, n, max_programs, monkeypatch):
     ids[: n // 2] = torch.randint(-2**62, 2**62, (n // 2,), generator=gen)  # a spread of raw ids too
     by_table = torch.argsort(tables, stable=True)  # equal keys must come table-sorted
     order = by_table[torch.sort(ids[by_table], stable=True).indices]
-    skeys = ids[order]
-    got = TritonKernels().sorted_runs(skeys.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
-    want = TorchKernels().sorted_runs(skeys, order, tables)
+    got = TritonKernels().sorted_runs(ids.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
+    want = TorchKernels().sorted_runs(ids, order, tables)
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)
     pairs, inverse, counts = torch.unique(torch.stack([ids, tables], 1), dim=0, return_inverse=True,
@@ -228,7 +227,7 @@ def test_sorted_runs(gen, n, max_programs, monkeypatch):
     assert torch.equal(torch.sort(entries).values, torch.sort(counts).values)
     assert torch.equal(entries[ginv], counts[inverse])
     for kern in (TritonKernels(), TorchKernels()):  # padded to n, the count on the device
-        *padded, u = kern.sorted_runs_padded(skeys.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
+        *padded, u = kern.sorted_runs_padded(ids.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
         assert u.tolist() == [keys.numel()]
         assert all(t.numel() == n for t in padded)
         for a, b in zip(padded, (keys, utab, ginv, entries)):
@@ -246,8 +245,7 @@ def test_reduce_grads_with_the_dedups_order(gen, grouped):
     if grouped:
         tables = torch.sort(tables).values
     ids = torch.randint(0, 40, (n,), generator=gen)
-    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, TritonKernels(),
-                                                     grouped=grouped)
+    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), TritonKernels())
     grad_src = torch.randn(n, dim, generator=gen).to(DEVICE)
     src_of_id = torch.arange(n, device=DEVICE)
     got = TritonKernels().reduce_grads(grad_src, src_of_id, None, inverse, keys.numel(), sorted_ids)
@@ -273,7 +271,7 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
                  [i64(5 ^ 3 << 62), 5, big, -1, 5]]
     ids = torch.tensor([k for keys in per_table for k in keys], dtype=torch.int64)
     tables = torch.tensor([t for t, keys in enumerate(per_table) for _ in keys])
-    keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, kernels)
+    keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), kernels)
     pairs = list(zip(utab.tolist(), keys.tolist()))
     assert len(set(pairs)) == len(pairs)
     want = {}
@@ -288,6 +286,58 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
     for pair in pairs:
         at = [i for i in order if pairs[inverse[i]] == pair]
         assert at == sorted(at)
+
+
+@pytest.mark.parametrize("bits, n, pad", [(32, 900, 0), (32, 900, 50), (9, 2500, 0), (4, 700, 20),
+                                          (1, 400, 0), (12, 200_000 if DEVICE == "cuda" else 3000, 0)])
+def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, pad):
+    """The dedup's order, from its definition in plain Python: by the pair's hash, then the pair's
+    first position, then position; padding (past ``count``) last in its own order. Fewer hash bits
+    make distinct pairs share a hash (interleaved in the radix sort; up to hundreds in one hash
+    at 1 bit); Triton equal to the reference, across program blocks."""
+    from tieredemb.ops import reference
+    from tieredemb.ops.triton import embedding as E
+
+    monkeypatch.setattr(reference, "DEDUP_HASH_BITS", bits)
+    monkeypatch.setattr(E, "_RUN_BLOCK", 128 if n < 10_000 else 1024)
+    tables = torch.randint(0, 3, (n + pad,), generator=gen)
+    ids = torch.randint(0, max(8, n // 5), (n + pad,), generator=gen)
+    ids[::3] = torch.randint(-2**63, 2**63 - 1, (len(ids[::3]),), generator=gen)  # raw 64-bit ids too
+    h = reference.dedup_hash(ids[:n], tables[:n]).tolist()
+    first = {}
+    for i, pair in enumerate(zip(ids[:n].tolist(), tables[:n].tolist())):
+        first.setdefault(pair, i)
+    pairs = list(zip(ids.tolist(), tables.tolist()))
+    want = sorted(range(n), key=lambda i: (h[i], first[pairs[i]], i)) + list(range(n, n + pad))
+    if bits < 32:
+        assert len(set(h)) < len(first)  # pairs do share hashes
+    count = None if pad == 0 else torch.tensor([n], device=DEVICE)
+    for kern in (TritonKernels(), TorchKernels()):
+        got = kern.id_order(ids.to(DEVICE), tables.to(DEVICE), count)
+        assert got.tolist() == want, kern.name
+
+
+def test_dedup_hash_of_the_kernel_and_the_reference():
+    """The Triton hash kernel and ``dedup_hash`` give the same int32 for every pair, and the hash
+    stays below the padding's."""
+    from tieredemb.ops import reference
+    from tieredemb.ops.triton import embedding as E
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.randint(-2**63, 2**63 - 1, (500,), generator=gen),
+                     torch.tensor([0, -1, 2**63 - 1, -2**63])])
+    tables = torch.randint(0, 1000, (ids.numel(),), generator=gen)
+    out = torch.empty(ids.numel(), dtype=torch.int32, device=DEVICE)
+    E._dedup_hash_kernel[(triton_cdiv(ids.numel(), 128),)](
+        ids.to(DEVICE), tables.to(DEVICE), out, ids.numel(), out, BITS=32, PAD=reference.DEDUP_PAD_HASH,
+        N_PTR=False, BLOCK=128)
+    want = reference.dedup_hash(ids, tables)
+    assert torch.equal(out.cpu(), want)
+    assert int(want.max()) < reference.DEDUP_PAD_HASH and len(set(want.tolist())) > 490
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def make_optimizer(kind: str) -> optim.EmbeddingOptimizer:
@@ -557,9 +607,9 @@ def test_reduction_plan_made_ahead_from_a_device_count(gen):
 
 @pytest.mark.parametrize("fault", ["none", "reserved key", "short"])
 def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
-    """A batch padded to a bucket (ids past ``count`` hold the largest key, which sorts after every
-    real id): the checks see only the first ``count`` ids, the runs only their sorted positions, and
-    the padding's ``inverse`` is 0; everything else as the unpadded batch, Triton and reference."""
+    """A batch padded to a bucket (ids past ``count`` hold the largest key): the checks see only the
+    first ``count`` ids, the dedup's order puts the padding last, the runs see only the real ids,
+    and the padding's ``inverse`` is 0; everything else as the unpadded batch, Triton and reference."""
     from tieredemb.config import RESERVED_KEY
     from tieredemb.ops.triton import embedding as E
 
@@ -584,11 +634,11 @@ def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
         assert torch.equal(got_tables[:n], want_tables)
         if fault != "none":
             continue
-        skeys, order = torch.sort(values.to(DEVICE), stable=True)
-        want = kern.sorted_runs_padded(skeys, order, want_tables)
-        pkeys, porder = torch.sort(padded, stable=True)
-        assert torch.equal(porder[:n], order)
-        got = kern.sorted_runs_padded(pkeys, porder, got_tables, count)
+        order = kern.id_order(values.to(DEVICE), want_tables)
+        want = kern.sorted_runs_padded(values.to(DEVICE), order, want_tables)
+        porder = kern.id_order(padded, got_tables, count)
+        assert torch.equal(porder[:n], order) and porder[n:].tolist() == list(range(n, n + pad))
+        got = kern.sorted_runs_padded(padded, porder, got_tables, count)
         u = int(want[4][0])
         assert int(got[4][0]) == u
         for g, w in zip(got[:2], want[:2]):  # keys, tables

@@ -296,7 +296,7 @@ class CacheGroup(TableGroup):
             outside[deferring] = True
             now = (~wait).nonzero().squeeze(1)
             b, keys, tabs, cnts = b[now], keys[now], tabs[now], cnts[now]
-        res = self.bound.find_or_insert(keys, step, cnts, lock=True, tables=tabs)
+        res = self.bound.find_or_insert(keys, step, cnts, lock=True, tables=tabs, given_order=True)
         self._drop(res.evicted_keys, res.evicted_tables)
         self._count((EVICTIONS, res.evicted_tables, None))
         placed = (res.slots >= 0).nonzero().squeeze(1)

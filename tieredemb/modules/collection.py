@@ -419,8 +419,7 @@ class _Collection(nn.Module):
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
         (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
         group = self._groups[g]
-        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs),
-                                                                  self.kernels)
+        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, self.kernels)
         owner = owner_of(keys, self._salts[g][tables], self.world)
         send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
@@ -428,7 +427,7 @@ class _Collection(nn.Module):
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
         lookups = torch.zeros(len(group.configs), dtype=torch.int64, device=self.device)
         served = group.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(),
-                                self._clock, training, occurrences=rcounts, grouped=False)
+                                self._clock, training, occurrences=rcounts)
         return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
 
     def _addressed(self, g: int, state: CollectionPrefetch) -> tuple[RowStore, torch.Tensor]:

@@ -88,8 +88,8 @@ class GroupPrefetch:
 
 @dataclass
 class IdOrder:
-    """The dedup's sort of a batch's ids: ``order`` int64 (n,) the ids grouped by distinct pair (in
-    pair order, stable), ``entries`` int64 (u,) ids per pair. Lets the gradient reduction sum each
+    """The dedup's sort of a batch's ids: ``order`` int64 (n,) the ids grouped by distinct pair (the
+    kernels' ``id_order``), ``entries`` int64 (u,) ids per pair. Lets the gradient reduction sum each
     pair's ids in one fixed order without sorting again."""
 
     order: torch.Tensor
@@ -123,29 +123,16 @@ class StagedPrefetch:
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-def sort_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
-               grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids sorted by key, equal keys in table order (pairs adjacent): (sorted keys, positions)."""
-    # a stable sort by key keeps the table order among equal keys (``grouped``: the batch already
-    # lays each table's ids out together, tables in order). Sorting on key ^ table << s instead, to
-    # reduce one table's bag gradients at a time, measured no faster (docs/kernels.md, session 12).
-    if grouped or num_tables == 1:
-        return torch.sort(ids, stable=True)
-    by_table = torch.argsort(tables, stable=True)
-    skeys, by_key = torch.sort(ids[by_table], stable=True)
-    return skeys, by_table[by_key]
-
-
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
-                 occurrences: torch.Tensor | None = None, grouped: bool = True):
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, kernels: TorchKernels,
+                 occurrences: torch.Tensor | None = None):
     """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
-    counts of their own), and the sort (``IdOrder``). ``grouped``: ids come grouped by table, as a
-    batch lays them out (one sort instead of two). One host sync (the count)."""
-    skeys, order = sort_pairs(ids, tables, num_tables, grouped)
+    counts of their own), and the sort (``IdOrder``). The pairs come in the kernels' ``id_order``
+    (by a hash of the pair: deterministic, not by key). One host sync (the count)."""
+    order = kernels.id_order(ids, tables)
     if ids.numel() == 0:
         return ids, tables, ids, ids, IdOrder(order, ids)
-    keys, utab, inverse, entries = kernels.sorted_runs(skeys, order, tables)
+    keys, utab, inverse, entries = kernels.sorted_runs(ids, order, tables)
     if occurrences is None:
         counts = entries
     else:
@@ -239,14 +226,12 @@ class TableGroup:
 
     # --------------------------------------------------------------------------------- prefetch
     def prefetch(self, ids: torch.Tensor, tables: torch.Tensor, ids_per_table: list[int], step: int,
-                 training: bool, occurrences: torch.Tensor | None = None,
-                 grouped: bool = True) -> GroupPrefetch:
+                 training: bool, occurrences: torch.Tensor | None = None) -> GroupPrefetch:
         """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
-        each requester's distinct ids with their counts); ``grouped``: see ``unique_pairs``."""
+        each requester's distinct ids with their counts)."""
         with label("## dedup ##"):
-            unique, utab, inverse, counts, sorted_ids = unique_pairs(
-                ids, tables, len(self.configs), self.kernels, occurrences, grouped)
+            unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, self.kernels, occurrences)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         with label("## resolve ##"):
             pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
@@ -261,7 +246,7 @@ class TableGroup:
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor, by_id: bool = True,
                        id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
-        """The device half of a training ``prefetch`` (``can_stage`` groups, ids grouped by table):
+        """The device half of a training ``prefetch`` (``can_stage`` groups):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
         staged state and the int64 tensors to read (1, R and R long, read with the caller's own in one
@@ -272,8 +257,8 @@ class TableGroup:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
         captured prefetch of a batch shape padded to a bucket)."""
         with label("## dedup ##"):
-            skeys, order = sort_pairs(ids, tables, len(self.configs), True)
-            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, order, tables,
+            order = self.kernels.id_order(ids, tables, id_count)
+            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(ids, order, tables,
                                                                                   id_count)
         with label("## resolve ##"):
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
@@ -406,7 +391,7 @@ class TableGroup:
         pf.deferred = None
         self._pending.remove(pf)
         keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
-        res = index.find_or_insert(keys, step, counts, lock=True, tables=tables)
+        res = index.find_or_insert(keys, step, counts, lock=True, tables=tables, given_order=True)
         self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
         placed = (res.slots >= 0).nonzero().squeeze(1)
         return (pos, keys, tables, res, placed) if placed.numel() else None

@@ -11,8 +11,23 @@ import torch
 
 from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
+from tieredemb.init import _GOLDEN, _shr, splitmix64
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
+
+# The dedup sorts each id by a 32-bit hash of its (key, table) pair (half the radix passes of the
+# 64-bit key, on 12 bytes an id instead of 16), then makes the pairs of one hash adjacent again.
+# Tests lower the bits so that many pairs share a hash.
+DEDUP_HASH_BITS = 32
+DEDUP_PAD_HASH = 2**31 - 1  # padding's sort key (a pair's is at most one less): it sorts last
+
+
+def dedup_hash(ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """int32 (n,) the dedup's sort key of each (id, table) pair (int64 (n,) each): the top
+    ``DEDUP_HASH_BITS`` bits of ``splitmix64(id ^ table * golden)``, offset into int32 and below
+    ``DEDUP_PAD_HASH``."""
+    u = _shr(splitmix64(ids ^ (tables * _GOLDEN)), 64 - DEDUP_HASH_BITS)
+    return (u - 2**31).clamp_(max=DEDUP_PAD_HASH - 1).to(torch.int32)
 
 
 class TorchKernels:
@@ -49,13 +64,39 @@ class TorchKernels:
             return out
         return out.view(features, num_bags // features, dim).transpose(0, 1).reshape(num_bags, dim)
 
-    def sorted_runs(self, skeys: torch.Tensor, order: torch.Tensor,
+    def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
+                 count: torch.Tensor | None = None) -> torch.Tensor:
+        """The dedup's order of a batch's ids (int64 (n,), with their tables int64 (n,)): int64 (n,)
+        batch positions, sorted by ``dedup_hash``; within one hash the pairs by their first
+        position in the batch; each pair's ids in batch order. ``count``: int64 (1,), the batch's
+        ids; the rest is padding, which comes last in its own order."""
+        n = ids.numel()
+        real = n if count is None else int(count)
+        ids, tables = ids[:real], tables[:real]
+        h = dedup_hash(ids, tables)
+        order = torch.sort(h, stable=True).indices
+        sk, st, sh = ids[order], tables[order], h[order]
+        if bool(((sh[1:] == sh[:-1]) & ((sk[1:] != sk[:-1]) | (st[1:] != st[:-1]))).any()):
+            # two pairs share a hash: order by (hash, the pair's first position, position)
+            by_pair = torch.argsort(tables, stable=True)
+            by_pair = by_pair[torch.sort(ids[by_pair], stable=True).indices]
+            pk, pt = ids[by_pair], tables[by_pair]
+            head = torch.ones(real, dtype=torch.bool, device=ids.device)
+            head[1:] = (pk[1:] != pk[:-1]) | (pt[1:] != pt[:-1])
+            starts = head.nonzero().squeeze(1)
+            first = torch.empty_like(by_pair)  # a stable sort puts a pair's first position first
+            first[by_pair] = by_pair[starts[torch.cumsum(head, 0) - 1]]
+            order = torch.sort(first, stable=True).indices
+            order = order[torch.sort(h[order], stable=True).indices]
+        return torch.cat([order, torch.arange(real, n, device=order.device)])
+
+    def sorted_runs(self, ids: torch.Tensor, order: torch.Tensor,
                     tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The runs of equal (key, table) pairs in ids sorted by key: skeys int64 (n,) the sorted
-        keys, order int64 (n,) their positions in the batch, tables int64 (n,) the batch's tables
-        (in batch order; equal keys must come table-sorted). Returns the distinct keys (u,), their
-        tables (u,), inverse int64 (n,) batch position -> run, and each run's length (u,)."""
-        stables = tables[order]
+        """The runs of equal (key, table) pairs of a batch's ids (int64 (n,)) in the order ``order``
+        (int64 (n,) batch positions, each pair's ids adjacent: ``id_order``'s), tables int64 (n,)
+        the batch's tables. Returns the distinct keys (u,), their tables (u,), inverse int64 (n,)
+        batch position -> run, and each run's length (u,)."""
+        skeys, stables = ids[order], tables[order]
         head = torch.ones_like(skeys, dtype=torch.bool)
         head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
         pair = torch.cumsum(head, 0) - 1
@@ -100,22 +141,22 @@ class TorchKernels:
         per_feature = (offsets.numel() - 1) // features
         return bag % per_feature * features + bag // per_feature
 
-    def sorted_runs_padded(self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+    def sorted_runs_padded(self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
                            count: torch.Tensor | None = None):
         """``sorted_runs`` without reading the number of runs u on the host: keys, tables and lengths
         come padded to n (entries past u unspecified), with u as int64 (1,) on the device.
-        ``count``: int64 (1,), the batch's ids (the rest padding, which sorts after them and makes no
-        run; its ``inverse`` is 0)."""
+        ``count``: int64 (1,), the batch's ids (the rest padding, which ``order`` puts after them and
+        makes no run; its ``inverse`` is 0)."""
         if count is not None:
             real = int(count)
-            keys, runs_tables, inverse, entries, u = self.sorted_runs_padded(skeys[:real], order[:real],
-                                                                             tables)
-            pad = skeys.numel() - real
+            keys, runs_tables, inverse, entries, u = self.sorted_runs_padded(ids[:real], order[:real],
+                                                                             tables[:real])
+            pad = ids.numel() - real
             return (*(torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, inverse, entries)), u)
-        keys, runs_tables, inverse, entries = self.sorted_runs(skeys, order, tables)
-        pad = skeys.numel() - keys.numel()
+        keys, runs_tables, inverse, entries = self.sorted_runs(ids, order, tables)
+        pad = ids.numel() - keys.numel()
         keys, runs_tables, entries = (torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, entries))
-        return keys, runs_tables, inverse, entries, torch.tensor([skeys.numel() - pad], device=skeys.device)
+        return keys, runs_tables, inverse, entries, torch.tensor([ids.numel() - pad], device=ids.device)
 
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
                      scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,

@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tieredemb.ops import reference
 from tieredemb.ops.triton.checks import batch_checks
+from tieredemb.ops.triton.hashing import splitmix64
 from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.ops.triton.launch import fast_launch
 from tieredemb.optim import EmbeddingOptimizer
@@ -36,6 +38,7 @@ _BAG_ELEMS = 512
 _RUN_BLOCK = 1024  # sorted ids per program in the dedup's passes
 _NO_KEY = 2**63 - 1  # the reduction plan's key of a program past the last piece
 _MAX_RUN_PROGRAMS = 1024  # the dedup's runs: programs of consecutive blocks, counts summed in one load
+_REGROUP_PROGRAMS = 64  # programs over the hashes two pairs share (each takes one at a time)
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
@@ -198,7 +201,7 @@ def _bag_rows_kernel(offsets, out, n, num_bags, bags_per_feature, features, STEP
 
 
 # ------------------------------------------------------------------------------------ grad reduce
-# Deterministic: the ids of each unique key are summed in one fixed order (the stable sort by key),
+# Deterministic: the ids of each unique key are summed in one fixed order (their batch order),
 # in pieces of _PIECE ids (so a hot key's thousands of ids spread over many programs), and a key's
 # pieces are then added in piece order (only the few keys of several pieces have a second pass). No
 # atomics: the same batch gives the same bits every run.
@@ -353,21 +356,123 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
 
 
 # ------------------------------------------------------------------------------------------ dedup
+@fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _dedup_hash_kernel(ids, tables, out, n, n_ptr, BITS: tl.constexpr, PAD: tl.constexpr,
+                       N_PTR: tl.constexpr, BLOCK: tl.constexpr):
+    # out[i]: the reference's ``dedup_hash`` of (ids[i], tables[i]); PAD past the real ids (N_PTR:
+    # their number is int64 (1,) at n_ptr)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    real = n
+    if N_PTR:
+        real = tl.load(n_ptr)
+    k = tl.load(ids + i, mask=m, other=0).to(tl.uint64, bitcast=True)
+    t = tl.load(tables + i, mask=m, other=0).to(tl.uint64, bitcast=True)
+    u = (splitmix64(k ^ (t * 0x9E3779B97F4A7C15)) >> (64 - BITS)).to(tl.int64)
+    h = tl.minimum(u - 2**31, PAD - 1)
+    tl.store(out + i, tl.where(i < real, h, PAD).to(tl.int32), mask=m)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _shared_hash_kernel(shash, order, ids, tables, claims, groups, found, n, n_ptr, N_PTR: tl.constexpr,
+                        STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    # A sorted position i where the pair changes within one hash (two pairs share it) finds its
+    # hash's first position s (a binary search); one such position claims s (claims[s]: int32 (n,)
+    # zeros) and lists it in groups[found[0]++].
+    if N_PTR:
+        n = tl.load(n_ptr)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = (i > 0) & (i < n)
+    h = tl.load(shash + i, mask=m, other=0)
+    same = m & (tl.load(shash + i - 1, mask=m, other=0) == h)
+    o = tl.load(order + i, mask=same, other=0)
+    op = tl.load(order + i - 1, mask=same, other=0)
+    split = same & ((tl.load(ids + o, mask=same, other=0) != tl.load(ids + op, mask=same, other=0))
+                    | (tl.load(tables + o, mask=same, other=0) != tl.load(tables + op, mask=same, other=0)))
+    if tl.sum(split.to(tl.int32), axis=0) > 0:
+        lo = tl.zeros([BLOCK], dtype=tl.int64)
+        hi = i
+        for _ in range(STEPS):  # the first position of hash h in [0, i)
+            mid = (lo + hi) // 2
+            go = split & (lo < hi)
+            below = tl.load(shash + mid, mask=go, other=0) < h
+            lo = tl.where(go & below, mid + 1, lo)
+            hi = tl.where(go & ~below, mid, hi)
+        first = split & (tl.atomic_xchg(claims + lo, 1, mask=split) == 0)
+        base = tl.atomic_add(found, tl.sum(first.to(tl.int64), axis=0))
+        tl.store(groups + base + tl.cumsum(first.to(tl.int64), axis=0) - 1, lo, mask=first)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _regroup_kernel(shash, order, ids, tables, groups, found, scratch, n, n_ptr, N_PTR: tl.constexpr,
+                    STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    # Each listed hash's positions [s, e) of ``order`` rewritten: its pairs one after another, in
+    # the order of their first position, each pair's ids in their order. One program a hash at a
+    # time; a pass takes the first pair left, the rest go to the other half of scratch (2n).
+    bound = n
+    if N_PTR:
+        n = tl.load(n_ptr)
+    lanes = tl.arange(0, BLOCK)
+    for g in range(tl.program_id(0), tl.load(found).to(tl.int32), tl.num_programs(0)):
+        s = tl.load(groups + g)
+        h = tl.load(shash + s)
+        lo = s + 1
+        hi = lo * 0 + n
+        for _ in range(STEPS):  # e: the first position past hash h
+            mid = (lo + hi) // 2
+            go = lo < hi
+            above = tl.load(shash + mid, mask=go, other=0) > h
+            lo, hi = tl.where(go & ~above, mid + 1, lo), tl.where(go & above, mid, hi)
+        left = lo - s
+        for b in range(0, left, BLOCK):
+            j = s + b + lanes
+            tl.store(scratch + j, tl.load(order + j, mask=j < lo), mask=j < lo)
+        tl.debug_barrier()
+        src = s
+        dst = s + bound
+        at = s
+        while left > 0:
+            pair = tl.load(scratch + src)
+            key = tl.load(ids + pair)
+            table = tl.load(tables + pair)
+            rest = left * 0
+            for b in range(0, left, BLOCK):
+                j = b + lanes
+                mj = j < left
+                p = tl.load(scratch + src + j, mask=mj, other=0)
+                match = mj & (tl.load(ids + p, mask=mj, other=0) == key) & \
+                    (tl.load(tables + p, mask=mj, other=0) == table)
+                other = mj & ~match
+                tl.store(order + at + tl.cumsum(match.to(tl.int64), axis=0) - 1, p, mask=match)
+                tl.store(scratch + dst + rest + tl.cumsum(other.to(tl.int64), axis=0) - 1, p, mask=other)
+                at += tl.sum(match.to(tl.int64), axis=0)
+                rest += tl.sum(other.to(tl.int64), axis=0)
+            tl.debug_barrier()
+            src, dst = dst, src
+            left = rest
+
+
 @triton.jit
-def _run_heads(skeys, order, tables, i, n):
-    """int64 (BLOCK,): 1 where a run of equal (key, table) starts at sorted position ``i`` (i < n)."""
+def _run_heads(ids, order, tables, i, n):
+    """int64 (BLOCK,): 1 where a run of equal (key, table) starts at position ``i`` (i < n) of
+    ``order`` (batch positions, each pair's ids adjacent)."""
     m = i < n
     prev = m & (i > 0)
-    k = tl.load(skeys + i, mask=m, other=0)
-    t = tl.load(tables + tl.load(order + i, mask=m, other=0), mask=m, other=0)
-    kp = tl.load(skeys + i - 1, mask=prev, other=0)
-    tp = tl.load(tables + tl.load(order + i - 1, mask=prev, other=0), mask=prev, other=0)
+    o = tl.load(order + i, mask=m, other=0)
+    op = tl.load(order + i - 1, mask=prev, other=0)
+    k = tl.load(ids + o, mask=m, other=0)
+    t = tl.load(tables + o, mask=m, other=0)
+    kp = tl.load(ids + op, mask=prev, other=0)
+    tp = tl.load(tables + op, mask=prev, other=0)
     return (m & ((i == 0) | (k != kp) | (t != tp))).to(tl.int64)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks"])
-def _run_counts_kernel(skeys, order, tables, counts, n, n_ptr, blocks, BLOCK: tl.constexpr,
+def _run_counts_kernel(ids, order, tables, counts, n, n_ptr, blocks, BLOCK: tl.constexpr,
                        N_PTR: tl.constexpr):
     # counts[p]: the runs starting in program p's ``blocks`` consecutive blocks of sorted positions;
     # N_PTR: the real ids are int64 (1,) at n_ptr (padding, sorted after them, makes no run)
@@ -376,13 +481,13 @@ def _run_counts_kernel(skeys, order, tables, counts, n, n_ptr, blocks, BLOCK: tl
     total = tl.zeros([BLOCK], dtype=tl.int64)
     for b in range(0, blocks):
         i = (tl.program_id(0).to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
-        total += _run_heads(skeys, order, tables, i, n)
+        total += _run_heads(ids, order, tables, i, n)
     tl.store(counts + tl.program_id(0), tl.sum(total, axis=0))
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks", "programs"])
-def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, n_ptr,
+def _run_scatter_kernel(ids, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, n_ptr,
                         blocks, programs, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
                         N_PTR: tl.constexpr):
     # the runs before this program's blocks (the earlier programs' counts), then block by block: each
@@ -400,15 +505,15 @@ def _run_scatter_kernel(skeys, order, tables, counts, keys_out, tables_out, inve
     for b in range(0, blocks):
         i = (pid.to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
-        head = _run_heads(skeys, order, tables, i, n)
+        head = _run_heads(ids, order, tables, i, n)
         run = run_base + tl.cumsum(head, axis=0) - 1
         pos = tl.load(order + i, mask=i < bound, other=0)
         tl.store(inverse + pos, tl.where(m, run, 0), mask=i < bound)
         first = head != 0
-        tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
+        tl.store(keys_out + run, tl.load(ids + pos, mask=first, other=0), mask=first)
         tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
         tl.store(starts + run, i, mask=first)
-        last = m & ((i + 1 == n) | (_run_heads(skeys, order, tables, i + 1, n) != 0))
+        last = m & ((i + 1 == n) | (_run_heads(ids, order, tables, i + 1, n) != 0))
         tl.store(ends + run, i + 1, mask=last)
         run_base += tl.sum(head, axis=0)
 
@@ -580,32 +685,61 @@ class TritonKernels:
         )
         return out
 
+    def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
+                 count: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference's ``id_order`` without a host sync: a radix sort of the int32 hashes (4
+        passes on 12 bytes an id; the int64 keys took 8 on 16), then two launches that find the
+        hashes two pairs share (some ten a batch of 335k distinct pairs) and lay each one's pairs
+        out one after another, as the reference orders them."""
+        n, dev = ids.numel(), ids.device
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=dev)
+        hashes = torch.empty(n, dtype=torch.int32, device=dev)
+        real = hashes if count is None else count  # (a dummy pointer without padding)
+        _dedup_hash_kernel[(triton.cdiv(n, _RUN_BLOCK),)](
+            ids, tables, hashes, n, real, BITS=reference.DEDUP_HASH_BITS, PAD=reference.DEDUP_PAD_HASH,
+            N_PTR=count is not None, BLOCK=_RUN_BLOCK)
+        shash, order = torch.sort(hashes, stable=True)
+        even = n + (n & 1)
+        claims = torch.zeros(even + 2, dtype=torch.int32, device=dev)  # + the number found (int64)
+        found = claims[even:].view(torch.int64)
+        groups = torch.empty(3 * n, dtype=torch.int64, device=dev)  # + a scratch of 2n
+        scratch = groups[n:]
+        steps = n.bit_length()
+        _shared_hash_kernel[(triton.cdiv(n, _RUN_BLOCK),)](
+            shash, order, ids, tables, claims, groups, found, n, real, N_PTR=count is not None,
+            STEPS=steps, BLOCK=_RUN_BLOCK)
+        _regroup_kernel[(_REGROUP_PROGRAMS,)](
+            shash, order, ids, tables, groups, found, scratch, n, real, N_PTR=count is not None,
+            STEPS=steps, BLOCK=_RUN_BLOCK)
+        return order
+
     def sorted_runs(
-        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
+        self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs``; one host sync (the number of runs)."""
-        keys, runs_tables, inverse, entries, count = self.sorted_runs_padded(skeys, order, tables)
+        keys, runs_tables, inverse, entries, count = self.sorted_runs_padded(ids, order, tables)
         u = int(count)
         return keys[:u], runs_tables[:u], inverse, entries[:u]
 
     def sorted_runs_padded(
-        self, skeys: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+        self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
         count: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs_padded`` in two launches, no host sync: each program counts
         the runs starting in its blocks, then each adds the counts of the programs before it (at most
         ``_MAX_RUN_PROGRAMS``, one load) to a prefix sum of its own heads and scatters. (A ``cumsum``
         between two kernels before: CUB's scan allocates its scratch, 25-44 us of host a call.)"""
-        n, dev = skeys.numel(), skeys.device
+        n, dev = ids.numel(), ids.device
         if n == 0:
-            return skeys, tables, skeys, skeys, torch.zeros(1, dtype=torch.int64, device=dev)
+            return ids, tables, ids, ids, torch.zeros(1, dtype=torch.int64, device=dev)
         blocks, programs = _scan_grid(n)
         counts = torch.empty(_MAX_RUN_PROGRAMS + 1, dtype=torch.int64, device=dev)  # + the total
         real = counts if count is None else count  # (a dummy pointer without padding)
-        _run_counts_kernel[(programs,)](skeys, order, tables, counts, n, real, blocks, BLOCK=_RUN_BLOCK,
+        _run_counts_kernel[(programs,)](ids, order, tables, counts, n, real, blocks, BLOCK=_RUN_BLOCK,
                                         N_PTR=count is not None)
         keys, runs_tables, inverse, starts, ends = _rows(5, n, dev)
-        _run_scatter_kernel[(programs,)](skeys, order, tables, counts, keys, runs_tables, inverse, starts,
+        _run_scatter_kernel[(programs,)](ids, order, tables, counts, keys, runs_tables, inverse, starts,
                                          ends, n, real, blocks, programs, BLOCK=_RUN_BLOCK,
                                          MAX_PROGRAMS=_MAX_RUN_PROGRAMS, N_PTR=count is not None)
         return keys, runs_tables, inverse, ends.sub_(starts), counts[_MAX_RUN_PROGRAMS:]
@@ -639,8 +773,8 @@ class TritonKernels:
         """Gradient per unique key: sum over ids i of grad_src[src_of_id[i]] * scale[i], grouped by
         inverse[i]. grad_src: float32 (m, D); src_of_id, inverse: int64 (n,) -> float32 (u, D).
 
-        Deterministic (no atomics): each key's ids are summed in the order of a stable sort by key,
-        in pieces of ``_PIECE`` ids added in order; equal to the reference within fp32 rounding.
+        Deterministic (no atomics): each key's ids are summed in their batch order, in pieces of
+        ``_PIECE`` ids added in order; equal to the reference within fp32 rounding.
         ``sorted_ids`` (the dedup's ``IdOrder``: ``order``, ``entries``) spares that sort; with its
         ``sources`` (and ``scales``: ``src_of_id[order]``, ``scale[order]``) the kernel reads those
         instead of going through ``order`` (one dependent load an id fewer).
