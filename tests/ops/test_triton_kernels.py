@@ -198,6 +198,7 @@ def test_sorted_runs_of_no_ids():
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     for kern in (TritonKernels(), TorchKernels()):
         *padded, u = kern.sorted_runs_padded(empty, empty, empty)
+        assert all(t.numel() == 0 for t in kern.id_order(empty, empty))
         assert u.tolist() == [0] and all(t.numel() == 0 for t in padded)
 
 
@@ -215,8 +216,9 @@ def test_sorted_runs(gen, n, max_programs, monkeypatch):
     ids[: n // 2] = torch.randint(-2**62, 2**62, (n // 2,), generator=gen)  # a spread of raw ids too
     by_table = torch.argsort(tables, stable=True)  # equal keys must come table-sorted
     order = by_table[torch.sort(ids[by_table], stable=True).indices]
-    got = TritonKernels().sorted_runs(ids.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
-    want = TorchKernels().sorted_runs(ids, order, tables)
+    skeys, stables = ids[order], tables[order]
+    got = TritonKernels().sorted_runs(skeys.to(DEVICE), stables.to(DEVICE), order.to(DEVICE))
+    want = TorchKernels().sorted_runs(skeys, stables, order)
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)
     pairs, inverse, counts = torch.unique(torch.stack([ids, tables], 1), dim=0, return_inverse=True,
@@ -227,7 +229,7 @@ def test_sorted_runs(gen, n, max_programs, monkeypatch):
     assert torch.equal(torch.sort(entries).values, torch.sort(counts).values)
     assert torch.equal(entries[ginv], counts[inverse])
     for kern in (TritonKernels(), TorchKernels()):  # padded to n, the count on the device
-        *padded, u = kern.sorted_runs_padded(ids.to(DEVICE), order.to(DEVICE), tables.to(DEVICE))
+        *padded, u = kern.sorted_runs_padded(skeys.to(DEVICE), stables.to(DEVICE), order.to(DEVICE))
         assert u.tolist() == [keys.numel()]
         assert all(t.numel() == n for t in padded)
         for a, b in zip(padded, (keys, utab, ginv, entries)):
@@ -313,8 +315,9 @@ def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, 
         assert len(set(h)) < len(first)  # pairs do share hashes
     count = None if pad == 0 else torch.tensor([n], device=DEVICE)
     for kern in (TritonKernels(), TorchKernels()):
-        got = kern.id_order(ids.to(DEVICE), tables.to(DEVICE), count)
-        assert got.tolist() == want, kern.name
+        order, skeys, stables = kern.id_order(ids.to(DEVICE), tables.to(DEVICE), count)
+        assert order.tolist() == want, kern.name
+        assert torch.equal(skeys.cpu(), ids[want]) and torch.equal(stables.cpu(), tables[want]), kern.name
 
 
 def test_dedup_hash_of_the_kernel_and_the_reference():
@@ -634,11 +637,12 @@ def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
         assert torch.equal(got_tables[:n], want_tables)
         if fault != "none":
             continue
-        order = kern.id_order(values.to(DEVICE), want_tables)
-        want = kern.sorted_runs_padded(values.to(DEVICE), order, want_tables)
-        porder = kern.id_order(padded, got_tables, count)
-        assert torch.equal(porder[:n], order) and porder[n:].tolist() == list(range(n, n + pad))
-        got = kern.sorted_runs_padded(padded, porder, got_tables, count)
+        ordered = kern.id_order(values.to(DEVICE), want_tables)
+        want = kern.sorted_runs_padded(*ordered[1:], ordered[0])
+        porder, pkeys, ptables = kern.id_order(padded, got_tables, count)
+        assert torch.equal(porder[:n], ordered[0]) and porder[n:].tolist() == list(range(n, n + pad))
+        assert torch.equal(pkeys[:n], ordered[1]) and torch.equal(ptables[:n], ordered[2])
+        got = kern.sorted_runs_padded(pkeys, ptables, porder, count)
         u = int(want[4][0])
         assert int(got[4][0]) == u
         for g, w in zip(got[:2], want[:2]):  # keys, tables

@@ -129,10 +129,10 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, kernels: TorchKernels,
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
     counts of their own), and the sort (``IdOrder``). The pairs come in the kernels' ``id_order``
     (by a hash of the pair: deterministic, not by key). One host sync (the count)."""
-    order = kernels.id_order(ids, tables)
+    order, skeys, stables = kernels.id_order(ids, tables)
     if ids.numel() == 0:
         return ids, tables, ids, ids, IdOrder(order, ids)
-    keys, utab, inverse, entries = kernels.sorted_runs(ids, order, tables)
+    keys, utab, inverse, entries = kernels.sorted_runs(skeys, stables, order)
     if occurrences is None:
         counts = entries
     else:
@@ -257,8 +257,8 @@ class TableGroup:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
         captured prefetch of a batch shape padded to a bucket)."""
         with label("## dedup ##"):
-            order = self.kernels.id_order(ids, tables, id_count)
-            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(ids, order, tables,
+            order, skeys, stables = self.kernels.id_order(ids, tables, id_count)
+            keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
                                                                                   id_count)
         with label("## resolve ##"):
             slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)

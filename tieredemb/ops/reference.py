@@ -65,13 +65,15 @@ class TorchKernels:
         return out.view(features, num_bags // features, dim).transpose(0, 1).reshape(num_bags, dim)
 
     def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
-                 count: torch.Tensor | None = None) -> torch.Tensor:
+                 count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The dedup's order of a batch's ids (int64 (n,), with their tables int64 (n,)): int64 (n,)
         batch positions, sorted by ``dedup_hash``; within one hash the pairs by their first
-        position in the batch; each pair's ids in batch order. ``count``: int64 (1,), the batch's
-        ids; the rest is padding, which comes last in its own order."""
+        position in the batch; each pair's ids in batch order. Returns (order, ids[order],
+        tables[order]). ``count``: int64 (1,), the batch's ids; the rest is padding, which comes
+        last in its own order."""
         n = ids.numel()
         real = n if count is None else int(count)
+        all_ids, all_tables = ids, tables
         ids, tables = ids[:real], tables[:real]
         h = dedup_hash(ids, tables)
         order = torch.sort(h, stable=True).indices
@@ -88,15 +90,15 @@ class TorchKernels:
             first[by_pair] = by_pair[starts[torch.cumsum(head, 0) - 1]]
             order = torch.sort(first, stable=True).indices
             order = order[torch.sort(h[order], stable=True).indices]
-        return torch.cat([order, torch.arange(real, n, device=order.device)])
+        order = torch.cat([order, torch.arange(real, n, device=order.device)])
+        return order, all_ids[order], all_tables[order]
 
-    def sorted_runs(self, ids: torch.Tensor, order: torch.Tensor,
-                    tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The runs of equal (key, table) pairs of a batch's ids (int64 (n,)) in the order ``order``
-        (int64 (n,) batch positions, each pair's ids adjacent: ``id_order``'s), tables int64 (n,)
-        the batch's tables. Returns the distinct keys (u,), their tables (u,), inverse int64 (n,)
-        batch position -> run, and each run's length (u,)."""
-        skeys, stables = ids[order], tables[order]
+    def sorted_runs(self, skeys: torch.Tensor, stables: torch.Tensor,
+                    order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The runs of equal (key, table) pairs in a batch's ids ordered with each pair's ids
+        adjacent (``id_order``'s result): skeys, stables int64 (n,) the keys and tables in that
+        order, order int64 (n,) their batch positions. Returns the distinct keys (u,), their
+        tables (u,), inverse int64 (n,) batch position -> run, and each run's length (u,)."""
         head = torch.ones_like(skeys, dtype=torch.bool)
         head[1:] = (skeys[1:] != skeys[:-1]) | (stables[1:] != stables[:-1])
         pair = torch.cumsum(head, 0) - 1
@@ -141,22 +143,22 @@ class TorchKernels:
         per_feature = (offsets.numel() - 1) // features
         return bag % per_feature * features + bag // per_feature
 
-    def sorted_runs_padded(self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+    def sorted_runs_padded(self, skeys: torch.Tensor, stables: torch.Tensor, order: torch.Tensor,
                            count: torch.Tensor | None = None):
         """``sorted_runs`` without reading the number of runs u on the host: keys, tables and lengths
         come padded to n (entries past u unspecified), with u as int64 (1,) on the device.
-        ``count``: int64 (1,), the batch's ids (the rest padding, which ``order`` puts after them and
-        makes no run; its ``inverse`` is 0)."""
+        ``count``: int64 (1,), the batch's ids (the rest padding, which ``id_order`` puts after them;
+        it makes no run and its ``inverse`` is 0)."""
         if count is not None:
             real = int(count)
-            keys, runs_tables, inverse, entries, u = self.sorted_runs_padded(ids[:real], order[:real],
-                                                                             tables[:real])
-            pad = ids.numel() - real
+            keys, runs_tables, inverse, entries, u = self.sorted_runs_padded(skeys[:real], stables[:real],
+                                                                             order[:real])
+            pad = skeys.numel() - real
             return (*(torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, inverse, entries)), u)
-        keys, runs_tables, inverse, entries = self.sorted_runs(ids, order, tables)
-        pad = ids.numel() - keys.numel()
+        keys, runs_tables, inverse, entries = self.sorted_runs(skeys, stables, order)
+        pad = skeys.numel() - keys.numel()
         keys, runs_tables, entries = (torch.cat([t, t.new_zeros(pad)]) for t in (keys, runs_tables, entries))
-        return keys, runs_tables, inverse, entries, torch.tensor([ids.numel() - pad], device=ids.device)
+        return keys, runs_tables, inverse, entries, torch.tensor([skeys.numel() - pad], device=skeys.device)
 
     def reduce_grads(self, grad_src: torch.Tensor, src_of_id: torch.Tensor,
                      scale: torch.Tensor | None, inverse: torch.Tensor, num_unique: int,

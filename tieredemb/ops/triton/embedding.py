@@ -374,44 +374,70 @@ def _dedup_hash_kernel(ids, tables, out, n, n_ptr, BITS: tl.constexpr, PAD: tl.c
     tl.store(out + i, tl.where(i < real, h, PAD).to(tl.int32), mask=m)
 
 
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
-def _shared_hash_kernel(shash, order, ids, tables, claims, groups, found, n, n_ptr, N_PTR: tl.constexpr,
-                        STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    # A sorted position i where the pair changes within one hash (two pairs share it) finds its
-    # hash's first position s (a binary search); one such position claims s (claims[s]: int32 (n,)
-    # zeros) and lists it in groups[found[0]++].
+def _pairs_in_order_kernel(shash, order, ids, tables, skeys, stables, claims, groups, found, n, n_ptr,
+                           N_PTR: tl.constexpr, BLOCK: tl.constexpr):
+    # Each sorted position's key and table (skeys, stables: sequential reads for the runs after);
+    # where the pair changes within one hash (two pairs share it), the hash's first position s (in
+    # the block, else a scan back block by block), claimed once (claims: int32 (n,) zeros) and
+    # listed in groups[found[0]++].
+    bound = n
     if N_PTR:
         n = tl.load(n_ptr)
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = (i > 0) & (i < n)
-    h = tl.load(shash + i, mask=m, other=0)
-    same = m & (tl.load(shash + i - 1, mask=m, other=0) == h)
-    o = tl.load(order + i, mask=same, other=0)
-    op = tl.load(order + i - 1, mask=same, other=0)
-    split = same & ((tl.load(ids + o, mask=same, other=0) != tl.load(ids + op, mask=same, other=0))
-                    | (tl.load(tables + o, mask=same, other=0) != tl.load(tables + op, mask=same, other=0)))
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    i = start + lanes
+    m = i < bound
+    o = tl.load(order + i, mask=m, other=0)
+    k = tl.load(ids + o, mask=m, other=0)
+    t = tl.load(tables + o, mask=m, other=0)
+    tl.store(skeys + i, k, mask=m)
+    tl.store(stables + i, t, mask=m)
+    real = i < n
+    h = tl.load(shash + i, mask=real, other=0)
+    new_hash = (i == 0) | (tl.load(shash + i - 1, mask=real & (i > 0), other=0) != h)
+    same = real & ~new_hash
+    tl.debug_barrier()  # the block's keys and tables stored: the previous position's, read back
+    inner = same & (i > start)
+    edge = same & (i == start)  # (the previous position is the program before's)
+    op = tl.load(order + i - 1, mask=edge, other=0)
+    kp = tl.where(edge, tl.load(ids + op, mask=edge, other=0),
+                  tl.load(skeys + i - 1, mask=inner, other=0))
+    tp = tl.where(edge, tl.load(tables + op, mask=edge, other=0),
+                  tl.load(stables + i - 1, mask=inner, other=0))
+    split = same & ((k != kp) | (t != tp))
     if tl.sum(split.to(tl.int32), axis=0) > 0:
-        lo = tl.zeros([BLOCK], dtype=tl.int64)
-        hi = i
-        for _ in range(STEPS):  # the first position of hash h in [0, i)
-            mid = (lo + hi) // 2
-            go = split & (lo < hi)
-            below = tl.load(shash + mid, mask=go, other=0) < h
-            lo = tl.where(go & below, mid + 1, lo)
-            hi = tl.where(go & ~below, mid, hi)
-        first = split & (tl.atomic_xchg(claims + lo, 1, mask=split) == 0)
-        base = tl.atomic_add(found, tl.sum(first.to(tl.int64), axis=0))
-        tl.store(groups + base + tl.cumsum(first.to(tl.int64), axis=0) - 1, lo, mask=first)
+        first = tl.associative_scan(tl.where(new_hash, i, -1), 0, _max)  # the hash's first in the block
+        if tl.sum((split & (first < 0)).to(tl.int32), axis=0) > 0:  # the block's first hash began before
+            h0 = tl.load(shash + start)
+            s = start
+            more = start > 0
+            while more:
+                j = s - BLOCK + lanes
+                differs = (j < 0) | (tl.load(shash + j, mask=j >= 0, other=0) != h0)
+                any_differs = tl.sum(differs.to(tl.int32), axis=0) > 0
+                s = tl.where(any_differs, tl.max(tl.where(differs, j, -1), axis=0) + 1, s - BLOCK)
+                more = ~any_differs
+            first = tl.where(first < 0, s, first)
+        claimed = split & (tl.atomic_xchg(claims + first, 1, mask=split) == 0)
+        base = tl.atomic_add(found, tl.sum(claimed.to(tl.int64), axis=0))
+        tl.store(groups + base + tl.cumsum(claimed.to(tl.int64), axis=0) - 1, first, mask=claimed)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
-def _regroup_kernel(shash, order, ids, tables, groups, found, scratch, n, n_ptr, N_PTR: tl.constexpr,
-                    STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    # Each listed hash's positions [s, e) of ``order`` rewritten: its pairs one after another, in
-    # the order of their first position, each pair's ids in their order. One program a hash at a
-    # time; a pass takes the first pair left, the rest go to the other half of scratch (2n).
+def _regroup_kernel(shash, order, ids, tables, skeys, stables, groups, found, scratch, n, n_ptr,
+                    N_PTR: tl.constexpr, BLOCK: tl.constexpr):
+    # Each listed hash's positions [s, e) of ``order`` (and skeys, stables) rewritten: its pairs one
+    # after another, in the order of their first position, each pair's ids in their order. One
+    # program a hash at a time; a pass takes the first pair left, the rest go to the other half of
+    # scratch (2n).
     bound = n
     if N_PTR:
         n = tl.load(n_ptr)
@@ -419,17 +445,18 @@ def _regroup_kernel(shash, order, ids, tables, groups, found, scratch, n, n_ptr,
     for g in range(tl.program_id(0), tl.load(found).to(tl.int32), tl.num_programs(0)):
         s = tl.load(groups + g)
         h = tl.load(shash + s)
-        lo = s + 1
-        hi = lo * 0 + n
-        for _ in range(STEPS):  # e: the first position past hash h
-            mid = (lo + hi) // 2
-            go = lo < hi
-            above = tl.load(shash + mid, mask=go, other=0) > h
-            lo, hi = tl.where(go & ~above, mid + 1, lo), tl.where(go & above, mid, hi)
-        left = lo - s
+        e = s + 1
+        more = e < n
+        while more:  # e: the first position past hash h
+            j = e + lanes
+            differs = (j >= n) | (tl.load(shash + j, mask=j < n, other=0) != h)
+            any_differs = tl.sum(differs.to(tl.int32), axis=0) > 0
+            e = tl.where(any_differs, tl.min(tl.where(differs, j, e + BLOCK), axis=0), e + BLOCK)
+            more = ~any_differs
+        left = e - s
         for b in range(0, left, BLOCK):
             j = s + b + lanes
-            tl.store(scratch + j, tl.load(order + j, mask=j < lo), mask=j < lo)
+            tl.store(scratch + j, tl.load(order + j, mask=j < e), mask=j < e)
         tl.debug_barrier()
         src = s
         dst = s + bound
@@ -446,7 +473,10 @@ def _regroup_kernel(shash, order, ids, tables, groups, found, scratch, n, n_ptr,
                 match = mj & (tl.load(ids + p, mask=mj, other=0) == key) & \
                     (tl.load(tables + p, mask=mj, other=0) == table)
                 other = mj & ~match
-                tl.store(order + at + tl.cumsum(match.to(tl.int64), axis=0) - 1, p, mask=match)
+                to = at + tl.cumsum(match.to(tl.int64), axis=0) - 1
+                tl.store(order + to, p, mask=match)
+                tl.store(skeys + to, key + tl.zeros_like(p), mask=match)
+                tl.store(stables + to, table + tl.zeros_like(p), mask=match)
                 tl.store(scratch + dst + rest + tl.cumsum(other.to(tl.int64), axis=0) - 1, p, mask=other)
                 at += tl.sum(match.to(tl.int64), axis=0)
                 rest += tl.sum(other.to(tl.int64), axis=0)
@@ -456,23 +486,21 @@ def _regroup_kernel(shash, order, ids, tables, groups, found, scratch, n, n_ptr,
 
 
 @triton.jit
-def _run_heads(ids, order, tables, i, n):
-    """int64 (BLOCK,): 1 where a run of equal (key, table) starts at position ``i`` (i < n) of
-    ``order`` (batch positions, each pair's ids adjacent)."""
+def _run_heads(skeys, stables, i, n):
+    """int64 (BLOCK,): 1 where a run of equal (key, table) starts at position ``i`` (i < n) of the
+    dedup's order (keys ``skeys``, tables ``stables``: each pair's ids adjacent)."""
     m = i < n
     prev = m & (i > 0)
-    o = tl.load(order + i, mask=m, other=0)
-    op = tl.load(order + i - 1, mask=prev, other=0)
-    k = tl.load(ids + o, mask=m, other=0)
-    t = tl.load(tables + o, mask=m, other=0)
-    kp = tl.load(ids + op, mask=prev, other=0)
-    tp = tl.load(tables + op, mask=prev, other=0)
+    k = tl.load(skeys + i, mask=m, other=0)
+    t = tl.load(stables + i, mask=m, other=0)
+    kp = tl.load(skeys + i - 1, mask=prev, other=0)
+    tp = tl.load(stables + i - 1, mask=prev, other=0)
     return (m & ((i == 0) | (k != kp) | (t != tp))).to(tl.int64)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks"])
-def _run_counts_kernel(ids, order, tables, counts, n, n_ptr, blocks, BLOCK: tl.constexpr,
+def _run_counts_kernel(skeys, stables, counts, n, n_ptr, blocks, BLOCK: tl.constexpr,
                        N_PTR: tl.constexpr):
     # counts[p]: the runs starting in program p's ``blocks`` consecutive blocks of sorted positions;
     # N_PTR: the real ids are int64 (1,) at n_ptr (padding, sorted after them, makes no run)
@@ -481,13 +509,13 @@ def _run_counts_kernel(ids, order, tables, counts, n, n_ptr, blocks, BLOCK: tl.c
     total = tl.zeros([BLOCK], dtype=tl.int64)
     for b in range(0, blocks):
         i = (tl.program_id(0).to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
-        total += _run_heads(ids, order, tables, i, n)
+        total += _run_heads(skeys, stables, i, n)
     tl.store(counts + tl.program_id(0), tl.sum(total, axis=0))
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "blocks", "programs"])
-def _run_scatter_kernel(ids, order, tables, counts, keys_out, tables_out, inverse, starts, ends, n, n_ptr,
+def _run_scatter_kernel(skeys, stables, order, counts, keys_out, tables_out, inverse, starts, ends, n, n_ptr,
                         blocks, programs, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
                         N_PTR: tl.constexpr):
     # the runs before this program's blocks (the earlier programs' counts), then block by block: each
@@ -505,15 +533,15 @@ def _run_scatter_kernel(ids, order, tables, counts, keys_out, tables_out, invers
     for b in range(0, blocks):
         i = (pid.to(tl.int64) * blocks + b) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
-        head = _run_heads(ids, order, tables, i, n)
+        head = _run_heads(skeys, stables, i, n)
         run = run_base + tl.cumsum(head, axis=0) - 1
         pos = tl.load(order + i, mask=i < bound, other=0)
         tl.store(inverse + pos, tl.where(m, run, 0), mask=i < bound)
         first = head != 0
-        tl.store(keys_out + run, tl.load(ids + pos, mask=first, other=0), mask=first)
-        tl.store(tables_out + run, tl.load(tables + pos, mask=first, other=0), mask=first)
+        tl.store(keys_out + run, tl.load(skeys + i, mask=first, other=0), mask=first)
+        tl.store(tables_out + run, tl.load(stables + i, mask=first, other=0), mask=first)
         tl.store(starts + run, i, mask=first)
-        last = m & ((i + 1 == n) | (_run_heads(ids, order, tables, i + 1, n) != 0))
+        last = m & ((i + 1 == n) | (_run_heads(skeys, stables, i + 1, n) != 0))
         tl.store(ends + run, i + 1, mask=last)
         run_base += tl.sum(head, axis=0)
 
@@ -686,60 +714,57 @@ class TritonKernels:
         return out
 
     def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
-                 count: torch.Tensor | None = None) -> torch.Tensor:
+                 count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``id_order`` without a host sync: a radix sort of the int32 hashes (4
-        passes on 12 bytes an id; the int64 keys took 8 on 16), then two launches that find the
-        hashes two pairs share (some ten a batch of 335k distinct pairs) and lay each one's pairs
-        out one after another, as the reference orders them."""
+        passes on 12 bytes an id; the int64 keys took 8 on 16), then one pass that writes each
+        position's key and table and finds the hashes two pairs share (some ten a batch of 335k
+        distinct pairs), and one that lays each such hash's pairs out one after another, as the
+        reference orders them."""
         n, dev = ids.numel(), ids.device
         if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=dev)
+            return ids, ids, tables
         hashes = torch.empty(n, dtype=torch.int32, device=dev)
         real = hashes if count is None else count  # (a dummy pointer without padding)
-        _dedup_hash_kernel[(triton.cdiv(n, _RUN_BLOCK),)](
-            ids, tables, hashes, n, real, BITS=reference.DEDUP_HASH_BITS, PAD=reference.DEDUP_PAD_HASH,
-            N_PTR=count is not None, BLOCK=_RUN_BLOCK)
+        grid = (triton.cdiv(n, _RUN_BLOCK),)
+        _dedup_hash_kernel[grid](ids, tables, hashes, n, real, BITS=reference.DEDUP_HASH_BITS,
+                                 PAD=reference.DEDUP_PAD_HASH, N_PTR=count is not None, BLOCK=_RUN_BLOCK)
         shash, order = torch.sort(hashes, stable=True)
         even = n + (n & 1)
         claims = torch.zeros(even + 2, dtype=torch.int32, device=dev)  # + the number found (int64)
         found = claims[even:].view(torch.int64)
-        groups = torch.empty(3 * n, dtype=torch.int64, device=dev)  # + a scratch of 2n
-        scratch = groups[n:]
-        steps = n.bit_length()
-        _shared_hash_kernel[(triton.cdiv(n, _RUN_BLOCK),)](
-            shash, order, ids, tables, claims, groups, found, n, real, N_PTR=count is not None,
-            STEPS=steps, BLOCK=_RUN_BLOCK)
-        _regroup_kernel[(_REGROUP_PROGRAMS,)](
-            shash, order, ids, tables, groups, found, scratch, n, real, N_PTR=count is not None,
-            STEPS=steps, BLOCK=_RUN_BLOCK)
-        return order
+        skeys, stables, groups, *scratch = _rows(5, n, dev)  # (scratch: 2n from its first row on)
+        _pairs_in_order_kernel[grid](shash, order, ids, tables, skeys, stables, claims, groups, found, n,
+                                     real, N_PTR=count is not None, BLOCK=_RUN_BLOCK)
+        _regroup_kernel[(_REGROUP_PROGRAMS,)](shash, order, ids, tables, skeys, stables, groups, found,
+                                              scratch[0], n, real, N_PTR=count is not None, BLOCK=_RUN_BLOCK)
+        return order, skeys, stables
 
     def sorted_runs(
-        self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor
+        self, skeys: torch.Tensor, stables: torch.Tensor, order: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs``; one host sync (the number of runs)."""
-        keys, runs_tables, inverse, entries, count = self.sorted_runs_padded(ids, order, tables)
+        keys, runs_tables, inverse, entries, count = self.sorted_runs_padded(skeys, stables, order)
         u = int(count)
         return keys[:u], runs_tables[:u], inverse, entries[:u]
 
     def sorted_runs_padded(
-        self, ids: torch.Tensor, order: torch.Tensor, tables: torch.Tensor,
+        self, skeys: torch.Tensor, stables: torch.Tensor, order: torch.Tensor,
         count: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``sorted_runs_padded`` in two launches, no host sync: each program counts
         the runs starting in its blocks, then each adds the counts of the programs before it (at most
         ``_MAX_RUN_PROGRAMS``, one load) to a prefix sum of its own heads and scatters. (A ``cumsum``
         between two kernels before: CUB's scan allocates its scratch, 25-44 us of host a call.)"""
-        n, dev = ids.numel(), ids.device
+        n, dev = skeys.numel(), skeys.device
         if n == 0:
-            return ids, tables, ids, ids, torch.zeros(1, dtype=torch.int64, device=dev)
+            return skeys, stables, skeys, skeys, torch.zeros(1, dtype=torch.int64, device=dev)
         blocks, programs = _scan_grid(n)
         counts = torch.empty(_MAX_RUN_PROGRAMS + 1, dtype=torch.int64, device=dev)  # + the total
         real = counts if count is None else count  # (a dummy pointer without padding)
-        _run_counts_kernel[(programs,)](ids, order, tables, counts, n, real, blocks, BLOCK=_RUN_BLOCK,
+        _run_counts_kernel[(programs,)](skeys, stables, counts, n, real, blocks, BLOCK=_RUN_BLOCK,
                                         N_PTR=count is not None)
         keys, runs_tables, inverse, starts, ends = _rows(5, n, dev)
-        _run_scatter_kernel[(programs,)](ids, order, tables, counts, keys, runs_tables, inverse, starts,
+        _run_scatter_kernel[(programs,)](skeys, stables, order, counts, keys, runs_tables, inverse, starts,
                                          ends, n, real, blocks, programs, BLOCK=_RUN_BLOCK,
                                          MAX_PROGRAMS=_MAX_RUN_PROGRAMS, N_PTR=count is not None)
         return keys, runs_tables, inverse, ends.sub_(starts), counts[_MAX_RUN_PROGRAMS:]
