@@ -6,15 +6,16 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone. The hbm bench includes --pipeline.
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]...]
+#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
-# --ab OLD_DIR: tests/gpu, then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
+# --ab OLD_DIR: tests/gpu (not with --bench-only), then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
 # (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout (also with
 # each --variant's kernel_bench arguments, e.g. "--set _REDUCE_TILE=64" or "--no-early-lookup"),
 # alternating, in one call (machine starts differ by up to 30%: only one call's runs compare); last,
-# each kernel's GPU time in the Adam step, new and old.
+# each kernel's GPU time in the Adam step, new and old. --ab-args: arguments for every kernel_bench
+# run of both, e.g. "--overlap deferred" (TrainPipeline's loop, where the step is the GPU's).
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
@@ -40,6 +41,7 @@ run_stash=0
 run_check_launch=0
 ab_old=""
 variants=()
+ab_args=""
 run_bench=1
 run_profile=0
 run_hbm=1
@@ -59,6 +61,7 @@ while [ $# -gt 0 ]; do
         --check-launch) run_check_launch=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
+        --ab-args) ab_args="$2"; shift ;;
         --cache-only) run_tests=0; run_hbm=0 ;;
         --no-cache) run_cache=0 ;;
         --cache-scale) cache_scale="$2"; shift ;;
@@ -102,14 +105,17 @@ if [ "$run_check_launch" = 1 ]; then
 fi
 
 if [ -n "$ab_old" ]; then
-    echo "== tests/gpu"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 15 | tee "$OUT/pytest.log"
+    if [ "$run_tests" = 1 ]; then
+        echo "== tests/gpu"
+        timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 15 | tee "$OUT/pytest.log"
+    fi
     here="$PWD"
     old_root="$(cd "$ab_old" && pwd)"
     kb() {  # tag, package root, optimizer, more kernel_bench arguments: the step's line and the
             # reduction's (and a profile's kernel lines), tagged
+        # shellcheck disable=SC2086 (ab_args is a list of arguments)
         (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/scripts/kernel_bench.py" --optimizer "$3" \
-            --repeats 10 "${@:4}" 2>&1) | grep -E "^step|^reduce_update|Error|^  " | sed "s/^/$1 $3 /"
+            --repeats 10 $ab_args "${@:4}" 2>&1) | grep -E "^step|^reduce_update|Error|^  " | sed "s/^/$1 $3 /"
     }
     echo "== kernel_bench, new ($here) / new with each variant / old ($old_root)"
     kb warm "$here" sgd >/dev/null
