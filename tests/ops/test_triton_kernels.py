@@ -198,7 +198,7 @@ def test_sorted_runs_of_no_ids():
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     for kern in (TritonKernels(), TorchKernels()):
         *padded, u = kern.sorted_runs_padded(empty, empty, empty)
-        assert all(t.numel() == 0 for t in kern.id_order(empty, empty))
+        assert all(t.numel() == 0 for t in kern.id_order(empty, empty, 1))
         assert u.tolist() == [0] and all(t.numel() == 0 for t in padded)
 
 
@@ -247,7 +247,7 @@ def test_reduce_grads_with_the_dedups_order(gen, grouped):
     if grouped:
         tables = torch.sort(tables).values
     ids = torch.randint(0, 40, (n,), generator=gen)
-    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), TritonKernels())
+    keys, _, inverse, _, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, TritonKernels())
     grad_src = torch.randn(n, dim, generator=gen).to(DEVICE)
     src_of_id = torch.arange(n, device=DEVICE)
     got = TritonKernels().reduce_grads(grad_src, src_of_id, None, inverse, keys.numel(), sorted_ids)
@@ -273,7 +273,7 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
                  [i64(5 ^ 3 << 62), 5, big, -1, 5]]
     ids = torch.tensor([k for keys in per_table for k in keys], dtype=torch.int64)
     tables = torch.tensor([t for t, keys in enumerate(per_table) for _ in keys])
-    keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), kernels)
+    keys, utab, inverse, counts, sorted_ids = unique_pairs(ids.to(DEVICE), tables.to(DEVICE), 3, kernels)
     pairs = list(zip(utab.tolist(), keys.tolist()))
     assert len(set(pairs)) == len(pairs)
     want = {}
@@ -290,53 +290,61 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
         assert at == sorted(at)
 
 
-@pytest.mark.parametrize("bits, n, pad", [(32, 900, 0), (32, 900, 50), (9, 2500, 0), (4, 700, 20),
-                                          (1, 400, 0), (12, 200_000 if DEVICE == "cuda" else 3000, 0)])
-def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, pad):
-    """The dedup's order, from its definition in plain Python: by the pair's hash, then the pair's
-    first position, then position; padding (past ``count``) last in its own order. Fewer hash bits
-    make distinct pairs share a hash (interleaved in the radix sort; up to hundreds in one hash
-    at 1 bit); Triton equal to the reference, across program blocks."""
+@pytest.mark.parametrize("bits, n, pad, num_tables", [
+    (32, 900, 0, 3), (32, 900, 50, 1), (9, 2500, 0, 3), (4, 700, 20, 3), (1, 400, 0, 3),
+    (12, 200_000 if DEVICE == "cuda" else 3000, 0, 5)])
+def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, pad, num_tables):
+    """The dedup's order, from its definition in plain Python: by the pair's sort key (table by
+    table), then the pair's first position, then position; padding (past ``count``) last in its own
+    order. Fewer bits make distinct pairs share a key (interleaved in the radix sort; hundreds in
+    one key at 1 bit); Triton equal to the reference, across program blocks."""
     from tieredemb.ops import reference
     from tieredemb.ops.triton import embedding as E
 
     monkeypatch.setattr(reference, "DEDUP_HASH_BITS", bits)
     monkeypatch.setattr(E, "_RUN_BLOCK", 128 if n < 10_000 else 1024)
-    tables = torch.randint(0, 3, (n + pad,), generator=gen)
+    tables = torch.randint(0, num_tables, (n + pad,), generator=gen)
     ids = torch.randint(0, max(8, n // 5), (n + pad,), generator=gen)
     ids[::3] = torch.randint(-2**63, 2**63 - 1, (len(ids[::3]),), generator=gen)  # raw 64-bit ids too
-    h = reference.dedup_hash(ids[:n], tables[:n]).tolist()
+    h = reference.dedup_hash(ids[:n], tables[:n], num_tables).tolist()
     first = {}
     for i, pair in enumerate(zip(ids[:n].tolist(), tables[:n].tolist())):
         first.setdefault(pair, i)
     pairs = list(zip(ids.tolist(), tables.tolist()))
     want = sorted(range(n), key=lambda i: (h[i], first[pairs[i]], i)) + list(range(n, n + pad))
+    assert tables[want[:n]].diff().min() >= 0  # table by table
     if bits < 32:
-        assert len(set(h)) < len(first)  # pairs do share hashes
+        assert len(set(h)) < len(first)  # pairs do share keys
     count = None if pad == 0 else torch.tensor([n], device=DEVICE)
     for kern in (TritonKernels(), TorchKernels()):
-        order, skeys, stables = kern.id_order(ids.to(DEVICE), tables.to(DEVICE), count)
+        order, skeys, stables = kern.id_order(ids.to(DEVICE), tables.to(DEVICE), num_tables, count)
         assert order.tolist() == want, kern.name
         assert torch.equal(skeys.cpu(), ids[want]) and torch.equal(stables.cpu(), tables[want]), kern.name
 
 
-def test_dedup_hash_of_the_kernel_and_the_reference():
-    """The Triton hash kernel and ``dedup_hash`` give the same int32 for every pair, and the hash
-    stays below the padding's."""
+@pytest.mark.parametrize("num_tables", [1, 1000, 2**17])
+def test_dedup_hash_of_the_kernel_and_the_reference(num_tables):
+    """The Triton hash kernel and ``dedup_hash`` give the same int32 for every pair, below the
+    padding's; in table order up to 2**16 tables (past that the table is only hashed)."""
     from tieredemb.ops import reference
     from tieredemb.ops.triton import embedding as E
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.cat([torch.randint(-2**63, 2**63 - 1, (500,), generator=gen),
                      torch.tensor([0, -1, 2**63 - 1, -2**63])])
-    tables = torch.randint(0, 1000, (ids.numel(),), generator=gen)
+    tables = torch.randint(0, num_tables, (ids.numel(),), generator=gen)
+    tables[-4:] = num_tables - 1
     out = torch.empty(ids.numel(), dtype=torch.int32, device=DEVICE)
+    table_bits, hash_bits = reference.dedup_key_bits(num_tables)
+    assert table_bits + hash_bits == 32 and table_bits == (10 if num_tables == 1000 else 0)
     E._dedup_hash_kernel[(triton_cdiv(ids.numel(), 128),)](
-        ids.to(DEVICE), tables.to(DEVICE), out, ids.numel(), out, BITS=32, PAD=reference.DEDUP_PAD_HASH,
-        N_PTR=False, BLOCK=128)
-    want = reference.dedup_hash(ids, tables)
+        ids.to(DEVICE), tables.to(DEVICE), out, ids.numel(), out, TABLE_BITS=table_bits, HASH_BITS=hash_bits,
+        PAD=reference.DEDUP_PAD_HASH, N_PTR=False, BLOCK=128)
+    want = reference.dedup_hash(ids, tables, num_tables)
     assert torch.equal(out.cpu(), want)
     assert int(want.max()) < reference.DEDUP_PAD_HASH and len(set(want.tolist())) > 490
+    if table_bits:
+        assert tables[torch.argsort(want)].diff().min() >= 0
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -637,9 +645,9 @@ def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
         assert torch.equal(got_tables[:n], want_tables)
         if fault != "none":
             continue
-        ordered = kern.id_order(values.to(DEVICE), want_tables)
+        ordered = kern.id_order(values.to(DEVICE), want_tables, 3)
         want = kern.sorted_runs_padded(*ordered[1:], ordered[0])
-        porder, pkeys, ptables = kern.id_order(padded, got_tables, count)
+        porder, pkeys, ptables = kern.id_order(padded, got_tables, 3, count)
         assert torch.equal(porder[:n], ordered[0]) and porder[n:].tolist() == list(range(n, n + pad))
         assert torch.equal(pkeys[:n], ordered[1]) and torch.equal(ptables[:n], ordered[2])
         got = kern.sorted_runs_padded(pkeys, ptables, porder, count)

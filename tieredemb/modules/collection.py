@@ -419,7 +419,8 @@ class _Collection(nn.Module):
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
         (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
         group = self._groups[g]
-        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, self.kernels)
+        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs),
+                                                                  self.kernels)
         owner = owner_of(keys, self._salts[g][tables], self.world)
         send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]

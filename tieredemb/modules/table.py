@@ -123,13 +123,13 @@ class StagedPrefetch:
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 
 
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, kernels: TorchKernels,
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
                  occurrences: torch.Tensor | None = None):
     """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
     counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
     counts of their own), and the sort (``IdOrder``). The pairs come in the kernels' ``id_order``
-    (by a hash of the pair: deterministic, not by key). One host sync (the count)."""
-    order, skeys, stables = kernels.id_order(ids, tables)
+    (table by table, by a hash of the pair: deterministic, not by key). One host sync (the count)."""
+    order, skeys, stables = kernels.id_order(ids, tables, num_tables)
     if ids.numel() == 0:
         return ids, tables, ids, ids, IdOrder(order, ids)
     keys, utab, inverse, entries = kernels.sorted_runs(skeys, stables, order)
@@ -231,7 +231,8 @@ class TableGroup:
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
         each requester's distinct ids with their counts)."""
         with label("## dedup ##"):
-            unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, self.kernels, occurrences)
+            unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, len(self.configs),
+                                                                     self.kernels, occurrences)
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         with label("## resolve ##"):
             pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
@@ -257,7 +258,7 @@ class TableGroup:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
         captured prefetch of a batch shape padded to a bucket)."""
         with label("## dedup ##"):
-            order, skeys, stables = self.kernels.id_order(ids, tables, id_count)
+            order, skeys, stables = self.kernels.id_order(ids, tables, len(self.configs), id_count)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
                                                                                   id_count)
         with label("## resolve ##"):

@@ -15,19 +15,33 @@ from tieredemb.init import _GOLDEN, _shr, splitmix64
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
-# The dedup sorts each id by a 32-bit hash of its (key, table) pair (half the radix passes of the
-# 64-bit key, on 12 bytes an id instead of 16), then makes the pairs of one hash adjacent again.
-# Tests lower the bits so that many pairs share a hash.
+# The dedup sorts each id by a 32-bit key of its (key, table) pair (half the radix passes of the
+# 64-bit key, on 12 bytes an id instead of 16): the table in the top bits (the ids of one table
+# together: their bag gradients stay in L2 while the reduction reads them), a hash of the pair
+# below; then it makes the pairs of one sort key adjacent again. Tests lower the bits so that many
+# pairs share a key.
 DEDUP_HASH_BITS = 32
 DEDUP_PAD_HASH = 2**31 - 1  # padding's sort key (a pair's is at most one less): it sorts last
+_DEDUP_MAX_TABLE_BITS = 16  # more tables than 2**16 in a group: the table only inside the hash
 
 
-def dedup_hash(ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """int32 (n,) the dedup's sort key of each (id, table) pair (int64 (n,) each): the top
-    ``DEDUP_HASH_BITS`` bits of ``splitmix64(id ^ table * golden)``, offset into int32 and below
-    ``DEDUP_PAD_HASH``."""
-    u = _shr(splitmix64(ids ^ (tables * _GOLDEN)), 64 - DEDUP_HASH_BITS)
-    return (u - 2**31).clamp_(max=DEDUP_PAD_HASH - 1).to(torch.int32)
+def dedup_key_bits(num_tables: int) -> tuple[int, int]:
+    """(table bits, hash bits) of the dedup's sort key for a group of ``num_tables`` tables."""
+    table_bits = max(num_tables - 1, 0).bit_length()
+    if table_bits > _DEDUP_MAX_TABLE_BITS:
+        table_bits = 0
+    return table_bits, max(DEDUP_HASH_BITS - table_bits, 0)
+
+
+def dedup_hash(ids: torch.Tensor, tables: torch.Tensor, num_tables: int) -> torch.Tensor:
+    """int32 (n,) the dedup's sort key of each (id, table) pair (int64 (n,) each; ``num_tables``
+    tables): ``table << hash_bits | the top hash_bits bits of splitmix64(id ^ table * golden)``
+    (``dedup_key_bits``), offset into int32 and below ``DEDUP_PAD_HASH``."""
+    table_bits, hash_bits = dedup_key_bits(num_tables)
+    key = _shr(splitmix64(ids ^ (tables * _GOLDEN)), 64 - hash_bits) if hash_bits else torch.zeros_like(ids)
+    if table_bits:
+        key = key + (tables << hash_bits)
+    return (key - 2**31).clamp_(max=DEDUP_PAD_HASH - 1).to(torch.int32)
 
 
 class TorchKernels:
@@ -64,18 +78,19 @@ class TorchKernels:
             return out
         return out.view(features, num_bags // features, dim).transpose(0, 1).reshape(num_bags, dim)
 
-    def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
+    def id_order(self, ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dedup's order of a batch's ids (int64 (n,), with their tables int64 (n,)): int64 (n,)
-        batch positions, sorted by ``dedup_hash``; within one hash the pairs by their first
-        position in the batch; each pair's ids in batch order. Returns (order, ids[order],
+        """The dedup's order of a batch's ids (int64 (n,), with their tables int64 (n,) of
+        ``num_tables``): int64 (n,) batch positions, sorted by ``dedup_hash`` (so table by table);
+        within one hash the pairs by their first position in the batch; each pair's ids in batch
+        order. Returns (order, ids[order],
         tables[order]). ``count``: int64 (1,), the batch's ids; the rest is padding, which comes
         last in its own order."""
         n = ids.numel()
         real = n if count is None else int(count)
         all_ids, all_tables = ids, tables
         ids, tables = ids[:real], tables[:real]
-        h = dedup_hash(ids, tables)
+        h = dedup_hash(ids, tables, num_tables)
         order = torch.sort(h, stable=True).indices
         sk, st, sh = ids[order], tables[order], h[order]
         if bool(((sh[1:] == sh[:-1]) & ((sk[1:] != sk[:-1]) | (st[1:] != st[:-1]))).any()):

@@ -358,8 +358,8 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
 # ------------------------------------------------------------------------------------------ dedup
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
-def _dedup_hash_kernel(ids, tables, out, n, n_ptr, BITS: tl.constexpr, PAD: tl.constexpr,
-                       N_PTR: tl.constexpr, BLOCK: tl.constexpr):
+def _dedup_hash_kernel(ids, tables, out, n, n_ptr, TABLE_BITS: tl.constexpr, HASH_BITS: tl.constexpr,
+                       PAD: tl.constexpr, N_PTR: tl.constexpr, BLOCK: tl.constexpr):
     # out[i]: the reference's ``dedup_hash`` of (ids[i], tables[i]); PAD past the real ids (N_PTR:
     # their number is int64 (1,) at n_ptr)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -368,10 +368,15 @@ def _dedup_hash_kernel(ids, tables, out, n, n_ptr, BITS: tl.constexpr, PAD: tl.c
     if N_PTR:
         real = tl.load(n_ptr)
     k = tl.load(ids + i, mask=m, other=0).to(tl.uint64, bitcast=True)
-    t = tl.load(tables + i, mask=m, other=0).to(tl.uint64, bitcast=True)
-    u = (splitmix64(k ^ (t * 0x9E3779B97F4A7C15)) >> (64 - BITS)).to(tl.int64)
-    h = tl.minimum(u - 2**31, PAD - 1)
-    tl.store(out + i, tl.where(i < real, h, PAD).to(tl.int32), mask=m)
+    t = tl.load(tables + i, mask=m, other=0)
+    key = tl.zeros([BLOCK], dtype=tl.int64)
+    if HASH_BITS > 0:
+        mixed = splitmix64(k ^ (t.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+        key = (mixed >> (64 - HASH_BITS)).to(tl.int64)
+    if TABLE_BITS > 0:
+        key += t << HASH_BITS
+    key = tl.minimum(key - 2**31, PAD - 1)
+    tl.store(out + i, tl.where(i < real, key, PAD).to(tl.int32), mask=m)
 
 
 @triton.jit
@@ -713,7 +718,7 @@ class TritonKernels:
         )
         return out
 
-    def id_order(self, ids: torch.Tensor, tables: torch.Tensor,
+    def id_order(self, ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``id_order`` without a host sync: a radix sort of the int32 hashes (4
         passes on 12 bytes an id; the int64 keys took 8 on 16), then one pass that writes each
@@ -726,7 +731,8 @@ class TritonKernels:
         hashes = torch.empty(n, dtype=torch.int32, device=dev)
         real = hashes if count is None else count  # (a dummy pointer without padding)
         grid = (triton.cdiv(n, _RUN_BLOCK),)
-        _dedup_hash_kernel[grid](ids, tables, hashes, n, real, BITS=reference.DEDUP_HASH_BITS,
+        table_bits, hash_bits = reference.dedup_key_bits(num_tables)
+        _dedup_hash_kernel[grid](ids, tables, hashes, n, real, TABLE_BITS=table_bits, HASH_BITS=hash_bits,
                                  PAD=reference.DEDUP_PAD_HASH, N_PTR=count is not None, BLOCK=_RUN_BLOCK)
         shash, order = torch.sort(hashes, stable=True)
         even = n + (n & 1)
