@@ -313,6 +313,11 @@ def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, 
     pairs = list(zip(ids.tolist(), tables.tolist()))
     want = sorted(range(n), key=lambda i: (h[i], first[pairs[i]], i)) + list(range(n, n + pad))
     assert tables[want[:n]].diff().min() >= 0  # table by table
+    if bits == 32:  # and each table's keys in the order of the index's buckets
+        from tieredemb.index.key_index import bucket_of
+
+        t, b = tables[want[:n]], bucket_of(ids[want[:n]], 1024)
+        assert ((t.diff() > 0) | (b.diff() >= 0)).all()
     if bits < 32:
         assert len(set(h)) < len(first)  # pairs do share keys
     count = None if pad == 0 else torch.tensor([n], device=DEVICE)
@@ -325,7 +330,8 @@ def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, 
 @pytest.mark.parametrize("num_tables", [1, 1000, 2**17])
 def test_dedup_hash_of_the_kernel_and_the_reference(num_tables):
     """The Triton hash kernel and ``dedup_hash`` give the same int32 for every pair, below the
-    padding's; in table order up to 2**16 tables (past that the table is only hashed)."""
+    padding's; in table order up to 2**16 tables (past that the table is only hashed), and within
+    a table in the order of the index's buckets."""
     from tieredemb.ops import reference
     from tieredemb.ops.triton import embedding as E
 
@@ -343,8 +349,13 @@ def test_dedup_hash_of_the_kernel_and_the_reference(num_tables):
     want = reference.dedup_hash(ids, tables, num_tables)
     assert torch.equal(out.cpu(), want)
     assert int(want.max()) < reference.DEDUP_PAD_HASH and len(set(want.tolist())) > 490
-    if table_bits:
-        assert tables[torch.argsort(want)].diff().min() >= 0
+    if table_bits:  # table by table, each table's keys in the index's bucket order
+        from tieredemb.index.key_index import bucket_of
+
+        order = torch.argsort(want, stable=True)
+        t, b = tables[order], bucket_of(ids[order], 1024)
+        assert t.diff().min() >= 0
+        assert ((t.diff() > 0) | (b.diff() >= 0)).all()
 
 
 def triton_cdiv(a: int, b: int) -> int:

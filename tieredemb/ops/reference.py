@@ -17,9 +17,10 @@ from tieredemb.storage.row_store import RowStore
 
 # The dedup sorts each id by a 32-bit key of its (key, table) pair (half the radix passes of the
 # 64-bit key, on 12 bytes an id instead of 16): the table in the top bits (the ids of one table
-# together: their bag gradients stay in L2 while the reduction reads them), a hash of the pair
-# below; then it makes the pairs of one sort key adjacent again. Tests lower the bits so that many
-# pairs share a key.
+# together: their bag gradients stay in L2 while the reduction reads them), the top bits of the
+# key's splitmix64 below (the index's bucket order, ``bucket_of``: the probe then sweeps each
+# region's buckets in order); then it makes the pairs of one sort key adjacent again. Tests lower
+# the bits so that many pairs share a key.
 DEDUP_HASH_BITS = 32
 DEDUP_PAD_HASH = 2**31 - 1  # padding's sort key (a pair's is at most one less): it sorts last
 _DEDUP_MAX_TABLE_BITS = 16  # more tables than 2**16 in a group: the table only inside the hash
@@ -35,10 +36,12 @@ def dedup_key_bits(num_tables: int) -> tuple[int, int]:
 
 def dedup_hash(ids: torch.Tensor, tables: torch.Tensor, num_tables: int) -> torch.Tensor:
     """int32 (n,) the dedup's sort key of each (id, table) pair (int64 (n,) each; ``num_tables``
-    tables): ``table << hash_bits | the top hash_bits bits of splitmix64(id ^ table * golden)``
-    (``dedup_key_bits``), offset into int32 and below ``DEDUP_PAD_HASH``."""
+    tables): ``table << hash_bits | the top hash_bits bits of splitmix64(id)`` (``dedup_key_bits``;
+    without table bits, of ``splitmix64(id ^ table * golden)``), offset into int32 and below
+    ``DEDUP_PAD_HASH``."""
     table_bits, hash_bits = dedup_key_bits(num_tables)
-    key = _shr(splitmix64(ids ^ (tables * _GOLDEN)), 64 - hash_bits) if hash_bits else torch.zeros_like(ids)
+    mixed = splitmix64(ids if table_bits else ids ^ (tables * _GOLDEN))
+    key = _shr(mixed, 64 - hash_bits) if hash_bits else torch.zeros_like(ids)
     if table_bits:
         key = key + (tables << hash_bits)
     return (key - 2**31).clamp_(max=DEDUP_PAD_HASH - 1).to(torch.int32)

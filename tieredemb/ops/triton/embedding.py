@@ -371,7 +371,10 @@ def _dedup_hash_kernel(ids, tables, out, n, n_ptr, TABLE_BITS: tl.constexpr, HAS
     t = tl.load(tables + i, mask=m, other=0)
     key = tl.zeros([BLOCK], dtype=tl.int64)
     if HASH_BITS > 0:
-        mixed = splitmix64(k ^ (t.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+        if TABLE_BITS > 0:
+            mixed = splitmix64(k)
+        else:
+            mixed = splitmix64(k ^ (t.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
         key = (mixed >> (64 - HASH_BITS)).to(tl.int64)
     if TABLE_BITS > 0:
         key += t << HASH_BITS
