@@ -1,0 +1,80 @@
+"""Step time of a collection of several table groups (tables of two dims) on the hbm workload's
+shape: prefetch + forward + backward in a plain loop, and in TrainPipeline's order (batch i+1's
+prefetch_deferred between forward i and backward i). Run it with PYTHONPATH on an older package for
+a before/after in one call (only one call's runs compare).
+
+    PYTHONPATH=. python3 scripts/groups_bench.py [--dims 64,128] [--steps 40] [--optimizer adam]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import tieredemb as te
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", default="64,128", help="table dims, cycled over the tables")
+    p.add_argument("--tables", type=int, default=10)
+    p.add_argument("--rows", type=int, default=1_680_000)
+    p.add_argument("--batch", type=int, default=10_486)
+    p.add_argument("--bag", type=int, default=10)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
+    args = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.autograd.set_multithreading_enabled(False)
+    dims = [int(d) for d in args.dims.split(",")]
+    tables = [te.TableConfig(f"t{i}", dims[i % len(dims)], [f"f{i}"]) for i in range(args.tables)]
+    opt = te.optim.Adam(lr=0.01) if args.optimizer == "adam" else te.optim.SGD(lr=0.01)
+    ebc = te.EmbeddingBagCollection(tables, optimizer=opt, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    n = args.tables * args.batch * args.bag
+    lengths = torch.full((args.tables * args.batch,), args.bag, dtype=torch.int64, device=dev)
+    keys = [f"f{i}" for i in range(args.tables)]
+
+    def batch() -> te.KeyedJaggedTensor:  # Zipf-like: u ** -1 over the rows, hashed
+        u = torch.rand(n, generator=gen, device=dev)
+        ranks = (u.pow(-1.0).long() - 1).clamp_(max=args.rows - 1)
+        return te.KeyedJaggedTensor(keys, ranks * 0x9E3779B1 + 12345, lengths)
+
+    batches = [batch() for _ in range(3 * args.steps)]
+    width = sum(t.embedding_dim for t in tables)
+    grad = torch.randn(args.batch, width, generator=gen, device=dev)
+
+    def plain(kjts) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for kjt in kjts:
+            ebc.prefetch(kjt)
+            ebc(kjt).values().backward(grad)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / len(kjts) * 1e3
+
+    def deferred(kjts) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ebc.prefetch_deferred(kjts[0])
+        for i, kjt in enumerate(kjts):
+            out = ebc(kjt).values()
+            if i + 1 < len(kjts):
+                ebc.prefetch_deferred(kjts[i + 1])
+            out.backward(grad)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / len(kjts) * 1e3
+
+    plain(batches[: args.steps])  # warm: most keys inserted
+    s = args.steps
+    rows = [("plain", plain(batches[s : 2 * s])), ("deferred", deferred(batches[2 * s :]))]
+    print(f"groups {len(ebc._groups)} (dims {args.dims}), {args.tables} tables, {n} ids a step, "
+          f"{args.optimizer}")
+    for name, ms in rows:
+        print(f"groups_bench {name:10s} {ms:8.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
