@@ -734,15 +734,11 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
 
 
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
-def test_several_table_groups_stage_their_prefetch_and_defer_its_read(module):
-    """Tables of two dims (two groups, each gathered from the batch on the device, padded to the
-    batch's n; one of two tables that share keys), features given in and out of the groups' order,
-    mean pooling, weights, empty batches: every
-    prefetch_deferred queues a staged device half (one read for the checks, both dedups and both
-    probes) and the collection trains as the dense reference. A bad id in the second group's
-    table raises at its forward with nothing changed."""
-    from tieredemb.modules.collection import _Staged
-
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_several_table_groups_with_shared_keys_match_reference(module, schedule):
+    """Tables of two dims (two groups; one of them two tables that share keys), features given in and
+    out of the groups' order, mean pooling, weights, empty batches: trains as the dense reference
+    in every prefetch schedule."""
     edge = edge_scenario(weighted=False)
     tables = [*edge.tables, te.TableConfig("other", 3, ["x"])]  # a second table in "shared"'s group
     pools = {**edge.pools, "other": edge.pools["shared"]}  # the same keys: two pairs each
@@ -757,24 +753,8 @@ def test_several_table_groups_stage_their_prefetch_and_defer_its_read(module):
     scenario = Scenario(tables, pools, {**edge.written, "other": [7]}, steps, seed=7)
     collection, reference = build_pair(module, scenario, "adam")
     assert len(collection._groups) == 2
-    staged = []
-    inner = collection.prefetch_deferred
-
-    def counted(kjt):
-        inner(kjt)
-        staged.append(isinstance(collection._queued[-1][1], _Staged))
-
-    collection.prefetch_deferred = counted
-    train_side_by_side(collection, reference, scenario.batches, torch.Generator().manual_seed(2), "deferred")
-    assert len(staged) == len(scenario.batches) and all(staged)
-    assert_tables_match_reference(collection, reference, "after the deferred steps")
-    before = {t.name: sorted_export(collection, t.name) for t in scenario.tables}
-    bad = Batch({"u": [[5]], "v": [[7]], "w": [[4]], "x": [[5]]}).kjt()  # table "small" has 4 rows
-    collection.prefetch_deferred(bad)
-    with pytest.raises(ValueError, match="'w'"):
-        collection(bad)
-    for t in scenario.tables:
-        assert all(torch.equal(a, b) for a, b in zip(before[t.name], sorted_export(collection, t.name)))
+    train_side_by_side(collection, reference, scenario.batches, torch.Generator().manual_seed(2), schedule)
+    assert_tables_match_reference(collection, reference, f"after the {schedule} steps")
 
 
 def test_an_eval_forward_between_a_deferred_prefetch_and_its_forward():
@@ -821,7 +801,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
     pooled = module is te.EmbeddingBagCollection
     replays = []
 
-    def padded_replay(self, given, step):
+    def padded_replay(self, given, group, step):
         n = given.values.numel()
         if n == 0:
             return None

@@ -16,7 +16,6 @@ from tieredemb.ops.reference import bad_ids as _bad_ids
 from tieredemb.ops.reference import run_of as _run_of
 
 _INT_DTYPES = (torch.int64, torch.int32)
-PADDING_ID = 2**63 - 1  # the id of a padded batch's padding (in table 0; the dedup puts it last)
 
 
 @dataclass
@@ -251,28 +250,6 @@ class Layout:
         offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
                            offsets)
-
-    def group_on_device(self, staged: StagedBatch, g: int) -> tuple[GroupBatch, torch.Tensor]:
-        """Group g's ids before the read: its ``GroupBatch`` (the host counts empty) padded to the
-        batch's n ids, and int64 (1,) on the device, how many are the group's (the rest padding,
-        ``PADDING_ID`` in table 0 with weight 0). The same ids, in the same order, as ``finish``
-        gives the group (whatever the lengths hold: a bad batch only gets clamped positions)."""
-        order, values, weights = staged.order, staged.values, staged.weights
-        n, dev = values.numel(), self.device
-        pos = order.position_dev[g]
-        per_feature = staged.feature_counts
-        starts = torch.cumsum(per_feature, 0) - per_feature  # each batch feature's first id
-        counts = per_feature[pos]
-        ends = torch.cumsum(counts, 0)  # the group's features, one after another
-        j = torch.arange(n, device=dev)
-        k = torch.searchsorted(ends, j, right=True).clamp_(max=pos.numel() - 1)
-        src = (starts[pos][k] + j - (ends - counts)[k]).clamp_(0, max(n - 1, 0))
-        real = j < ends[-1]
-        ids = torch.where(real, values[src], PADDING_ID)
-        tables = torch.where(real, order.table_of_feature_dev[g][k], 0)
-        w = None if weights is None else torch.where(real, weights[src], 0.0)
-        lengths = staged.per_feature[pos].reshape(-1)
-        return GroupBatch(ids, tables, lengths, _offsets_from_lengths(lengths), w, [], []), ends[-1:]
 
     def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the

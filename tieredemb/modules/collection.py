@@ -30,7 +30,6 @@ from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, ta
 from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
-    PADDING_ID,
     Batch,
     BatchInput,
     GroupBatch,
@@ -41,14 +40,7 @@ from tieredemb.modules.batch import (
 )
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
-from tieredemb.modules.table import (
-    GroupPrefetch,
-    IdOrder,
-    StagedPrefetch,
-    TableGroup,
-    TableRows,
-    unique_pairs,
-)
+from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
 from tieredemb.ops import select_kernels
 from tieredemb.ops.reference import bag_ids
 from tieredemb.optim import SGD, EmbeddingOptimizer
@@ -99,9 +91,10 @@ class CollectionPrefetch:
 class _Staged:
     """A staged prefetch, its device half launched; ``deferred``: its host half is still to come
     (``_Collection.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
-    CUDA, ready at ``done``). ``outputs``: (staged batch, then lists with one entry per group: staged
-    prefetch, gradient sources, the backward's, the length of its part of the read; then the read)."""
+    CUDA, ready at ``done``). ``outputs``: (staged batch, staged prefetch, gradient sources, the
+    backward's, the read)."""
 
+    group: TableGroup
     step: int
     slot: Slot | None
     outputs: tuple
@@ -239,7 +232,7 @@ class _Collection(nn.Module):
 
     def prefetch_deferred(self, kjt: object) -> None:
         """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
-        training batch, no table with admission or a bound, not sharded, no stashing),
+        training batch of one table group without admission or bounded tables, no stashing),
         its device work is queued and its one host read (the checks' verdict, the distinct keys, the
         misses) waits until the batch is needed: its forward, or the next change to the tables. A
         bad batch then raises at its forward. Otherwise the same as ``prefetch``. Made for a loop
@@ -253,9 +246,10 @@ class _Collection(nn.Module):
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if (self.training and self.process_group is None
-                and all(group.can_stage() for group in self._groups)):
-            staged = self._stage(given, stream, defer and self._stash is None)
+        group = self._groups[0]
+        if (self.training and len(self._groups) == 1 and self.process_group is None
+                and given.order.identity[0] and group.can_stage()):
+            staged = self._stage(given, group, stream, defer and self._stash is None)
             return staged if staged.deferred else self._finish_staged(staged)
         with label("## check_batch ##"):
             staged = self._layout.put(given)
@@ -273,22 +267,21 @@ class _Collection(nn.Module):
                     groups.append(self._prefetch_sharded(g, gb, training))
         return CollectionPrefetch(batch, groups, training, stream=stream)
 
-    def _stage(self, given: BatchInput, stream: object, defer: bool) -> _Staged:
-        """The device half of a staged prefetch (a training batch whose groups can all stage, with
-        one host read for the checks, the dedups and the probes together instead of several each):
-        a replayed CUDA graph when the batch's shape was seen before (``capture.py``; one group whose
-        features are the batch's). ``defer``: its read copied now into pinned memory behind it, for
-        ``_finish_staged`` to take later."""
+    def _stage(self, given: BatchInput, group: TableGroup, stream: object, defer: bool) -> _Staged:
+        """The device half of a staged prefetch (a training batch of one stageable group, with one
+        host read for the checks, the dedup and the probe together instead of one each): a replayed
+        CUDA graph when the batch's shape was seen before (``capture.py``). ``defer``: its read
+        copied now into pinned memory behind it, for ``_finish_staged`` to take later."""
         step = self._clock + 1
-        slot = self._replay_staged(given, step)
+        slot = self._replay_staged(given, group, step)
         if slot is None:
             with label("## check_batch ##"):
                 staged = self._layout.put(given)
             with label("## group.prefetch ##"):
-                outputs = (staged, *self._stage_device(staged, step))
+                outputs = (staged, *self._stage_device(staged, group, step))
         else:
             outputs = _trimmed(slot.outputs, given.values.numel(), step)
-        record = _Staged(step, slot, outputs, stream, deferred=defer)
+        record = _Staged(group, step, slot, outputs, stream, deferred=defer)
         read = outputs[-1]
         if defer and stream is not None:
             record.host = self._read_buffer(read)
@@ -300,8 +293,8 @@ class _Collection(nn.Module):
     def _finish_staged(self, record: _Staged) -> CollectionPrefetch:
         """The host half of a staged prefetch: its read, then the insertion. The probe changed
         nothing unless the checks passed, so a bad batch raises here with no state changed."""
-        staged, pendings, sources, backwards, spans, read = record.outputs
-        slot, stream = record.slot, record.stream
+        staged, pending, sources, backward, read = record.outputs
+        group, slot, stream = record.group, record.slot, record.stream
         try:
             with label("## group.prefetch ##"):
                 if record.done is not None:
@@ -309,28 +302,22 @@ class _Collection(nn.Module):
                 host = (read if record.host is None else record.host).tolist()
                 if record.done is not None:  # its copy is done and read: the next one may take it
                     self._read_buffers.append(record.host)
-            at = staged.summary.numel()
-            batch = self._layout.finish(staged, host[:at])  # raises on a bad batch
+            checks = staged.summary.numel()
+            batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = record.step
-            looked, looked_at, gpfs, grad_sources = None, self._rows_changed, [], []
-            for g, (group, gb, span) in enumerate(zip(self._groups, batch.groups, spans)):
-                # the group's ids were padded to the batch's n: its own n now
-                pending, (src, scale), backward = _cut(pendings[g], sources[g], backwards[g], gb.ids.numel())
-                info, at = host[at : at + span], at + span
-                if len(self._groups) == 1 and self._may_look_early(stream) and \
-                        pending.id_values is not None and not any(info[1 : 1 + len(group.configs)]):
-                    looked = self._lookup_rows(0, group.store, pending.id_values, gb, scale)  # no misses
-                with label("## group.prefetch ##"):
-                    gpf = group.finish_prefetch(pending, info, gb.ids_per_table)
-                gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
-                gpfs.append(gpf)
-                grad_sources.append((src, scale))
+            looked, looked_at = None, self._rows_changed
+            if self._may_look_early(stream) and pending.id_values is not None and \
+                    not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
+                looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
+            with label("## group.prefetch ##"):
+                gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
             if slot is not None:
                 self._captured.release(slot, stream)
             raise
-        return CollectionPrefetch(batch, gpfs, True, stream=stream, grad_sources=grad_sources,
-                                  graph_slot=slot, looked=looked, looked_at=looked_at)
+        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
+        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
+                                  looked=looked, looked_at=looked_at)
 
     def _read_buffer(self, read: torch.Tensor) -> torch.Tensor:
         """Pinned host memory for a deferred read of ``read``'s size: one kept from an earlier read
@@ -383,16 +370,14 @@ class _Collection(nn.Module):
         order): the only one that captures a graph or looks a batch up early."""
         return threading.get_ident() == self._forward_thread
 
-    def _replay_staged(self, given: BatchInput, step: int) -> Slot | None:
+    def _replay_staged(self, given: BatchInput, group: TableGroup, step: int) -> Slot | None:
         """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
         of its shape padded to a bucket of ids (batches whose id count changes every step); None:
-        run it eagerly (capture off, a shape seen once, every slot of it in flight, several groups
-        or features not in the group's order)."""
+        run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
         n = given.values.numel()
-        if self._captured is None or n == 0 or len(self._groups) > 1 or not given.order.identity[0]:
+        if self._captured is None or n == 0:
             return None
-        shape = (tuple(given.keys), given.batch_size, given.weights is not None,
-                 self._groups[0].index.generation)
+        shape = (tuple(given.keys), given.batch_size, given.weights is not None, group.index.generation)
         inputs = (given.values, given.per_feature, given.weights, step)
         capture = self._on_forward_thread()
         slot = self._captured.acquire((*shape, n), lambda *static: self._captured_stage(given, *static),
@@ -404,30 +389,20 @@ class _Collection(nn.Module):
                                           lengths=(bucket, None, bucket), capture=capture)
         return slot
 
-    def _stage_device(self, staged: StagedBatch, step: int | torch.Tensor,
+    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor,
                       id_count: torch.Tensor | None = None):
-        """The device half of a staged prefetch, per group: its ``StagedPrefetch``, the backward's
-        gradient sources and scales, the same in the dedup's order with the reduction's plan, and its
-        part's length in the read; then the int64 tensor to read: the checks' summary and each
-        group's probe counts. A group whose features are not the batch's, in its order, gets its
-        ids gathered on the device, padded to the batch's n (``Layout.group_on_device``).
-        ``id_count``: the batch's ids (int64 () on the device), the rest padding."""
-        pendings, sources, backwards, spans, read = [], [], [], [], [staged.summary]
-        for g, group in enumerate(self._groups):
-            if staged.order.identity[g]:
-                gb, count = staged.first_group(), id_count
-            else:
-                gb, count = self._layout.group_on_device(staged, g)
-            pending, info = group.stage_prefetch(gb.ids, gb.tables, step, staged.guard(), id_count=count)
-            # the backward's work that needs only the batch, queued before the read
-            src, scale = self._grad_sources(g, gb)
-            pendings.append(pending)
-            sources.append((src, scale))
-            backwards.append((src[pending.order], None if scale is None else scale[pending.order],
-                              self.kernels.reduce_plan(pending.counts, info[0])))
-            spans.append(sum(t.numel() for t in info))
-            read += info
-        return pendings, sources, backwards, spans, torch.cat(read)
+        """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
+        gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
+        tensor to read: the checks' summary and the probe's counts). ``id_count``: the batch's ids
+        (int64 () on the device), the rest padding."""
+        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
+                                             id_count=id_count)
+        # the backward's work that needs only the batch, queued before the read
+        sources = self._grad_sources(0, staged.first_group())
+        src, scale = sources
+        backward = (src[pending.order], None if scale is None else scale[pending.order],
+                    self.kernels.reduce_plan(pending.counts, info[0]))
+        return pending, sources, backward, torch.cat([staged.summary, *info])
 
     def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
                         weights: torch.Tensor | None, step: torch.Tensor, id_count: torch.Tensor | None):
@@ -435,10 +410,10 @@ class _Collection(nn.Module):
         batch fills only that many of the static ids (and weights), the rest becomes padding here."""
         if id_count is not None:
             real = torch.arange(values.numel(), device=values.device) < id_count
-            values = torch.where(real, values, PADDING_ID)
+            values = torch.where(real, values, _PADDING)
             weights = None if weights is None else torch.where(real, weights, 0.0)
         staged = self._layout.stage_on_device(given, values, per_feature, weights, id_count)
-        return (staged, *self._stage_device(staged, step, id_count))
+        return (staged, *self._stage_device(staged, self._groups[0], step, id_count))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -809,6 +784,9 @@ class _Collection(nn.Module):
         return f"tables=[{dims}], optimizer={self.optimizer}, storage_mode={self.storage_mode!r}"
 
 
+_PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
+
+
 def _bucket(n: int) -> int:
     """The ids a padded capture holds for a batch of n: n rounded up to a sixteenth of the power of
     two below it (at most 1/16 of the pre-read work spent on padding)."""
@@ -817,26 +795,18 @@ def _bucket(n: int) -> int:
 
 
 def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
-    """A replayed staged prefetch's outputs (``_Staged.outputs``) for a batch of n ids (a padded
-    graph's batch is longer; ``_cut`` trims the groups' parts), with the host's step."""
-    staged, pendings, *rest = outputs
-    staged = dataclasses.replace(staged, values=_head(staged.values, n), tables=_head(staged.tables, n),
-                                 weights=_head(staged.weights, n))
-    return (staged, [dataclasses.replace(p, step=step) for p in pendings], *rest)
+    """A replayed staged prefetch's outputs for a batch of n ids (a padded graph's are longer), with
+    the host's step: (staged batch, staged prefetch, gradient sources, the backward's, the read)."""
+    staged, pending, (src, scale), (src_sorted, scale_sorted, plan), read = outputs
 
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:n]
 
-def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    return None if t is None else t[:n]
-
-
-def _cut(pending: StagedPrefetch, sources: tuple, backward: tuple, n: int) -> tuple:
-    """A group's staged prefetch, gradient sources and backward's part for its n ids (padded ones
-    are longer; the padding comes last in the dedup's order too)."""
-    src, scale = sources
-    src_sorted, scale_sorted, plan = backward
-    pending = dataclasses.replace(pending, inverse=pending.inverse[:n], order=pending.order[:n],
-                                  id_values=_head(pending.id_values, n))
-    return pending, (src[:n], _head(scale, n)), (src_sorted[:n], _head(scale_sorted, n), plan)
+    staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
+                                 weights=cut(staged.weights))
+    pending = dataclasses.replace(pending, step=step, inverse=cut(pending.inverse), order=cut(pending.order),
+                                  id_values=cut(pending.id_values))
+    return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
 
 
 def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:

@@ -73,7 +73,7 @@ class TrainPipeline:
       may reuse the blocks batch i just freed), and the training stream waits on the copy's event.
     - training stream (the caller's current stream): forward, backward, optimizer; by default also the
       prefetch, between forward i and backward i, through ``prefetch_deferred``: where the batch's
-      prefetch is staged (no admission or bounded tables, not sharded, no stashing) its device
+      prefetch is staged (one table group, no admission or bounded tables, no stashing) its device
       work is queued there and its one host read comes at ``wait_for_batch`` i+1, so the host
       launches backward i without waiting for the device (``docs/pipeline.md``).
     - prefetch stream, with ``prefetch_in_thread=True``: prefetch i+1 runs on a single worker thread
