@@ -86,17 +86,19 @@ class TorchKernels:
         """The dedup's order of a batch's ids (int64 (n,), with their tables int64 (n,) of
         ``num_tables``): int64 (n,) batch positions, sorted by ``dedup_hash`` (so table by table);
         within one hash the pairs by their first position in the batch; each pair's ids in batch
-        order. Returns (order, ids[order],
-        tables[order]). ``count``: int64 (1,), the batch's ids; the rest is padding, which comes
-        last in its own order."""
+        order. Returns (order, ids[order], tables[order]). ``count``: int64 (1,), the batch's ids;
+        the rest is padding, which comes last in its own order."""
         n = ids.numel()
         real = n if count is None else int(count)
         all_ids, all_tables = ids, tables
         ids, tables = ids[:real], tables[:real]
         h = dedup_hash(ids, tables, num_tables)
-        order = torch.sort(h, stable=True).indices
-        sk, st, sh = ids[order], tables[order], h[order]
-        if bool(((sh[1:] == sh[:-1]) & ((sk[1:] != sk[:-1]) | (st[1:] != st[:-1]))).any()):
+        sh, order = torch.sort(h, stable=True)
+        sk, st = ids[order], tables[order]
+        shared = bool(((sh[1:] == sh[:-1]) & ((sk[1:] != sk[:-1]) | (st[1:] != st[:-1]))).any())
+        if not shared and real == n:  # (the common case)
+            return order, sk, st
+        if shared:
             # two pairs share a hash: order by (hash, the pair's first position, position)
             by_pair = torch.argsort(tables, stable=True)
             by_pair = by_pair[torch.sort(ids[by_pair], stable=True).indices]
