@@ -23,9 +23,9 @@ bucket).
 Insertion is deterministic: a bucket's misses, in ascending key order, take first its empty ways
 (in way order), then, when eviction is allowed, its unlocked ways by ascending (score, way). With
 ``given_order`` the misses claim in the order the caller gives them instead (one sort fewer): the
-collections pass their dedup's order (``id_order``: table by table, by hash); a store that never evicts
-may pass any order. The Triton
-implementation (``tieredemb.ops.triton.index``) follows exactly these rules and is tested equal.
+collections pass their dedup's order (``id_order``: table by table, by hash); a store that never
+evicts may pass any order. The Triton implementation (``tieredemb.ops.triton.index``) follows
+exactly these rules and is tested equal.
 
 This module is the pure-torch reference; it is also the CPU path.
 """
