@@ -279,6 +279,38 @@ def test_a_capture_that_fails_leaves_the_eager_path_working():
     assert ok.captures == 1 and torch.equal(slot.outputs, (x + 1) * 2)
 
 
+def test_no_garbage_collection_runs_during_a_capture():
+    """A collection of cyclic garbage during a capture could run a finalizer that launches onto or
+    reads the capturing stream (a dropped batch's release): staging that allocates past the
+    collector's threshold, with such garbage about, is still captured; the finalizer runs after."""
+    import gc
+
+    from tieredemb.modules.capture import CapturedStages
+
+    stages = CapturedStages(DEV, (torch.int64,), after=0)
+    x = torch.arange(8, device=DEV)
+    ran = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            ran.append(int(x.sum()))  # a host read
+
+    def stage(t):
+        Cycle()  # freed only by a collection
+        _ = [[] for _ in range(5000)]  # tracked allocations past the threshold of a collection
+        return t * 2
+
+    gc.collect()
+    slot = stages.acquire(("k",), stage, x)
+    assert stages.failed is None and slot is not None and torch.equal(slot.outputs, x * 2)
+    assert gc.isenabled() and not ran
+    gc.collect()
+    assert ran == [28]
+
+
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
 def test_early_lookup_after_a_captured_prefetch(module, monkeypatch):
     """Batches of known keys: the rows are looked up right after the replayed prefetch's read (from

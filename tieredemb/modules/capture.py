@@ -27,6 +27,7 @@ And the capture itself does not synchronize the device or empty the allocators' 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import warnings
@@ -160,17 +161,25 @@ class CapturedStages:
         if self._stream is None:  # a side stream: the legacy default stream cannot capture
             self._stream = torch.cuda.Stream(self.device)
         pool = torch.cuda.graph_pool_handle()  # the graph's own memory pool, named here (_hand_back)
-        # thread_local: only this thread's unsafe calls invalidate the capture (module docstring)
-        with torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                outputs = fn(*static)
-            finally:
+        # thread_local: only this thread's unsafe calls invalidate the capture (module docstring);
+        # the cyclic garbage collector stays off during it: a collection could run a finalizer (a
+        # dropped batch's release) that launches onto, or reads, the capturing stream
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    graph.capture_end()
-                except BaseException:
-                    self._hand_back(pool)
-                    raise
+                    outputs = fn(*static)
+                finally:
+                    try:
+                        graph.capture_end()
+                    except BaseException:
+                        self._hand_back(pool)
+                        raise
+        finally:
+            if collecting:
+                gc.enable()
         self.captures += 1
         return Slot(key, graph, static, outputs, busy=True)
 
