@@ -22,6 +22,8 @@ it, and that thread's own call fails too. So only the caller that owns the train
 ``TrainPipeline(prefetch_in_thread=True)`` worker replays what that thread captured, never captures.
 And the capture itself does not synchronize the device or empty the allocators' caches as
 ``torch.cuda.graph`` does on entry: a capture costs a few launches' worth of host time, not a sync.
+Python's cyclic garbage collector is off while it runs: a collection there could run a finalizer (a
+dropped batch's release) whose launches would land in the graph, or whose read would invalidate it.
 """
 
 from __future__ import annotations
