@@ -723,11 +723,11 @@ class TritonKernels:
 
     def id_order(self, ids: torch.Tensor, tables: torch.Tensor, num_tables: int,
                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference's ``id_order`` without a host sync: a radix sort of the int32 hashes (4
-        passes on 12 bytes an id; the int64 keys took 8 on 16), then one pass that writes each
-        position's key and table and finds the hashes two pairs share (some ten a batch of 335k
-        distinct pairs), and one that lays each such hash's pairs out one after another, as the
-        reference orders them."""
+        """The reference's ``id_order`` without a host sync: a radix sort of the int32 sort keys
+        (``dedup_hash``: 4 passes on 12 bytes an id; the int64 ids took 8 on 16), then one pass
+        that writes each position's id and table and finds the sort keys two pairs share (~20 a
+        batch of 335k distinct pairs), and one that lays each such key's pairs out one after
+        another, as the reference orders them."""
         n, dev = ids.numel(), ids.device
         if n == 0:
             return ids, ids, tables
