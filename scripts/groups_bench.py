@@ -4,6 +4,11 @@ TrainPipeline's order (batch i+1's prefetch_deferred between forward i and backw
 with PYTHONPATH on an older package for a before/after in one call (only one call's runs compare).
 
     PYTHONPATH=. python3 scripts/groups_bench.py [--dims 64,128] [--steps 40] [--optimizer adam]
+                                                 [--profile] [--python]
+
+--profile: the plain and deferred loops once more under the torch profiler: GPU busy time, host
+syncs and the GPU's idle gaps a step (profile_step.py's summaries). --python: the plain loop under
+cProfile (where the host's time goes).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--dims", default="64,128", help="table dims, cycled over the tables")
     p.add_argument("--tables", type=int, default=10)
@@ -30,7 +35,13 @@ def main() -> None:
     p.add_argument("--bag", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
-    args = p.parse_args()
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--python", action="store_true")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.autograd.set_multithreading_enabled(False)
     dims = [int(d) for d in args.dims.split(",")]
@@ -86,6 +97,47 @@ def main() -> None:
           f"{args.optimizer}")
     for name, ms in rows:
         print(f"groups_bench {name:10s} {ms:8.3f} ms/step")
+    profiles(args, plain, deferred, batches[s : 2 * s])
+
+
+def profiles(args: argparse.Namespace, plain, deferred, kjts) -> None:
+    """--profile and --python: the loops again, under the torch profiler or cProfile."""
+    if args.profile:
+        for name, loop in (("plain", plain), ("deferred", deferred)):
+            profiled(name, loop, kjts)
+    if args.python:
+        python_profile(plain, kjts)
+
+
+def python_profile(loop, kjts) -> None:
+    """``loop`` over ``kjts`` under cProfile: where the host's time goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    ms = loop(kjts)
+    prof.disable()
+    print(f"plain: {ms:.3f} ms a step under cProfile")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumtime").print_stats(50)
+
+
+def profiled(name: str, loop, kjts) -> None:
+    """``loop`` over ``kjts`` under the torch profiler: wall and GPU busy time, host syncs, idle gaps."""
+    from profile_step import SYNC_EVENTS, gpu_busy_ms, print_gaps
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ms = loop(kjts)
+    steps = len(kjts)
+    print(f"{name}: {ms:.3f} ms a step under the profiler, GPU busy {gpu_busy_ms(prof.events()) / steps:.3f}")
+    for e in prof.key_averages():
+        if e.key in SYNC_EVENTS:
+            ms = e.self_cpu_time_total / 1e3 / steps
+            print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
+    print_gaps(prof.events(), steps, top=6)
 
 
 if __name__ == "__main__":

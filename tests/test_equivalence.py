@@ -784,13 +784,14 @@ def test_an_eval_forward_between_a_deferred_prefetch_and_its_forward():
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
 
 
+@pytest.mark.parametrize("dims", [(4, 4), (4, 8)], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
-def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
+def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
     """What a CUDA graph of a jagged batch shape replays: the staged prefetch's device half over ids
     padded to a bucket (stale ids and weights past the batch, as a graph's static buffer holds),
     trimmed after. Run here eagerly on the interpreter (the graph itself: tests/gpu), for every
-    staged prefetch of jagged, weighted, mean-pooled batches: outputs and rows equal the torch
-    kernels'."""
+    staged prefetch of jagged, weighted, mean-pooled batches, of one table group or two (tables of
+    two dims, staged together): outputs and rows equal the torch kernels'."""
     import types
     from types import SimpleNamespace
 
@@ -812,7 +813,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
         if given.weights is not None:
             weights = torch.rand(bucket, device=device) * 9
             weights[:n] = given.weights.to(device)
-        outputs = self._captured_stage(given, values, given.per_feature.to(device), weights,
+        outputs = self._captured_stage(given, group, values, given.per_feature.to(device), weights,
                                        torch.tensor(step, device=device), torch.tensor(n, device=device))
         replays.append(n)
         return SimpleNamespace(outputs=outputs)
@@ -821,8 +822,8 @@ def test_padded_staging_trains_as_the_torch_kernels(module, monkeypatch):
         monkeypatch.setattr(padded, "_replay_staged", types.MethodType(padded_replay, padded))
         padded._captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
 
-    tables = [te.TableConfig("s", 4, ["a", "b"], pooling="mean" if pooled else "sum"),
-              te.TableConfig("t", 4, ["c"])]
+    tables = [te.TableConfig("s", dims[0], ["a", "b"], pooling="mean" if pooled else "sum"),
+              te.TableConfig("t", dims[1], ["c"])]
     pools = {"a": [3, -9, INT64_MAX, 8], "b": [3, 4, 11], "c": [0, 1, 5, 8, 40]}
     triton_matches_torch(module, tables, pools, "adam", seed=8, batch_size=4, steps=5, prepare=prepare)
     assert len(replays) >= 4  # nearly every step

@@ -19,9 +19,9 @@ DEV = torch.device("cuda")
 FEATURES = ["f0", "f1", "f2"]
 
 
-def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", **kw):
+def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", dims=(16, 16, 16), **kw):
     monkeypatch.setenv("TIEREDEMB_CAPTURE", "1" if capture else "0")
-    tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], pooling=pooling) for i in range(3)]
+    tables = [te.TableConfig(f"t{i}", dims[i], [f"f{i}"], pooling=pooling) for i in range(3)]
     if module is te.EmbeddingCollection:
         tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
     collection = module(tables, optimizer=optimizer, device=DEV, seed=3, **kw)
@@ -61,11 +61,11 @@ def assert_same_tables(a, b) -> None:
             (sb.lookups, sb.unique_lookups, sb.hits, sb.misses), name
 
 
-def train_both(module, optimizer, monkeypatch, batches, pooling="sum", **kw):
-    eager = make(module, optimizer, monkeypatch, False, pooling, **kw)
-    captured = make(module, optimizer, monkeypatch, True, pooling, **kw)
+def train_both(module, optimizer, monkeypatch, batches, pooling="sum", dims=(16, 16, 16), **kw):
+    eager = make(module, optimizer, monkeypatch, False, pooling, dims, **kw)
+    captured = make(module, optimizer, monkeypatch, True, pooling, dims, **kw)
     gen = torch.Generator(device=DEV).manual_seed(1)
-    upstream = torch.randn(8192, 16 * 3, device=DEV, generator=gen)
+    upstream = torch.randn(8192, sum(dims), device=DEV, generator=gen)
     for i, kjt in enumerate(batches):
         up = upstream if module is te.EmbeddingBagCollection else upstream.view(-1, 16)
         want = step(eager, kjt, up)
@@ -89,6 +89,19 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
     stages = captured._captured
     assert stages.captures >= 2, stages.captures  # once, and again after each rehash
     assert stages.replays >= 4, stages.replays  # every step but the first of each index generation
+
+
+@pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
+def test_captured_prefetch_of_two_table_groups(optimizer, monkeypatch):
+    """Tables of two dims (two groups) staged together (one dedup, a probe per group): the captured
+    prefetch trains as the eager one, through the growth of both groups' indexes, and replays."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(0, 17, (3 * 256,), generator=gen)
+    batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
+    _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, dims=(16, 32, 16))
+    assert len(captured._groups) == 2
+    assert all(g.index.generation > 0 for g in captured._groups), "an index never grew"
+    assert captured._captured.captures >= 2 and captured._captured.replays >= 4
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])

@@ -1,7 +1,7 @@
-"""Host reads of a steady-state training step on CUDA (DESIGN section 4, rule 1), counted with torch's
-sync debug mode: every operation that makes the host wait for the device warns once. The staged
-prefetch of one table group reads the device once a step (the batch checks, the number of distinct
-keys and the misses together); forward and backward read nothing. (torch calls the mode a
+"""Host reads of a steady-state training step on CUDA (DESIGN section 4, rule 1), counted with torch's sync
+debug mode: every operation that makes the host wait for the device warns once. The staged prefetch (of
+one table group, or of several together) reads the device once a step (the batch checks, the number of
+distinct keys and the misses together); forward and backward read nothing. (torch calls the mode a
 prototype that does not see every synchronizing operation; the profiler's count agrees here:
 `benchmarks/results/2026-11-21-hbm-h200-profile-sgd-staged.txt`.)"""
 
@@ -34,10 +34,12 @@ def host_reads(fn) -> list[str]:
     return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
+@pytest.mark.parametrize("dims", [(16, 16, 16), (16, 32, 16)], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
-def test_a_warm_step_reads_the_device_once(module, optimizer):
-    tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]  # one group, raw ids
+def test_a_warm_step_reads_the_device_once(module, optimizer, dims):
+    """One group, or two (tables of two dims, staged together): one host read a warm step."""
+    tables = [te.TableConfig(f"t{i}", d, [f"f{i}"]) for i, d in enumerate(dims)]  # raw ids
     collection = module(tables, optimizer=optimizer, device=DEV)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 5, (3 * 64,), generator=gen)

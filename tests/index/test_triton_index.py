@@ -228,6 +228,38 @@ def test_find_touch_with_a_device_count_and_guard(guarded, locking, step_on_devi
     assert changed == ([] if guarded else ["scores", "locks"] if locking else ["scores"])
 
 
+@pytest.mark.parametrize("regions", [1, 3])
+def test_find_touch_of_one_index_among_several_tables(regions):
+    """find_touch with ``first_table``: the keys carry tables numbered across several indexes (here
+    2 before this index's, 2 after), and only those of this index's tables (first_table ..
+    first_table + regions - 1) are probed, touched and counted, their slots and values written into
+    the shared outputs at their own positions, every other entry left as it was. The same as the plain
+    probe of just those keys, with the tables made local (and as the reference does it)."""
+    rng = random.Random(regions)
+    first, total = 2, regions + 4
+    made = [[Region("lfu", None, 16) for _ in range(regions)], KeyIndex, TritonKeyIndex]
+    plain, ref, tri = (cls(4, device=DEVICE, regions=made[0]) for cls in (KeyIndex, *made[1:]))
+    keys = torch.tensor(rng.sample(POOL, 40), dtype=torch.int64, device=DEVICE)
+    tables = torch.tensor([rng.randrange(total) for _ in range(40)], dtype=torch.int64, device=DEVICE)
+    mine = (tables >= first) & (tables < first + regions)
+    for index in (plain, ref, tri):  # half of this index's keys stored
+        index.find_or_insert(keys[mine][::2], 1, tables=tables[mine][::2] - first)
+    counts = torch.arange(40, dtype=torch.int64, device=DEVICE) % 3 + 1
+    valid = torch.tensor([36], device=DEVICE)  # the last 4 are padding
+    mine[36:] = False
+    want_slots, want_values, want_counts = plain.find_touch(keys[mine], tables[mine] - first, 5, counts[mine])
+    for index in (ref, tri):
+        out = tuple(torch.full((40,), -7, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        slots, values, per_region = index.find_touch(keys, tables, 5, counts, valid, first_table=first,
+                                                     out=out)
+        assert slots is out[0] and values is out[1]
+        assert torch.equal(slots[mine], want_slots) and torch.equal(values[mine], want_values)
+        assert bool((slots[~mine] == -7).all()) and bool((values[~mine] == -7).all())
+        assert torch.equal(per_region, want_counts)
+        assert_same_state(index, plain, f"{type(index).__name__}, {regions} regions")
+    assert int(want_counts[regions:].sum()) == int(mine.sum()) > 0 and int(want_counts[:regions].sum()) > 0
+
+
 def check_upsert(index: KeyIndex, model: dict, keys: torch.Tensor, tables: torch.Tensor | None,
                  pool: torch.Tensor, step: int) -> int:
     """One ``upsert`` against a dict of (region, key) -> value: keys already there keep their value,

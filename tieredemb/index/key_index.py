@@ -297,17 +297,28 @@ class KeyIndex:
 
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                    counts: torch.Tensor, valid: torch.Tensor | None = None,
-                   guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   guard: torch.Tensor | None = None, first_table: int | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
         (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
         per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
         every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
         is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index.
         ``step`` may be an int64 tensor of one element on the device (a probe captured in a CUDA
-        graph)."""
+        graph). ``first_table``: ``tables`` number the tables of several indexes, this one's regions
+        from ``first_table`` on; the keys of other tables are left out (not probed, not counted, their
+        entries of ``out`` unchanged). ``out``: (slots, values), int64 (n,) each, written in place."""
         n = keys.numel()
-        if valid is not None:  # the reference reads the count (the CPU path: no sync to spare)
-            keys, tables, counts = keys[: int(valid)], tables[: int(valid)], counts[: int(valid)]
+        real = n if valid is None else int(valid)  # the reference reads the count (no sync to spare)
+        regions = len(self.regions)
+        mine = None
+        if first_table is not None:
+            local = tables[:real] - first_table
+            mine = ((local >= 0) & (local < regions)).nonzero().squeeze(1)
+            keys, tables, counts = keys[mine], local[mine], counts[mine]
+        elif real < n:
+            keys, tables, counts = keys[:real], tables[:real], counts[:real]
         slots = self.find(keys, tables)
         found = slots >= 0
         safe = slots.clamp(min=0)
@@ -315,15 +326,14 @@ class KeyIndex:
             if self.locking:
                 self.locks.index_add_(0, safe, found.to(torch.int32))
             self._touch(safe, found, tables, step, counts)
-        regions = len(self.regions)
         per_region = torch.cat([torch.bincount(tables[~found], minlength=regions),
                                 torch.bincount(tables, minlength=regions)])
         values = torch.where(found, self.values[safe], -1)
-        pad = n - slots.numel()
-        if pad:
-            slots, values = (torch.cat([t, torch.full((pad,), -1, dtype=t.dtype, device=t.device)])
-                             for t in (slots, values))
-        return slots, values, per_region
+        if out is None:
+            out = tuple(torch.full((n,), -1, dtype=torch.int64, device=self.device) for _ in range(2))
+        at = slice(0, slots.numel()) if mine is None else mine
+        out[0][at], out[1][at] = slots, values
+        return out[0], out[1], per_region
 
     def _region_bounded(self, tables: torch.Tensor) -> torch.Tensor:
         return self.bucket_evictable[self._start_dev[tables]]

@@ -138,7 +138,9 @@ class StagedBatch:
     values: torch.Tensor  # int64 (n,)
     per_feature: torch.Tensor  # int64 (F, B) lengths
     weights: torch.Tensor | None
-    tables: torch.Tensor | None  # int64 (n,) the first group's table of each id, if ``identity``
+    # int64 (n,) each id's table, numbered across the groups, group by group (``Layout.first_table``:
+    # the first group's are its own)
+    tables: torch.Tensor
     summary: torch.Tensor  # int64 (2F + 3,): ``TorchKernels.batch_checks``' summary
     offsets: torch.Tensor | None = None  # int64 (F * B + 1,) the first group's bags, if ``identity``
 
@@ -170,6 +172,7 @@ class _Order:
     table_of_feature: list[list[int]]  # per group: the table (in the group) of each of its features
     table_of_feature_dev: list[torch.Tensor]  # the same, on the device
     identity: list[bool]  # per group: its features are the batch's, in the batch's order
+    tables_dev: torch.Tensor  # int64 (F,) per batch feature: its table, numbered across the groups
 
 
 class Layout:
@@ -186,6 +189,8 @@ class Layout:
         self.device = device
         self.use_weights = use_weights
         self.table_of = {f: t for t in tables for f in t.feature_names}
+        # each group's first table in a numbering of all the tables, group by group
+        self.first_table = [sum(len(m) for m in groups[:g]) for g in range(len(groups))]
         self._orders: dict[tuple[str, ...], _Order] = {}
 
     def _order(self, keys: list[str]) -> _Order:
@@ -196,18 +201,22 @@ class Layout:
             limits_dev = (None if all(lim < 0 for lim in limits)
                           else torch.tensor(limits, dtype=torch.int64, device=self.device))
             positions, tables_of = [], []
-            for g in self.groups:
+            numbered = [0] * len(keys)
+            for g, first in zip(self.groups, self.first_table):
                 pos, tab = [], []
                 for local, t in enumerate(g):
                     pos += [position[f] for f in self.tables[t].feature_names]
                     tab += [local] * len(self.tables[t].feature_names)
+                for p, local in zip(pos, tab):
+                    numbered[p] = first + local
                 positions.append(pos)
                 tables_of.append(tab)
             dev = self.device
             order = _Order(limits_dev, positions,
                            [torch.tensor(p, dtype=torch.int64, device=dev) for p in positions],
                            tables_of, [torch.tensor(t, dtype=torch.int64, device=dev) for t in tables_of],
-                           [p == list(range(len(keys))) for p in positions])
+                           [p == list(range(len(keys))) for p in positions],
+                           torch.tensor(numbered, dtype=torch.int64, device=dev))
             self._orders[tuple(keys)] = order
         return order
 
@@ -217,8 +226,8 @@ class Layout:
 
     def stage(self, batch: object) -> StagedBatch:
         """What can be checked without reading the device, and the device half of the rest: one
-        int64 ``summary`` (``TorchKernels.batch_checks``) for ``finish`` to read; the first group's
-        tables of ids when its features are the batch's (``identity``)."""
+        int64 ``summary`` (``TorchKernels.batch_checks``) for ``finish`` to read, and each id's table
+        (numbered across the groups)."""
         return self.put(self.check(batch))
 
     def put(self, given: BatchInput) -> StagedBatch:
@@ -243,9 +252,8 @@ class Layout:
         (float32 (n,) or None) are on the device already: device work only (a CUDA graph may hold
         it). ``count``: int64 () on the device, the batch's ids; the rest of ``values`` is padding."""
         order = given.order
-        summary, tables = self.kernels.batch_checks(
-            values, per_feature, order.limits, order.table_of_feature_dev[0] if order.identity[0] else None,
-            weights, count)
+        summary, tables = self.kernels.batch_checks(values, per_feature, order.limits, order.tables_dev,
+                                                    weights, count)
         # the first group's bag offsets now, on the device: the host read need not wait for them
         offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
@@ -272,11 +280,11 @@ class Layout:
             pos, feature = _first_bad(~torch.isfinite(weights), bounds, keys)
             raise ValueError(f"feature {feature!r}: non-finite weight {float(weights[pos])}")
         groups = []
-        for g, pos, pos_dev, local, local_dev, identity in zip(
-                self.groups, order.positions, order.position_dev, order.table_of_feature,
+        for g, first, pos, pos_dev, local, local_dev, identity in zip(
+                self.groups, self.first_table, order.positions, order.position_dev, order.table_of_feature,
                 order.table_of_feature_dev, order.identity):
             n = sum(counts[i] for i in pos)
-            if identity:
+            if identity and first == 0:  # (numbered across the groups, the first group's are its own)
                 ids, w, tables = values, weights, staged.tables
             else:
                 ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
@@ -292,6 +300,30 @@ class Layout:
                 per_table[t] += counts[i]
             groups.append(GroupBatch(ids, tables, lengths, offsets, w, [counts[i] for i in pos], per_table))
         return Batch(staged.batch_size, groups)
+
+
+    def group_major(self, staged: StagedBatch, batch: Batch) -> torch.Tensor:
+        """int64 (n,): each id's position when the batch's ids are laid out group by group, each
+        group's in the order its ``GroupBatch`` has them (``finish``'s result ``batch``)."""
+        order = staged.order
+        counts = [0] * len(staged.keys)
+        for pos, gb in zip(order.positions, batch.groups):
+            for i, c in zip(pos, gb.ids_per_feature):
+                counts[i] = c
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        shift, at = [0] * len(counts), 0
+        for pos in order.positions:
+            for i in pos:
+                shift[i] = at - starts[i]
+                at += counts[i]
+        n = staged.values.numel()
+        shift = torch.tensor(shift, dtype=torch.int64)
+        if self.device.type == "cuda":  # from pinned memory: no wait for the device
+            shift = shift.pin_memory().to(self.device, non_blocking=True)
+        per_id = torch.repeat_interleave(shift.to(self.device), staged.feature_counts, output_size=n)
+        return per_id.add_(torch.arange(n, device=self.device))
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

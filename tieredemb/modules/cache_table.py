@@ -130,6 +130,12 @@ class CacheGroup(TableGroup):
         (a cache's misses get theirs after the read)."""
         return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False, id_count=id_count)
 
+    def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
+                    counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``TableGroup.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
+        return super().stage_probe(keys, tables, step, counts, count, self._probe_only, first_table, out)
+
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         with label("## resolve ##"):
             return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],

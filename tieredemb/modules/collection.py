@@ -40,9 +40,16 @@ from tieredemb.modules.batch import (
 )
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
-from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, TableRows, unique_pairs
+from tieredemb.modules.table import (
+    GroupPrefetch,
+    IdOrder,
+    StagedPrefetch,
+    TableGroup,
+    TableRows,
+    unique_pairs,
+)
 from tieredemb.ops import select_kernels
-from tieredemb.ops.reference import bag_ids
+from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.backends import HostMemory
@@ -92,9 +99,10 @@ class _Staged:
     """A staged prefetch, its device half launched; ``deferred``: its host half is still to come
     (``_Collection.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
     CUDA, ready at ``done``). ``outputs``: (staged batch, staged prefetch, gradient sources, the
-    backward's, the read)."""
+    backward's, the read). ``group``: the one group staged, or None: every group together
+    (``_stage_all``; no gradient sources or backward's made before the read)."""
 
-    group: TableGroup
+    group: TableGroup | None
     step: int
     slot: Slot | None
     outputs: tuple
@@ -103,6 +111,25 @@ class _Staged:
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
     training: bool = True
+
+
+@dataclass
+class _StagedAll:
+    """The device half of a staged prefetch of every group at once (``_Collection._stage_all``),
+    padded to the batch's n ids: one dedup of all the ids (tables numbered across the groups, so the
+    distinct pairs and the sorted ids come group by group: keys, tables, counts and ``order`` as
+    ``StagedPrefetch``'s), each group's probe written into ``slots`` and ``values`` at its own pairs,
+    ``per_region`` each group's counts (misses, then pairs, per region)."""
+
+    keys: torch.Tensor
+    tables: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    order: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+    per_region: list[torch.Tensor]
+    step: int
 
 
 @dataclass
@@ -174,6 +201,9 @@ class _Collection(nn.Module):
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
+        # several groups stage together when one dedup sorts their ids group by group: the tables,
+        # numbered across the groups, are the top bits of its sort key (up to 2**16 tables)
+        self._stage_together = len(tables) == 1 or dedup_key_bits(len(tables))[0] > 0
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queued: list[tuple[object, CollectionPrefetch | _Staged | _Failed]] = []
@@ -246,9 +276,11 @@ class _Collection(nn.Module):
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        group = self._groups[0]
-        if (self.training and len(self._groups) == 1 and self.process_group is None
-                and given.order.identity[0] and group.can_stage()):
+        if (self.training and self.process_group is None and all(g.can_stage() for g in self._groups)
+                and self._stage_together):
+            # one group whose features are the batch's: its own path, with the backward's work before
+            # the read and the lookup right after it; else every group in one (``_stage_all``)
+            group = self._groups[0] if len(self._groups) == 1 and given.order.identity[0] else None
             staged = self._stage(given, group, stream, defer and self._stash is None)
             return staged if staged.deferred else self._finish_staged(staged)
         with label("## check_batch ##"):
@@ -267,11 +299,12 @@ class _Collection(nn.Module):
                     groups.append(self._prefetch_sharded(g, gb, training))
         return CollectionPrefetch(batch, groups, training, stream=stream)
 
-    def _stage(self, given: BatchInput, group: TableGroup, stream: object, defer: bool) -> _Staged:
-        """The device half of a staged prefetch (a training batch of one stageable group, with one
-        host read for the checks, the dedup and the probe together instead of one each): a replayed
-        CUDA graph when the batch's shape was seen before (``capture.py``). ``defer``: its read
-        copied now into pinned memory behind it, for ``_finish_staged`` to take later."""
+    def _stage(self, given: BatchInput, group: TableGroup | None, stream: object, defer: bool) -> _Staged:
+        """The device half of a staged prefetch (a training batch of stageable groups, with one host
+        read for the checks, the dedup and the probe together instead of one each; ``group``: the
+        only one, or None for every group together): a replayed CUDA graph when the batch's shape was
+        seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
+        for ``_finish_staged`` to take later."""
         step = self._clock + 1
         slot = self._replay_staged(given, group, step)
         if slot is None:
@@ -305,6 +338,10 @@ class _Collection(nn.Module):
             checks = staged.summary.numel()
             batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
             self._clock = record.step
+            if group is None:
+                with label("## group.prefetch ##"):
+                    groups = self._finish_all(staged, pending, batch, host[checks:])
+                return CollectionPrefetch(batch, groups, True, stream=stream, graph_slot=slot)
             looked, looked_at = None, self._rows_changed
             if self._may_look_early(stream) and pending.id_values is not None and \
                     not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
@@ -370,31 +407,36 @@ class _Collection(nn.Module):
         order): the only one that captures a graph or looks a batch up early."""
         return threading.get_ident() == self._forward_thread
 
-    def _replay_staged(self, given: BatchInput, group: TableGroup, step: int) -> Slot | None:
+    def _replay_staged(self, given: BatchInput, group: TableGroup | None, step: int) -> Slot | None:
         """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
         of its shape padded to a bucket of ids (batches whose id count changes every step); None:
         run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
         n = given.values.numel()
         if self._captured is None or n == 0:
             return None
-        shape = (tuple(given.keys), given.batch_size, given.weights is not None, group.index.generation)
+        indexes = tuple(g.index.generation for g in (self._groups if group is None else [group]))
+        shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
         inputs = (given.values, given.per_feature, given.weights, step)
         capture = self._on_forward_thread()
-        slot = self._captured.acquire((*shape, n), lambda *static: self._captured_stage(given, *static),
-                                      *inputs, None, capture=capture)
+
+        def stage(*static):
+            return self._captured_stage(given, group, *static)
+
+        slot = self._captured.acquire((*shape, n), stage, *inputs, None, capture=capture)
         if slot is None:
             bucket = _bucket(n)
-            slot = self._captured.acquire((*shape, "padded", bucket),
-                                          lambda *static: self._captured_stage(given, *static), *inputs, n,
+            slot = self._captured.acquire((*shape, "padded", bucket), stage, *inputs, n,
                                           lengths=(bucket, None, bucket), capture=capture)
         return slot
 
-    def _stage_device(self, staged: StagedBatch, group: TableGroup, step: int | torch.Tensor,
+    def _stage_device(self, staged: StagedBatch, group: TableGroup | None, step: int | torch.Tensor,
                       id_count: torch.Tensor | None = None):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
         gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
         tensor to read: the checks' summary and the probe's counts). ``id_count``: the batch's ids
-        (int64 () on the device), the rest padding."""
+        (int64 () on the device), the rest padding. ``group`` None: every group (``_stage_all``)."""
+        if group is None:
+            return self._stage_all(staged, step, id_count)
         pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
                                              id_count=id_count)
         # the backward's work that needs only the batch, queued before the read
@@ -404,8 +446,56 @@ class _Collection(nn.Module):
                     self.kernels.reduce_plan(pending.counts, info[0]))
         return pending, sources, backward, torch.cat([staged.summary, *info])
 
-    def _captured_stage(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
-                        weights: torch.Tensor | None, step: torch.Tensor, id_count: torch.Tensor | None):
+    def _stage_all(self, staged: StagedBatch, step: int | torch.Tensor, id_count: torch.Tensor | None):
+        """``_stage_device`` of every group at once: one dedup of the batch's ids, whose sort key
+        has the table (numbered across the groups) on top, so it orders them group by group; then
+        each group's probe of its own pairs among them, all written into one pair of outputs. The
+        gradient sources and the reduction's plan are left to the backward."""
+        kernels, n = self.kernels, staged.values.numel()
+        with label("## dedup ##"):
+            order, skeys, stables = kernels.id_order(staged.values, staged.tables, len(self.table_configs),
+                                                     id_count)
+            keys, tables, inverse, counts, count = kernels.sorted_runs_padded(skeys, stables, order, id_count)
+        out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
+        per_region, read = [], [staged.summary, count]
+        with label("## resolve ##"):
+            for group, first in zip(self._groups, self._layout.first_table):
+                per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
+                                                    out))
+                read += [per_region[-1], group.index.sizes_on_device]
+        pending = _StagedAll(keys, tables, inverse, counts, order, *out, per_region, step)
+        return pending, None, None, torch.cat(read)
+
+    def _finish_all(self, staged: StagedBatch, pending: _StagedAll, batch: Batch,
+                    info: list[int]) -> list[GroupPrefetch]:
+        """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
+        each group's slice of the pairs and of the sorted ids, with its own numbering of tables, ids
+        and pairs, finished by the group as one it had staged alone."""
+        moved = self._layout.group_major(staged, batch)  # each id's position in its group's ids
+        inverse = torch.empty_like(pending.inverse)
+        inverse[moved] = pending.inverse
+        order = moved[pending.order]
+        groups, pairs, ids, at = [], 0, 0, 1
+        for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
+            r = len(group.configs)
+            misses, present, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(3))
+            at += 3 * r
+            u, m = sum(present), gb.ids.numel()
+            mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
+            part = StagedPrefetch(pending.keys[mine], pending.tables[mine] - self._layout.first_table[g],
+                                  inverse[its] - pairs, pending.counts[mine], order[its] - ids,
+                                  pending.slots[mine], pending.values[mine], pending.per_region[g],
+                                  pending.step)
+            groups.append(group.finish_prefetch(part, [u, *misses, *sizes], gb.ids_per_table))
+            pairs, ids = pairs + u, ids + m
+        if pairs != info[0]:
+            raise RuntimeError(f"internal error: the groups' probes found {pairs} distinct pairs, the dedup "
+                               f"{info[0]}")
+        return groups
+
+    def _captured_stage(self, given: BatchInput, group: TableGroup | None, values: torch.Tensor,
+                        per_feature: torch.Tensor, weights: torch.Tensor | None, step: torch.Tensor,
+                        id_count: torch.Tensor | None):
         """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
         batch fills only that many of the static ids (and weights), the rest becomes padding here."""
         if id_count is not None:
@@ -413,7 +503,7 @@ class _Collection(nn.Module):
             values = torch.where(real, values, _PADDING)
             weights = None if weights is None else torch.where(real, weights, 0.0)
         staged = self._layout.stage_on_device(given, values, per_feature, weights, id_count)
-        return (staged, *self._stage_device(staged, self._groups[0], step, id_count))
+        return (staged, *self._stage_device(staged, group, step, id_count))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -797,15 +887,18 @@ def _bucket(n: int) -> int:
 def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
     """A replayed staged prefetch's outputs for a batch of n ids (a padded graph's are longer), with
     the host's step: (staged batch, staged prefetch, gradient sources, the backward's, the read)."""
-    staged, pending, (src, scale), (src_sorted, scale_sorted, plan), read = outputs
+    staged, pending, sources, backward, read = outputs
 
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[:n]
 
     staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
                                  weights=cut(staged.weights))
-    pending = dataclasses.replace(pending, step=step, inverse=cut(pending.inverse), order=cut(pending.order),
-                                  id_values=cut(pending.id_values))
+    cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
+    if isinstance(pending, _StagedAll):
+        return staged, dataclasses.replace(pending, **cuts), None, None, read
+    pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
+    (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
     return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
 
 

@@ -268,6 +268,16 @@ class TableGroup:
                                 values[inverse] if by_id else None)
         return staged, [count, per_region[:regions], self.index.sizes_on_device]
 
+    def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
+                    counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
+                    out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``stage_prefetch``'s probe after one dedup of several groups' ids (``keys``: their distinct
+        pairs, padded, ``count`` of them; ``tables`` numbered across the groups, this group's from
+        ``first_table``): this group's pairs probed, their slots and values written into ``out`` at
+        their positions. Returns int64 (2R,): misses, then pairs, per region (the host reads them
+        with the index's sizes, for ``finish_prefetch``)."""
+        return self.index.find_touch(keys, tables, step, counts, count, guard, first_table, out)[2]
+
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
                         ids_per_table: list[int]) -> GroupPrefetch:
         """The host half: ``info`` is the host copy of ``stage_prefetch``'s second result."""

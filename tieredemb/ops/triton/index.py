@@ -40,13 +40,14 @@ _INSERT_WARPS = 1
 
 @triton.jit
 def _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
-                 REGIONS: tl.constexpr, BLOCK_K: tl.constexpr):
+                 REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, first_table=0):
     """keys[i] (key 0 out of range), their regions and the first slot of each one's bucket.
-    REGIONS: keys carry their region in ``tables``; else one region of ``num_buckets``."""
+    REGIONS: keys carry their region in ``tables`` (minus ``first_table``); else one region of
+    ``num_buckets``."""
     k = tl.load(keys + i, mask=in_range, other=0)
     r = tl.zeros([BLOCK_K], dtype=tl.int64)
     if REGIONS:
-        r = tl.load(tables + i, mask=in_range, other=0)
+        r = tl.load(tables + i, mask=in_range, other=first_table) - first_table
         start = tl.load(region_start + r, mask=in_range, other=0)
         nb = tl.load(region_buckets + r, mask=in_range, other=1).to(tl.uint64)
         base = (start + _bucket_of(k, nb)) * width
@@ -57,10 +58,11 @@ def _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_bu
 
 @triton.jit
 def _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets, width,
-           RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+           RESERVED: tl.constexpr, REGIONS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+           first_table=0):
     """The slots of keys[i] (int64 (BLOCK_K,), -1 where absent) and their regions."""
     k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
-                              REGIONS, BLOCK_K)
+                              REGIONS, BLOCK_K, first_table)
     return _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W), r
 
 
@@ -90,20 +92,21 @@ def _find_kernel(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n", "num_buckets", "step"])
+@triton.jit(do_not_specialize=["n", "num_buckets", "step", "first_table"])
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
     table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
-    step_ptr, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr, BINS: tl.constexpr,
-    GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-    LOCK: tl.constexpr, STEP_PTR: tl.constexpr,
+    step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr,
+    BINS: tl.constexpr, GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr, LOCK: tl.constexpr, STEP_PTR: tl.constexpr, RANGE: tl.constexpr,
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
     # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
     # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
     # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (GUARD,), nothing is
-    # changed unless it is all zero; STEP_PTR: the step is int64 (1,) at step_ptr (a captured probe)
+    # changed unless it is all zero; STEP_PTR: the step is int64 (1,) at step_ptr (a captured probe);
+    # RANGE: only the keys of tables first_table .. first_table + regions - 1 are this index's
     if STEP_PTR:
         step = tl.load(step_ptr)
     bins = tl.arange(0, BINS)
@@ -116,8 +119,11 @@ def _find_touch_kernel(
         return
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < real
+    if RANGE:
+        t = tl.load(tables + i, mask=in_range, other=first_table - 1)
+        in_range = in_range & (t >= first_table) & (t < first_table + regions)
     slot, r = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
-                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W)
+                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W, first_table)
     found = slot >= 0
     tl.store(out_slots + i, slot, mask=in_range)
     tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
@@ -299,13 +305,16 @@ class TritonKeyIndex(KeyIndex):
 
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                    counts: torch.Tensor, valid: torch.Tensor | None = None,
-                   guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   guard: torch.Tensor | None = None, first_table: int | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``find_touch`` in one kernel (probe, lock, touch, count per region); reads
         nothing on the host."""
         n = keys.numel()
         regions = len(self.regions)
-        slots = torch.empty(n, dtype=torch.int64, device=self.device)
-        values = torch.empty(n, dtype=torch.int64, device=self.device)
+        if out is None:
+            out = tuple(torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2))
+        slots, values = out
         if n == 0:
             return slots, values, torch.zeros(2 * regions, dtype=torch.int64, device=self.device)
         policies = {r.policy for r in self.regions}
@@ -323,9 +332,10 @@ class TritonKeyIndex(KeyIndex):
             keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
             self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
             self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
-            RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=policy, BINS=bins, GUARD=guard.numel(),
-            BLOCK_G=triton.next_power_of_2(guard.numel()), BLOCK_K=block_k, BLOCK_W=block_w,
-            LOCK=self.locking, STEP_PTR=on_device, num_warps=4,
+            first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=policy, BINS=bins,
+            GUARD=guard.numel(), BLOCK_G=triton.next_power_of_2(guard.numel()), BLOCK_K=block_k,
+            BLOCK_W=block_w, LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None,
+            num_warps=4,
         )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
