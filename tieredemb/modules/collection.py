@@ -163,6 +163,24 @@ class _Lookup(torch.autograd.Function):
         return None, None, None
 
 
+class _Interleave(torch.autograd.Function):
+    """The groups' pooled outputs, (B, F_g * D_g) each, into their features' columns of the (B, sum
+    of dims) output (``columns``: int64 per group); backward: each group's columns of the gradient.
+    One copy per group each way, whatever the order of the features."""
+
+    @staticmethod
+    def forward(ctx, columns: list[torch.Tensor], *outs: torch.Tensor) -> torch.Tensor:
+        ctx.columns = columns
+        out = outs[0].new_empty(outs[0].shape[0], sum(c.numel() for c in columns))
+        for c, o in zip(columns, outs):
+            out.index_copy_(1, c, o)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, *(grad.index_select(1, c) for c in ctx.columns)
+
+
 class _Collection(nn.Module):
     """Shared machinery of both collections (not public)."""
 
@@ -1042,40 +1060,25 @@ class EmbeddingBagCollection(_Collection):
         for group in self._groups:
             flags = [float(c.pooling == "mean") for c in group.configs for _ in c.feature_names]
             self._mean.append(torch.tensor(flags, device=self.device) if any(flags) else None)
-        # the output in runs of features that are adjacent in both the config order and a group
-        self._runs: list[tuple[int, int, int]] = []  # (group, first feature, features)
-        position = [0] * len(self._groups)
-        for t in self.table_configs:
-            g, _ = self._where[t.name]
-            for _ in t.feature_names:
-                run = self._runs[-1] if self._runs else None
-                if run is not None and run[0] == g and run[1] + run[2] == position[g]:
-                    self._runs[-1] = (g, run[1], run[2] + 1)
-                else:
-                    self._runs.append((g, position[g], 1))
-                position[g] += 1
         self._keys = [f for t in self.table_configs for f in t.feature_names]
         self._dims = [t.embedding_dim for t in self.table_configs for _ in t.feature_names]
-        # per group: its features, when they make one run of the output (the group's lookup then
-        # writes its rows sample-major, already in the output's layout), else 1
-        self._sample_major = [1] * len(self._groups)
-        for g, first, count in self._runs:
-            if first == 0 and count == position[g] and sum(r[0] == g for r in self._runs) == 1:
-                self._sample_major[g] = count
+        # each group's lookup writes its bags sample-major, (B, F_g * D_g): the output's layout when
+        # it is the only group; with several, ``_columns[g]`` are the output columns of its features
+        # (in the group's order, which is the config order of its tables)
+        self._sample_major = [sum(len(c.feature_names) for c in group.configs) for group in self._groups]
+        columns: list[list[torch.Tensor]] = [[] for _ in self._groups]
+        at = 0
+        for t in self.table_configs:
+            for _ in t.feature_names:
+                columns[self._where[t.name][0]].append(torch.arange(at, at + t.embedding_dim))
+                at += t.embedding_dim
+        self._columns = [torch.cat(c).to(self.device) for c in columns]
 
     def forward(self, kjt: object) -> KeyedTensor:
         state, outs = self._run(kjt)
         b = state.batch.batch_size
-        blocks = []
-        for g, first, count in self._runs:
-            dim = self._groups[g].dim
-            if self._sample_major[g] > 1:  # (B * F_g, D) sample-major: a view
-                blocks.append(outs[g].view(b, count * dim))
-                continue
-            # (F_g * B, D) feature-major -> (B, count * D) for features first .. first + count - 1
-            block = outs[g][first * b : (first + count) * b].view(count, b, dim)
-            blocks.append(block.transpose(0, 1).reshape(b, count * dim))
-        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        outs = [o.view(b, f * g.dim) for o, f, g in zip(outs, self._sample_major, self._groups)]
+        values = outs[0] if len(outs) == 1 else _Interleave.apply(self._columns, *outs)
         return KeyedTensor(self._keys, self._dims, values)
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
