@@ -173,6 +173,34 @@ class _Order:
     table_of_feature_dev: list[torch.Tensor]  # the same, on the device
     identity: list[bool]  # per group: its features are the batch's, in the batch's order
     tables_dev: torch.Tensor  # int64 (F,) per batch feature: its table, numbered across the groups
+    grouped_dev: torch.Tensor  # int64 (F,) the batch's features group by group (``positions`` joined)
+    group_of_dev: torch.Tensor  # int64 (F,) per batch feature: its group
+
+
+@dataclass
+class GroupMajor:
+    """A staged batch's ids laid out group by group, each group's in its ``GroupBatch`` order, made
+    on the device before the read (``Layout.group_major``; a padded batch's padding stays last).
+
+    moved: int64 (n,) each id's position in that layout; group_of: int64 (n,) the group of each
+    position of that layout (G past the real ids); starts: int64 (G + 1,) each group's first
+    position, then the real ids' count; ids, tables (the group's own numbering), weights: the
+    batch's, moved there; lengths, offsets: per group, its bags' (as ``GroupBatch``'s)."""
+
+    moved: torch.Tensor
+    group_of: torch.Tensor
+    starts: torch.Tensor
+    ids: torch.Tensor
+    tables: torch.Tensor
+    weights: torch.Tensor | None
+    lengths: list[torch.Tensor]
+    offsets: list[torch.Tensor]
+
+    def cut(self, n: int) -> GroupMajor:
+        """The layout of a padded batch's first n ids (its real ones)."""
+        moved, group_of, ids, tables, weights = (None if t is None else t[:n] for t in (
+            self.moved, self.group_of, self.ids, self.tables, self.weights))
+        return GroupMajor(moved, group_of, self.starts, ids, tables, weights, self.lengths, self.offsets)
 
 
 class Layout:
@@ -191,6 +219,7 @@ class Layout:
         self.table_of = {f: t for t in tables for f in t.feature_names}
         # each group's first table in a numbering of all the tables, group by group
         self.first_table = [sum(len(m) for m in groups[:g]) for g in range(len(groups))]
+        self.first_table_dev = torch.tensor(self.first_table + [0], dtype=torch.int64, device=device)
         self._orders: dict[tuple[str, ...], _Order] = {}
 
     def _order(self, keys: list[str]) -> _Order:
@@ -212,11 +241,16 @@ class Layout:
                 positions.append(pos)
                 tables_of.append(tab)
             dev = self.device
+            group_of = [0] * len(keys)
+            for g, pos in enumerate(positions):
+                for p in pos:
+                    group_of[p] = g
             order = _Order(limits_dev, positions,
                            [torch.tensor(p, dtype=torch.int64, device=dev) for p in positions],
                            tables_of, [torch.tensor(t, dtype=torch.int64, device=dev) for t in tables_of],
                            [p == list(range(len(keys))) for p in positions],
-                           torch.tensor(numbered, dtype=torch.int64, device=dev))
+                           *(torch.tensor(t, dtype=torch.int64, device=dev)
+                             for t in (numbered, [p for pos in positions for p in pos], group_of)))
             self._orders[tuple(keys)] = order
         return order
 
@@ -259,9 +293,9 @@ class Layout:
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
                            offsets)
 
-    def finish(self, staged: StagedBatch, summary: list[int]) -> Batch:
+    def finish(self, staged: StagedBatch, summary: list[int], grouped: GroupMajor | None = None) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the
-        batch into its groups."""
+        batch into its groups (slices of ``grouped`` where the device laid them out already)."""
         keys, order, values, weights = staged.keys, staged.order, staged.values, staged.weights
         nf = len(keys)
         counts, negative, bad = summary[:nf], summary[nf : 2 * nf], summary[2 * nf : 2 * nf + 2]
@@ -279,51 +313,64 @@ class Layout:
         if weights is not None and bad[1]:
             pos, feature = _first_bad(~torch.isfinite(weights), bounds, keys)
             raise ValueError(f"feature {feature!r}: non-finite weight {float(weights[pos])}")
-        groups = []
-        for g, first, pos, pos_dev, local, local_dev, identity in zip(
+        groups, start = [], 0
+        for g, (members, first, pos, pos_dev, local, local_dev, identity) in enumerate(zip(
                 self.groups, self.first_table, order.positions, order.position_dev, order.table_of_feature,
-                order.table_of_feature_dev, order.identity):
+                order.table_of_feature_dev, order.identity)):
             n = sum(counts[i] for i in pos)
-            if identity and first == 0:  # (numbered across the groups, the first group's are its own)
-                ids, w, tables = values, weights, staged.tables
+            if grouped is not None:
+                ids, tables = grouped.ids[start : start + n], grouped.tables[start : start + n]
+                w = None if grouped.weights is None else grouped.weights[start : start + n]
+                lengths, offsets = grouped.lengths[g], grouped.offsets[g]
             else:
-                ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
-                w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]] for i in pos])
-                ends = staged.feature_counts[pos_dev]
-                tables = local_dev[_run_of(ends, torch.arange(n, device=self.device))]
-            lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
-            offsets = staged.offsets if identity else None
-            if offsets is None:  # not made with the staged batch
-                offsets = _offsets_from_lengths(lengths)
-            per_table = [0] * len(g)
+                if identity and first == 0:  # (numbered across the groups, the first group's are its own)
+                    ids, w, tables = values, weights, staged.tables
+                else:
+                    ids = torch.cat([values[bounds[i] : bounds[i + 1]] for i in pos])
+                    w = None if weights is None else torch.cat([weights[bounds[i] : bounds[i + 1]]
+                                                                for i in pos])
+                    ends = staged.feature_counts[pos_dev]
+                    tables = local_dev[_run_of(ends, torch.arange(n, device=self.device))]
+                lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
+                offsets = staged.offsets if identity else None
+                if offsets is None:  # not made with the staged batch
+                    offsets = _offsets_from_lengths(lengths)
+            start += n
+            per_table = [0] * len(members)
             for i, t in zip(pos, local):
                 per_table[t] += counts[i]
             groups.append(GroupBatch(ids, tables, lengths, offsets, w, [counts[i] for i in pos], per_table))
         return Batch(staged.batch_size, groups)
 
 
-    def group_major(self, staged: StagedBatch, batch: Batch) -> torch.Tensor:
-        """int64 (n,): each id's position when the batch's ids are laid out group by group, each
-        group's in the order its ``GroupBatch`` has them (``finish``'s result ``batch``)."""
-        order = staged.order
-        counts = [0] * len(staged.keys)
-        for pos, gb in zip(order.positions, batch.groups):
-            for i, c in zip(pos, gb.ids_per_feature):
-                counts[i] = c
-        starts = [0]
-        for c in counts[:-1]:
-            starts.append(starts[-1] + c)
-        shift, at = [0] * len(counts), 0
-        for pos in order.positions:
-            for i in pos:
-                shift[i] = at - starts[i]
-                at += counts[i]
-        n = staged.values.numel()
-        shift = torch.tensor(shift, dtype=torch.int64)
-        if self.device.type == "cuda":  # from pinned memory: no wait for the device
-            shift = shift.pin_memory().to(self.device, non_blocking=True)
-        per_id = torch.repeat_interleave(shift.to(self.device), staged.feature_counts, output_size=n)
-        return per_id.add_(torch.arange(n, device=self.device))
+    def group_major(self, staged: StagedBatch, count: torch.Tensor | None = None) -> GroupMajor:
+        """``staged``'s ids group by group (``GroupMajor``), on the device only (a CUDA graph may
+        hold it): from each feature's count of ids, its shift from the batch's order to that layout.
+        ``count``: int64 () on the device, a padded batch's real ids (the rest stays last)."""
+        order, dev = staged.order, self.device
+        n, groups = staged.values.numel(), len(self.groups)
+        counts = staged.feature_counts
+        pad = (n - counts.sum()).view(1)
+        starts = counts.cumsum(0) - counts  # each feature's first id in the batch
+        grouped = counts[order.grouped_dev]
+        shift = torch.empty_like(counts)
+        shift[order.grouped_dev] = grouped.cumsum(0) - grouped - starts[order.grouped_dev]
+        moved = torch.repeat_interleave(torch.cat([shift, shift.new_zeros(1)]), torch.cat([counts, pad]),
+                                        output_size=n)
+        moved += torch.arange(n, device=dev)
+        per_group = counts.new_zeros(groups).index_add_(0, order.group_of_dev, counts)
+        group_of = torch.repeat_interleave(torch.arange(groups + 1, device=dev), torch.cat([per_group, pad]),
+                                           output_size=n)
+
+        def regroup(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.empty_like(t).index_copy_(0, moved, t)
+
+        tables = regroup(staged.tables) - self.first_table_dev[group_of]
+        lengths = [staged.per_feature.view(-1) if identity else staged.per_feature[pos].reshape(-1)
+                   for pos, identity in zip(order.position_dev, order.identity)]
+        starts = torch.cat([per_group.new_zeros(1), per_group.cumsum(0)])
+        return GroupMajor(moved, group_of, starts, regroup(staged.values), tables, regroup(staged.weights),
+                          lengths, [_offsets_from_lengths(t) for t in lengths])
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from tieredemb.modules.batch import (
     Batch,
     BatchInput,
     GroupBatch,
+    GroupMajor,
     Layout,
     StagedBatch,
     check_keys,
@@ -116,10 +117,12 @@ class _Staged:
 @dataclass
 class _StagedAll:
     """The device half of a staged prefetch of every group at once (``_Collection._stage_all``),
-    padded to the batch's n ids: one dedup of all the ids (tables numbered across the groups, so the
-    distinct pairs and the sorted ids come group by group: keys, tables, counts and ``order`` as
-    ``StagedPrefetch``'s), each group's probe written into ``slots`` and ``values`` at its own pairs,
-    ``per_region`` each group's counts (misses, then pairs, per region)."""
+    padded to the batch's n ids. One dedup of all the ids (tables numbered across the groups, so the
+    distinct pairs and the sorted ids come group by group), each group's probe written into ``slots``
+    and ``values`` at its own pairs; then in each group's own numbering: ``tables`` of the pairs,
+    ``inverse`` and ``id_values`` of its ids (laid out group by group: ``grouped``), ``order``
+    (the sorted ids, positions among the group's). ``per_region``: each group's counts (misses, then
+    pairs, per region); ``plans``: each group's reduction plan (``reduce_plan``)."""
 
     keys: torch.Tensor
     tables: torch.Tensor
@@ -128,7 +131,10 @@ class _StagedAll:
     order: torch.Tensor
     slots: torch.Tensor
     values: torch.Tensor
+    id_values: torch.Tensor
+    grouped: GroupMajor
     per_region: list[torch.Tensor]
+    plans: list[tuple[torch.Tensor, ...] | None]
     step: int
 
 
@@ -354,11 +360,12 @@ class _Collection(nn.Module):
                 if record.done is not None:  # its copy is done and read: the next one may take it
                     self._read_buffers.append(record.host)
             checks = staged.summary.numel()
-            batch = self._layout.finish(staged, host[:checks])  # raises on a bad batch
+            grouped = pending.grouped if group is None else None
+            batch = self._layout.finish(staged, host[:checks], grouped)  # raises on a bad batch
             self._clock = record.step
             if group is None:
                 with label("## group.prefetch ##"):
-                    groups = self._finish_all(staged, pending, batch, host[checks:])
+                    groups = self._finish_all(pending, batch, host[checks:])
                 return CollectionPrefetch(batch, groups, True, stream=stream, graph_slot=slot)
             looked, looked_at = None, self._rows_changed
             if self._may_look_early(stream) and pending.id_values is not None and \
@@ -465,11 +472,12 @@ class _Collection(nn.Module):
         return pending, sources, backward, torch.cat([staged.summary, *info])
 
     def _stage_all(self, staged: StagedBatch, step: int | torch.Tensor, id_count: torch.Tensor | None):
-        """``_stage_device`` of every group at once: one dedup of the batch's ids, whose sort key
-        has the table (numbered across the groups) on top, so it orders them group by group; then
-        each group's probe of its own pairs among them, all written into one pair of outputs. The
-        gradient sources and the reduction's plan are left to the backward."""
-        kernels, n = self.kernels, staged.values.numel()
+        """``_stage_device`` of every group at once: one dedup of the batch's ids, whose sort key has
+        the table (numbered across the groups) on top, so it orders them group by group; each group's
+        probe of its own pairs among them into one pair of outputs; then, still on the device, the
+        ids laid out group by group and every index renumbered within its group, and each group's
+        reduction plan, so that the host half only slices."""
+        kernels, n, layout = self.kernels, staged.values.numel(), self._layout
         with label("## dedup ##"):
             order, skeys, stables = kernels.id_order(staged.values, staged.tables, len(self.table_configs),
                                                      id_count)
@@ -477,22 +485,32 @@ class _Collection(nn.Module):
         out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
         per_region, read = [], [staged.summary, count]
         with label("## resolve ##"):
-            for group, first in zip(self._groups, self._layout.first_table):
+            for group, first in zip(self._groups, layout.first_table):
                 per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
                                                     out))
                 read += [per_region[-1], group.index.sizes_on_device]
-        pending = _StagedAll(keys, tables, inverse, counts, order, *out, per_region, step)
+        with label("## group.prefetch ##"):
+            grouped = layout.group_major(staged, id_count)
+            # each group's pairs: the first ones, group by group; their first positions
+            pairs = torch.stack([p[len(g.configs):].sum() for g, p in zip(self._groups, per_region)])
+            pair_starts = torch.cat([pairs.new_zeros(1), pairs.cumsum(0)])
+            arange = torch.arange(max(n, len(pairs) + 1), device=self.device)
+            pair_group = torch.repeat_interleave(arange[: len(pairs) + 1], torch.cat([pairs, n - count]),
+                                                 output_size=n)
+            arange = arange[:n]
+            id_values = torch.empty_like(inverse).index_copy_(0, grouped.moved, out[1][inverse])
+            inverse = torch.empty_like(inverse).index_copy_(0, grouped.moved, inverse)
+            plans = [kernels.reduce_plan(counts[(start + arange).clamp_(max=n - 1)], pairs[g : g + 1])
+                     for g, start in enumerate(pair_starts[:-1])]
+            order = grouped.moved[order] - grouped.starts[grouped.group_of]
+            pending = _StagedAll(keys, tables - layout.first_table_dev[pair_group],
+                                 inverse - pair_starts[grouped.group_of], counts, order, *out, id_values,
+                                 grouped, per_region, plans, step)
         return pending, None, None, torch.cat(read)
 
-    def _finish_all(self, staged: StagedBatch, pending: _StagedAll, batch: Batch,
-                    info: list[int]) -> list[GroupPrefetch]:
+    def _finish_all(self, pending: _StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:
         """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
-        each group's slice of the pairs and of the sorted ids, with its own numbering of tables, ids
-        and pairs, finished by the group as one it had staged alone."""
-        moved = self._layout.group_major(staged, batch)  # each id's position in its group's ids
-        inverse = torch.empty_like(pending.inverse)
-        inverse[moved] = pending.inverse
-        order = moved[pending.order]
+        each group finishes its slice of the pairs and ids as if it had been staged alone."""
         groups, pairs, ids, at = [], 0, 0, 1
         for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
             r = len(group.configs)
@@ -500,11 +518,13 @@ class _Collection(nn.Module):
             at += 3 * r
             u, m = sum(present), gb.ids.numel()
             mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
-            part = StagedPrefetch(pending.keys[mine], pending.tables[mine] - self._layout.first_table[g],
-                                  inverse[its] - pairs, pending.counts[mine], order[its] - ids,
-                                  pending.slots[mine], pending.values[mine], pending.per_region[g],
-                                  pending.step)
-            groups.append(group.finish_prefetch(part, [u, *misses, *sizes], gb.ids_per_table))
+            part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],
+                                  pending.counts[mine], pending.order[its], pending.slots[mine],
+                                  pending.values[mine], pending.per_region[g], pending.step,
+                                  pending.id_values[its])
+            gpf = group.finish_prefetch(part, [u, *misses, *sizes], gb.ids_per_table)
+            gpf.sorted_ids.plan = pending.plans[g]
+            groups.append(gpf)
             pairs, ids = pairs + u, ids + m
         if pairs != info[0]:
             raise RuntimeError(f"internal error: the groups' probes found {pairs} distinct pairs, the dedup "
@@ -914,7 +934,9 @@ def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
                                  weights=cut(staged.weights))
     cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
     if isinstance(pending, _StagedAll):
-        return staged, dataclasses.replace(pending, **cuts), None, None, read
+        pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values),
+                                      grouped=pending.grouped.cut(n))
+        return staged, pending, None, None, read
     pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
     (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
     return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
