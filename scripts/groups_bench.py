@@ -138,6 +138,11 @@ def profiled(name: str, loop, kjts) -> None:
             ms = e.self_cpu_time_total / 1e3 / steps
             print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
     print_gaps(prof.events(), steps, top=6)
+    avg = prof.key_averages()
+    gpu = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    print("top GPU time per step (ms):")
+    for e in sorted(avg, key=lambda e: -getattr(e, gpu))[:14]:
+        print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, gpu) / 1e3 / steps:8.3f}")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,67 @@ def test_bag_rows(gen, features):
     assert torch.equal(TorchKernels().bag_rows(offsets.cpu(), n, features), want)
 
 
+@pytest.mark.parametrize("padding", [0, 37])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_regroup_ids_lays_the_ids_out_group_by_group(gen, weighted, padding):
+    """``regroup_ids`` against the layout built in plain Python: 9 features of 0-300 ids each (some
+    empty, some of one id) in 3 groups, each group taking its features in a shuffled order; ids,
+    tables, weights, pairs and pair values moved to their group-by-group place, tables and pairs
+    counted from their group's first, sorted positions made positions within their group (the
+    order crossing the features: a random permutation), the pairs' tables made their group's; the
+    padding past the real ids keeps its place."""
+    counts = torch.randint(0, 300, (9,), generator=gen)
+    counts[2], counts[5] = 0, 1
+    group = [0, 1, 2, 1, 0, 2, 2, 0, 1]
+    positions = [[f for f in torch.randperm(9, generator=gen).tolist() if group[f] == g] for g in range(3)]
+    first_table, first_pair = [0, 4, 6], [0, 30, 70]
+    starts = [0] + counts.cumsum(0).tolist()
+    real = starts[-1]
+    n = real + padding
+    layout = [p for g in range(3) for f in positions[g] for p in range(starts[f], starts[f + 1])]
+    moved = {p: i for i, p in enumerate(layout)}  # batch position -> group-by-group position
+    group_start = {g: sum(int(counts[f]) for h in range(g) for f in positions[h]) for g in range(3)}
+    feature_of = [f for f in range(9) for _ in range(int(counts[f]))]
+    shifts = torch.tensor([
+        starts[1:],
+        [moved[starts[f]] - starts[f] if counts[f] else 0 for f in range(9)],
+        [moved[starts[f]] - group_start[group[f]] - starts[f] if counts[f] else 0 for f in range(9)],
+        [first_table[group[f]] for f in range(9)],
+        [first_pair[group[f]] for f in range(9)]])
+    values = torch.randint(-2**62, 2**62, (n,), generator=gen)
+    tables = torch.randint(0, 9, (n,), generator=gen)
+    weights = torch.rand(n, generator=gen) if weighted else None
+    inverse = torch.randint(0, n, (n,), generator=gen)
+    pair_values = torch.randint(0, 10**6, (n,), generator=gen)
+    order = torch.cat([torch.randperm(real, generator=gen), torch.arange(real, n)])
+    count = n // 2
+    pair_tables = torch.randint(0, 9, (n,), generator=gen)
+    table_first = torch.tensor([0, 0, 0, 0, 4, 4, 6, 6, 6])
+    want = [values.clone(), tables.clone(), None if weights is None else weights.clone(), inverse.clone(),
+            pair_values[inverse], order.clone(), pair_tables.clone()]
+    for p in range(real):
+        g = group[feature_of[p]]
+        for out, t, base in ((want[0], values, 0), (want[1], tables, first_table[g]),
+                             (want[3], inverse, first_pair[g])):
+            out[moved[p]] = t[p] - base
+        if weights is not None:
+            want[2][moved[p]] = weights[p]
+        want[4][moved[p]] = pair_values[inverse[p]]
+        q = int(order[p])
+        want[5][p] = moved[q] - group_start[group[feature_of[q]]]
+    want[6][:count] -= table_first[pair_tables[:count]]
+    args = (shifts, values, tables, weights, inverse, pair_values, order, pair_tables, table_first,
+            torch.tensor([count]))
+    for kern, dev in ((TorchKernels(), "cpu"), (TritonKernels(), DEVICE)):
+        got = kern.regroup_ids(*(a if a is None else a.to(dev) for a in args))
+        for i, (g, w) in enumerate(zip(got, want)):
+            if w is None:
+                assert g is None
+                continue
+            cut = {4: real, 6: count}.get(i, n)  # unspecified: padding pair values, tables past the pairs
+            assert torch.equal(g[:cut].cpu(), w[:cut]), f"{type(kern).__name__}: output {i}"
+
+
 def test_sorted_runs_of_no_ids():
     """No ids: no runs, and the device count says 0 (a caller reads it with other values)."""
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)

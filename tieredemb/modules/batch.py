@@ -180,16 +180,10 @@ class _Order:
 @dataclass
 class GroupMajor:
     """A staged batch's ids laid out group by group, each group's in its ``GroupBatch`` order, made
-    on the device before the read (``Layout.group_major``; a padded batch's padding stays last).
+    on the device before the read (``_Collection._stage_all``; a padded batch's padding stays last):
+    ids, tables (each group's own numbering) and weights, the batch's moved there; lengths and
+    offsets, per group, its bags' (as ``GroupBatch``'s)."""
 
-    moved: int64 (n,) each id's position in that layout; group_of: int64 (n,) the group of each
-    position of that layout (G past the real ids); starts: int64 (G + 1,) each group's first
-    position, then the real ids' count; ids, tables (the group's own numbering), weights: the
-    batch's, moved there; lengths, offsets: per group, its bags' (as ``GroupBatch``'s)."""
-
-    moved: torch.Tensor
-    group_of: torch.Tensor
-    starts: torch.Tensor
     ids: torch.Tensor
     tables: torch.Tensor
     weights: torch.Tensor | None
@@ -198,9 +192,8 @@ class GroupMajor:
 
     def cut(self, n: int) -> GroupMajor:
         """The layout of a padded batch's first n ids (its real ones)."""
-        moved, group_of, ids, tables, weights = (None if t is None else t[:n] for t in (
-            self.moved, self.group_of, self.ids, self.tables, self.weights))
-        return GroupMajor(moved, group_of, self.starts, ids, tables, weights, self.lengths, self.offsets)
+        return GroupMajor(self.ids[:n], self.tables[:n], None if self.weights is None else self.weights[:n],
+                          self.lengths, self.offsets)
 
 
 class Layout:
@@ -219,7 +212,10 @@ class Layout:
         self.table_of = {f: t for t in tables for f in t.feature_names}
         # each group's first table in a numbering of all the tables, group by group
         self.first_table = [sum(len(m) for m in groups[:g]) for g in range(len(groups))]
-        self.first_table_dev = torch.tensor(self.first_table + [0], dtype=torch.int64, device=device)
+        self.first_table_dev = torch.tensor(self.first_table, dtype=torch.int64, device=device)
+        # per table (in that numbering): its group's first table
+        self.table_first_dev = torch.tensor([first for first, m in zip(self.first_table, groups) for _ in m],
+                                            dtype=torch.int64, device=device)
         self._orders: dict[tuple[str, ...], _Order] = {}
 
     def _order(self, keys: list[str]) -> _Order:
@@ -343,34 +339,29 @@ class Layout:
         return Batch(staged.batch_size, groups)
 
 
-    def group_major(self, staged: StagedBatch, count: torch.Tensor | None = None) -> GroupMajor:
-        """``staged``'s ids group by group (``GroupMajor``), on the device only (a CUDA graph may
-        hold it): from each feature's count of ids, its shift from the batch's order to that layout.
-        ``count``: int64 () on the device, a padded batch's real ids (the rest stays last)."""
-        order, dev = staged.order, self.device
-        n, groups = staged.values.numel(), len(self.groups)
+    def group_shifts(self, staged: StagedBatch, pair_starts: torch.Tensor) -> torch.Tensor:
+        """int64 (5, F), ``kernels.regroup_ids``' ``shifts`` for ``staged``: per batch feature the end
+        of its ids, their shift to the group-by-group layout and to their place in their group, its
+        group's first table and (``pair_starts`` int64 (G,)) first distinct pair. Device only."""
+        order = staged.order
         counts = staged.feature_counts
-        pad = (n - counts.sum()).view(1)
-        starts = counts.cumsum(0) - counts  # each feature's first id in the batch
+        ends = counts.cumsum(0)
         grouped = counts[order.grouped_dev]
         shift = torch.empty_like(counts)
-        shift[order.grouped_dev] = grouped.cumsum(0) - grouped - starts[order.grouped_dev]
-        moved = torch.repeat_interleave(torch.cat([shift, shift.new_zeros(1)]), torch.cat([counts, pad]),
-                                        output_size=n)
-        moved += torch.arange(n, device=dev)
-        per_group = counts.new_zeros(groups).index_add_(0, order.group_of_dev, counts)
-        group_of = torch.repeat_interleave(torch.arange(groups + 1, device=dev), torch.cat([per_group, pad]),
-                                           output_size=n)
+        shift[order.grouped_dev] = grouped.cumsum(0) - grouped
+        per_group = counts.new_zeros(len(self.groups)).index_add_(0, order.group_of_dev, counts)
+        group = order.group_of_dev
+        local = shift - (per_group.cumsum(0) - per_group)[group]
+        shift -= ends - counts
+        local -= ends - counts
+        return torch.stack([ends, shift, local, self.first_table_dev[group], pair_starts[group]])
 
-        def regroup(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.empty_like(t).index_copy_(0, moved, t)
-
-        tables = regroup(staged.tables) - self.first_table_dev[group_of]
+    def group_bags(self, staged: StagedBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each group's bag lengths and offsets (``GroupBatch``'s), on the device."""
+        order = staged.order
         lengths = [staged.per_feature.view(-1) if identity else staged.per_feature[pos].reshape(-1)
                    for pos, identity in zip(order.position_dev, order.identity)]
-        starts = torch.cat([per_group.new_zeros(1), per_group.cumsum(0)])
-        return GroupMajor(moved, group_of, starts, regroup(staged.values), tables, regroup(staged.weights),
-                          lengths, [_offsets_from_lengths(t) for t in lengths])
+        return lengths, [_offsets_from_lengths(t) for t in lengths]
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

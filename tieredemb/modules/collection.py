@@ -490,22 +490,18 @@ class _Collection(nn.Module):
                                                     out))
                 read += [per_region[-1], group.index.sizes_on_device]
         with label("## group.prefetch ##"):
-            grouped = layout.group_major(staged, id_count)
-            # each group's pairs: the first ones, group by group; their first positions
+            # each group's pairs come together, group by group: the first pair of each
             pairs = torch.stack([p[len(g.configs):].sum() for g, p in zip(self._groups, per_region)])
-            pair_starts = torch.cat([pairs.new_zeros(1), pairs.cumsum(0)])
-            arange = torch.arange(max(n, len(pairs) + 1), device=self.device)
-            pair_group = torch.repeat_interleave(arange[: len(pairs) + 1], torch.cat([pairs, n - count]),
-                                                 output_size=n)
-            arange = arange[:n]
-            id_values = torch.empty_like(inverse).index_copy_(0, grouped.moved, out[1][inverse])
-            inverse = torch.empty_like(inverse).index_copy_(0, grouped.moved, inverse)
+            pair_starts = pairs.cumsum(0) - pairs
+            ids, id_tables, weights, inverse, id_values, order, tables = kernels.regroup_ids(
+                layout.group_shifts(staged, pair_starts), staged.values, staged.tables, staged.weights,
+                inverse, out[1], order, tables, layout.table_first_dev, count)
+            arange = torch.arange(n, device=self.device)
             plans = [kernels.reduce_plan(counts[(start + arange).clamp_(max=n - 1)], pairs[g : g + 1])
-                     for g, start in enumerate(pair_starts[:-1])]
-            order = grouped.moved[order] - grouped.starts[grouped.group_of]
-            pending = _StagedAll(keys, tables - layout.first_table_dev[pair_group],
-                                 inverse - pair_starts[grouped.group_of], counts, order, *out, id_values,
-                                 grouped, per_region, plans, step)
+                     for g, start in enumerate(pair_starts)]
+            grouped = GroupMajor(ids, id_tables, weights, *layout.group_bags(staged))
+            pending = _StagedAll(keys, tables, inverse, counts, order, *out, id_values, grouped, per_region,
+                                 plans, step)
         return pending, None, None, torch.cat(read)
 
     def _finish_all(self, pending: _StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:

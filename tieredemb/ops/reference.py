@@ -163,6 +163,46 @@ class TorchKernels:
         per_feature = (offsets.numel() - 1) // features
         return bag % per_feature * features + bag // per_feature
 
+    def regroup_ids(self, shifts: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                    weights: torch.Tensor | None, inverse: torch.Tensor, pair_values: torch.Tensor,
+                    order: torch.Tensor, pair_tables: torch.Tensor, table_first: torch.Tensor,
+                    count: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """A batch of several table groups deduped together, laid out group by group and renumbered
+        within each group. ``shifts`` int64 (5, F), per batch feature: the end of its ids in the batch
+        (the last one the real ids' count; the rest of the n ids are padding, which keeps its place),
+        the shift of its ids to the group-by-group layout, the shift to their position among their
+        group's ids, its group's first table and first distinct pair. Per id (int64 (n,) each, in the
+        batch's order): ``values``, ``tables`` (numbered across the groups), ``weights`` (float32 or
+        None), ``inverse`` (its distinct pair); ``pair_values`` (n,) a value per pair; ``order`` the
+        sorted ids' positions (``id_order``); ``pair_tables`` the pairs' tables (across the groups,
+        the first ``count`` (int64 (1,)) real), ``table_first`` (T,) each table's group's first table.
+
+        Returns, laid out group by group: the ids, their tables and pairs within their group, their
+        weights and ``pair_values[inverse]`` (unspecified for the padding); then ``order`` as positions
+        within each group's ids and the pairs' tables within their group (past ``count``
+        unspecified)."""
+        n = values.numel()
+        ends, shift, local_shift, table_base, pair_base = shifts
+        real = int(ends[-1])
+        pos = torch.arange(n, device=values.device)
+        feature = torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
+        mine = pos < real
+
+        def per_id(t: torch.Tensor) -> torch.Tensor:  # a per-feature value for each position (0: padding)
+            return torch.where(mine, t[feature], 0)
+
+        moved = pos + per_id(shift)
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.empty_like(t).index_copy_(0, moved, t)
+
+        local_order = order + torch.where(order < real, local_shift[feature[order]], 0)
+        u = int(count)
+        local_pairs = pair_tables.clone()
+        local_pairs[:u] -= table_first[pair_tables[:u]]
+        return (put(values), put(tables - per_id(table_base)), put(weights), put(inverse - per_id(pair_base)),
+                put(pair_values[inverse]), local_order, local_pairs)
+
     def sorted_runs_padded(self, skeys: torch.Tensor, stables: torch.Tensor, order: torch.Tensor,
                            count: torch.Tensor | None = None):
         """``sorted_runs`` without reading the number of runs u on the host: keys, tables and lengths

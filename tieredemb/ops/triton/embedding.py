@@ -21,6 +21,7 @@ import triton.language as tl
 
 from tieredemb.ops import reference
 from tieredemb.ops.triton.checks import batch_checks
+from tieredemb.ops.triton.groups import regroup_ids
 from tieredemb.ops.triton.hashing import splitmix64
 from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.ops.triton.launch import fast_launch
@@ -783,6 +784,14 @@ class TritonKernels:
                      count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reference's ``batch_checks`` in two kernels (``checks.py``)."""
         return batch_checks(values, per_feature, limits, table_of_feature, weights, count)
+
+    def regroup_ids(self, shifts: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                    weights: torch.Tensor | None, inverse: torch.Tensor, pair_values: torch.Tensor,
+                    order: torch.Tensor, pair_tables: torch.Tensor, table_first: torch.Tensor,
+                    count: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The reference's ``regroup_ids`` in one kernel (``groups.py``)."""
+        return regroup_ids(shifts, values, tables, weights, inverse, pair_values, order, pair_tables,
+                           table_first, count)
 
     def bag_rows(self, offsets: torch.Tensor, n: int, features: int = 1) -> torch.Tensor:
         """The reference's ``bag_rows``: a binary search a position (one program a bag was 4x
