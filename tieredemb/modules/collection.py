@@ -286,7 +286,7 @@ class _Collection(nn.Module):
 
     def prefetch_deferred(self, kjt: object) -> None:
         """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
-        training batch of one table group without admission or bounded tables, no stashing),
+        training batch without admission, bounded tables or sharding, no stashing),
         its device work is queued and its one host read (the checks' verdict, the distinct keys, the
         misses) waits until the batch is needed: its forward, or the next change to the tables. A
         bad batch then raises at its forward. Otherwise the same as ``prefetch``. Made for a loop
