@@ -155,6 +155,47 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
         torch.testing.assert_close(got.rows, want_rows, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_buckets", [1, 3])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_tables_of_two_dims_in_cache_mode_stage_together(cache_buckets, pipelined, monkeypatch) -> None:
+    """Tables of two dims form two cache groups, whose prefetches stage together (one dedup, a
+    probe per group, one read): trained as hbm_direct, through evictions of both caches, and after
+    flush each table's backend holds exactly its own rows."""
+    from tieredemb.modules.collection import _Collection
+
+    staged_together = []
+    stage_all = _Collection._stage_all
+
+    def spy(self, *args):
+        staged_together.append(1)
+        return stage_all(self, *args)
+
+    monkeypatch.setattr(_Collection, "_stage_all", spy)
+    optimizer = te.optim.Adam(lr=0.05)
+    tables = [te.TableConfig("t", DIM, ["a"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1)),
+              te.TableConfig("u", 2 * DIM, ["b"], num_embeddings=ROWS, eviction="lfu")]
+    row_bytes = (2 * DIM + optimizer.state_width(2 * DIM)) * 4
+    store = DictStore()
+    storage = te.StorageConfig(hbm_budget=4 * cache_buckets * 4 * row_bytes, backing=store, bucket_width=4,
+                               segment_rows=16)
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
+    plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3)
+    assert cached.storage_mode == "cache" and len(cached._groups) == 2
+    batches = zipf_batches(30, 6, seed=cache_buckets)
+    for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert len(staged_together) >= 30
+    assert all(cached.stats()[name].evictions > 0 for name in ("t", "u"))
+    cached.flush()
+    for name in ("t", "u"):
+        want_keys, want_rows = sorted_rows(plain.export(name))
+        backend = store.opened[name]
+        assert backend.size() == want_keys.numel(), name
+        got = backend.get(want_keys)
+        assert bool(got.found.all()), name
+        torch.testing.assert_close(got.rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backing", ["dict", "rocksdb"])
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("admission", [None, 2])
