@@ -338,7 +338,6 @@ class Layout:
             groups.append(GroupBatch(ids, tables, lengths, offsets, w, [counts[i] for i in pos], per_table))
         return Batch(staged.batch_size, groups)
 
-
     def group_shifts(self, staged: StagedBatch, pair_starts: torch.Tensor) -> torch.Tensor:
         """int64 (5, F), ``kernels.regroup_ids``' ``shifts`` for ``staged``: per batch feature the end
         of its ids, their shift to the group-by-group layout and to their place in their group, its
