@@ -126,7 +126,7 @@ def python_profile(loop, kjts) -> None:
 
 def profiled(name: str, loop, kjts) -> None:
     """``loop`` over ``kjts`` under the torch profiler: wall and GPU busy time, host syncs, idle gaps."""
-    from profile_step import SYNC_EVENTS, gpu_busy_ms, print_gaps
+    from profile_step import SYNC_EVENTS, gpu_busy_ms, print_gaps, print_top_gpu
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -138,11 +138,7 @@ def profiled(name: str, loop, kjts) -> None:
             ms = e.self_cpu_time_total / 1e3 / steps
             print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
     print_gaps(prof.events(), steps, top=6)
-    avg = prof.key_averages()
-    gpu = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
-    print("top GPU time per step (ms):")
-    for e in sorted(avg, key=lambda e: -getattr(e, gpu))[:14]:
-        print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, gpu) / 1e3 / steps:8.3f}")
+    print_top_gpu(prof.key_averages(), steps, top=14)
 
 
 if __name__ == "__main__":

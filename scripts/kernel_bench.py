@@ -230,11 +230,9 @@ def profile(step, kjts) -> None:
         for kjt in kjts:
             step(kjt)
         sync()
-    avg = prof.key_averages()
-    attr = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
-    print("GPU time per step (ms), in-step:")
-    for e in sorted(avg, key=lambda e: -getattr(e, attr))[:14]:
-        print(f"  {e.key[:60]:60s} {e.count / len(kjts):6.1f} {getattr(e, attr) / 1e3 / len(kjts):8.3f}")
+    from profile_step import print_top_gpu
+
+    print_top_gpu(prof.key_averages(), len(kjts), "GPU time per step (ms), in-step:", top=14)
 
 
 if __name__ == "__main__":

@@ -126,11 +126,7 @@ def torch_profile(step, args) -> None:
     for e in sorted(avg, key=lambda e: -e.cpu_time_total):
         if e.key.startswith("##"):
             print(f"  {e.key:32s} {e.count / args.steps:8.1f} {e.cpu_time_total / 1e3 / args.steps:8.2f}")
-    gpu = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
-    print("top GPU time per step (ms):")
-    for e in sorted(avg, key=lambda e: -getattr(e, gpu))[:15]:
-        ms = getattr(e, gpu) / 1e3 / args.steps
-        print(f"  {e.key[:60]:60s} {e.count / args.steps:8.1f} {ms:8.3f}")
+    print_top_gpu(avg, args.steps)
     print_stage_ops(prof.events(), args.steps)
     print_gaps(prof.events(), args.steps)
     top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
@@ -138,6 +134,14 @@ def torch_profile(step, args) -> None:
     for e in top:
         ms = e.self_cpu_time_total / 1e3 / args.steps
         print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
+
+
+def print_top_gpu(avg, steps: int, title: str = "top GPU time per step (ms):", top: int = 15) -> None:
+    """The ``top`` entries of ``avg`` (the profiler's ``key_averages()``) by GPU time, per step."""
+    attr = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    print(title)
+    for e in sorted(avg, key=lambda e: -getattr(e, attr))[:top]:
+        print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, attr) / 1e3 / steps:8.3f}")
 
 
 def gpu_busy_ms(events) -> float:
