@@ -688,6 +688,32 @@ def test_reduction_plan_made_ahead_from_a_device_count(gen):
 
 
 
+@pytest.mark.parametrize("block", [32, 1024])
+def test_reduction_plan_of_very_hot_keys(gen, monkeypatch, block):
+    """The plan from its definition in plain Python, for keys of 0 to ~100 pieces: hot keys side by
+    side in one block, one of more pieces than a block has keys (its pieces' keys stored a block at
+    a time), keys without ids (one piece each), in programs over several blocks."""
+    from tieredemb.ops.triton import embedding as E
+
+    monkeypatch.setattr(E, "_RUN_BLOCK", block)
+    monkeypatch.setattr(E, "_MAX_RUN_PROGRAMS", 4)
+    u, piece = 300, E._PIECE
+    counts = torch.randint(0, 4, (u,), generator=gen)
+    counts[[5, 6, 7, 40, 299]] = torch.tensor([100 * piece + 3, 2 * piece, piece + 1, 37 * piece, 3 * piece])
+    pieces = [max(1, -(-c // piece)) for c in counts.tolist()]
+    starts = [0] + counts.cumsum(0).tolist()[:-1]
+    piece_first = [0] + torch.tensor(pieces).cumsum(0).tolist()[:-1]
+    piece_key = [k for k in range(u) for _ in range(pieces[k])]
+    several = [k for k in range(u) if counts[k] > piece]
+    n = int(counts.sum())
+    got = TritonKernels()._plan(counts.to(DEVICE), n, u)
+    assert got[0].tolist() == starts and got[1].tolist() == piece_first
+    keys = got[2][: len(piece_key)].tolist()
+    assert keys == piece_key
+    assert got[2][len(piece_key) : got[2].numel() - got[3].numel()].eq(2**63 - 1).all()
+    assert got[3][: len(several)].tolist() == several
+
+
 @pytest.mark.parametrize("fault", ["none", "reserved key", "short"])
 def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
     """A batch padded to a bucket (ids past ``count`` hold the largest key): the checks see only the

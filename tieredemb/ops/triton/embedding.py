@@ -262,10 +262,20 @@ def _plan_pieces_kernel(counts, sums, starts, piece_first, piece_key, candidates
         tl.store(starts + i, ids_base + tl.cumsum(c, axis=0) - c, mask=m)
         first = pieces_base + tl.cumsum(pieces, axis=0) - pieces
         tl.store(piece_first + i, first, mask=m)
-        for j in range(0, tl.max(pieces, axis=0)):
-            tl.store(piece_key + first + j, i, mask=j < pieces)
-        slot = several_base + tl.cumsum(several, axis=0)
-        tl.store(candidates + slot - 1, i, mask=several != 0)
+        tl.store(piece_key + first, i, mask=m)  # every key's first piece
+        rank = tl.cumsum(several, axis=0)
+        tl.store(candidates + several_base + rank - 1, i, mask=several != 0)
+        # the further pieces of the keys of several, one such key at a time, BLOCK pieces a store (a
+        # loop over each lane's pieces took one iteration a piece: 0.11 ms for a key of 200 pieces)
+        for h in range(0, tl.sum(several, axis=0)):
+            this = (rank == h + 1) & (several != 0)
+            key = tl.sum(tl.where(this, i, 0), axis=0)
+            key_first = tl.sum(tl.where(this, first, 0), axis=0)
+            key_pieces = tl.sum(tl.where(this, pieces, 0), axis=0)
+            for j in range(1, key_pieces, BLOCK):
+                at = j + tl.arange(0, BLOCK)
+                tl.store(piece_key + key_first + at, tl.zeros([BLOCK], dtype=tl.int64) + key,
+                         mask=at < key_pieces)
         ids_base += tl.sum(c, axis=0)
         pieces_base += tl.sum(pieces, axis=0)
         several_base += tl.sum(several, axis=0)
