@@ -4,7 +4,7 @@ TrainPipeline's order (batch i+1's prefetch_deferred between forward i and backw
 with PYTHONPATH on an older package for a before/after in one call (only one call's runs compare).
 
     PYTHONPATH=. python3 scripts/groups_bench.py [--dims 64,128] [--steps 40] [--optimizer adam]
-                                                 [--profile] [--python]
+                                                 [--capacity N] [--profile] [--python]
 
 --profile: the plain and deferred loops once more under the torch profiler: GPU busy time, host
 syncs and the GPU's idle gaps a step (profile_step.py's summaries). --python: the plain loop under
@@ -31,6 +31,8 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--dims", default="64,128", help="table dims, cycled over the tables")
     p.add_argument("--tables", type=int, default=10)
     p.add_argument("--rows", type=int, default=200_000, help="keys a table draws from, all stored first")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="max_capacity of every table (bounded tables: their prefetch is not staged)")
     p.add_argument("--batch", type=int, default=10_486)
     p.add_argument("--bag", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
@@ -45,7 +47,8 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.autograd.set_multithreading_enabled(False)
     dims = [int(d) for d in args.dims.split(",")]
-    tables = [te.TableConfig(f"t{i}", dims[i % len(dims)], [f"f{i}"]) for i in range(args.tables)]
+    tables = [te.TableConfig(f"t{i}", dims[i % len(dims)], [f"f{i}"], max_capacity=args.capacity)
+              for i in range(args.tables)]
     opt = te.optim.Adam(lr=0.01) if args.optimizer == "adam" else te.optim.SGD(lr=0.01)
     ebc = te.EmbeddingBagCollection(tables, optimizer=opt, device=dev)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -62,7 +65,8 @@ def main() -> None:
         return te.KeyedJaggedTensor(keys, key(ranks), lengths)
 
     every = key(torch.arange(args.rows, device=dev))
-    for t in tables:  # every key stored first: steps without misses, as the hbm bench's
+    for t in tables if args.capacity is None else []:  # every key stored first: steps without misses,
+        # as the hbm bench's (bounded tables: the warm steps insert, a write could overflow a bucket)
         ebc.write(t.name, every, torch.zeros(args.rows, t.embedding_dim, device=dev))
 
     batches = [batch() for _ in range(3 * args.steps)]
