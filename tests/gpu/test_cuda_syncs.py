@@ -34,12 +34,15 @@ def host_reads(fn) -> list[str]:
     return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
+@pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("dims", [(16, 16, 16), (16, 32, 16)], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
-def test_a_warm_step_reads_the_device_once(module, optimizer, dims):
-    """One group, or two (tables of two dims, staged together): one host read a warm step."""
-    tables = [te.TableConfig(f"t{i}", d, [f"f{i}"]) for i, d in enumerate(dims)]  # raw ids
+def test_a_warm_step_reads_the_device_once(module, optimizer, dims, capacity):
+    """One group, or two (tables of two dims, staged together), bounded tables (``max_capacity``
+    over more slots than keys: warm, nothing misses) or not: one host read a warm step."""
+    tables = [te.TableConfig(f"t{i}", d, [f"f{i}"], max_capacity=capacity)  # raw ids
+              for i, d in enumerate(dims)]
     collection = module(tables, optimizer=optimizer, device=DEV)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 5, (3 * 64,), generator=gen)
@@ -90,6 +93,34 @@ def test_a_cache_step_with_misses_and_evictions_reads_the_device_three_times():
         assert len(reads) <= 3, f"{len(reads)} host reads in a cache step: {reads}"
     after = ebc.stats()["t0"]
     assert after.evictions > before.evictions and after.misses > before.misses
+
+
+def test_a_bounded_step_with_misses_and_evictions_reads_the_device_twice():
+    """Bounded tables (hbm_direct, ``max_capacity`` a fifth of the keys drawn): misses, evictions and
+    conflict misses every step; a plain loop reads the device twice (the staged prefetch's read, then
+    the insert's: victims and pairs left without a slot), forward and backward never."""
+    tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], max_capacity=128) for i in range(3)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), device=DEV,
+                                    storage=te.StorageConfig(bucket_width=8))
+    gen = torch.Generator().manual_seed(0)
+    before = None
+    for i in range(16):
+        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+        ids = torch.randint(0, 640, (int(lengths.sum()),), generator=gen)
+        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV)
+
+        def step(kjt=kjt):
+            ebc.prefetch(kjt)
+            ebc(kjt).values().sum().backward()
+
+        if i < 10:
+            step()
+            continue
+        before = before or ebc.stats()["t0"]
+        reads = host_reads(step)
+        assert len(reads) <= 2, f"{len(reads)} host reads in a bounded step: {reads}"
+    after = ebc.stats()["t0"]
+    assert after.evictions > before.evictions and after.conflict_misses > before.conflict_misses
 
 
 def host_reads_by_thread(fn) -> dict[str, int]:

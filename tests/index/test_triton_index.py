@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from tieredemb.config import RESERVED_KEY  # noqa: E402
 from tieredemb.index import KeyIndex, Region  # noqa: E402
+from tieredemb.index.key_index import CONTESTED  # noqa: E402
 from tieredemb.ops.triton import TritonKeyIndex  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -222,7 +223,8 @@ def test_find_touch_with_a_device_count_and_guard(guarded, locking, step_on_devi
     assert torch.equal(got[0][:4], want[0][:4]) and torch.equal(got[1][:4], want[1][:4])
     assert torch.equal(got[2], want[2])
     assert torch.equal(want[0][:4] >= 0, torch.tensor([True, True, False, False], device=DEVICE))
-    assert got[2].tolist() == [1, 1, 2, 2]  # misses per region, keys per region (padding not counted)
+    # misses, keys and contested keys per region (padding not counted)
+    assert got[2].tolist() == [1, 1, 2, 2, 0, 0]
     assert_same_state(tri, ref, f"guarded={guarded}")
     changed = [name for name, t in before.items() if not torch.equal(getattr(ref, name), t)]
     assert changed == ([] if guarded else ["scores", "locks"] if locking else ["scores"])
@@ -257,7 +259,49 @@ def test_find_touch_of_one_index_among_several_tables(regions):
         assert bool((slots[~mine] == -7).all()) and bool((values[~mine] == -7).all())
         assert torch.equal(per_region, want_counts)
         assert_same_state(index, plain, f"{type(index).__name__}, {regions} regions")
-    assert int(want_counts[regions:].sum()) == int(mine.sum()) > 0 and int(want_counts[:regions].sum()) > 0
+    assert int(want_counts[regions : 2 * regions].sum()) == int(mine.sum()) > 0
+    assert int(want_counts[:regions].sum()) > 0
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_find_touch_contests_the_misses_of_buckets_an_earlier_batch_holds(guarded):
+    """``contest``: an absent key of a bounded region whose bucket holds a way locked before the call
+    (an earlier batch in flight) gets slot CONTESTED and is counted apart from the misses; the keys
+    found are locked as usual, and this call's own locks contest nothing, whatever order the kernel's
+    programs run in (a batch of several programs). Both indexes against the definition, computed in
+    plain Python from the index's state before the call; the unbounded region contests nothing."""
+    regions = [Region("lru", 4096, 16), Region("lru", None, 4096)]
+    ref, tri = (cls(4, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex))
+    rng = random.Random(7)
+    keys = torch.tensor(rng.sample(range(-(2**40), 2**40), 4000), dtype=torch.int64, device=DEVICE)
+    tables = torch.tensor([rng.randrange(2) for _ in range(4000)], dtype=torch.int64, device=DEVICE)
+    for index in (ref, tri):
+        index.find_or_insert(keys[:2000], 1, tables=tables[:2000])
+        index.find_or_insert(keys[:2000:5], 2, lock=True, tables=tables[:2000:5])  # in flight
+    batch, btables = keys[1000:3500], tables[1000:3500]  # 1000 stored, 1500 new: three programs
+    stored = {(int(k), int(t)): s for s, (k, t) in enumerate(zip(ref.keys.tolist(), ref.region_of_slots(
+        torch.arange(ref.keys.numel(), device=DEVICE)).tolist())) if k != RESERVED_KEY}
+    bucket = ref._bucket(batch, btables).tolist()
+    held = [any(ref.locks[b * 4 : b * 4 + 4].tolist()) for b in bucket]
+    want_slots = [stored.get((k, t), CONTESTED if (t == 0 and h) else -1)
+                  for k, t, h in zip(batch.tolist(), btables.tolist(), held)]
+    counts = torch.ones_like(batch)
+    guard = torch.tensor([int(guarded)], device=DEVICE)
+    locks_before = ref.locks.clone()
+    for index in (ref, tri):
+        slots, values, per_region = index.find_touch(batch, btables, 3, counts, guard=guard, contest=True)
+        assert slots.tolist() == want_slots, type(index).__name__
+        assert torch.equal(values, torch.where(slots >= 0, index.values[slots.clamp(min=0)], -1))
+        want = [sum(1 for s, t in zip(want_slots, btables.tolist()) if cond(s) and t == r)
+                for cond in (lambda s: s == -1, lambda s: True, lambda s: s == CONTESTED) for r in range(2)]
+        assert per_region.tolist() == want
+    assert_same_state(tri, ref, f"guarded={guarded}")
+    found = torch.tensor([s for s in want_slots if s >= 0], dtype=torch.int64, device=DEVICE)
+    added = torch.zeros_like(locks_before).index_add_(0, found, torch.ones_like(found, dtype=torch.int32))
+    assert torch.equal(ref.locks, locks_before + (0 if guarded else added))
+    # the definition is met both ways, among the new keys of the bounded region
+    absent = sum(1 for s, t in zip(want_slots, btables.tolist()) if s < 0 and t == 0)
+    assert 0 < want_slots.count(CONTESTED) < absent
 
 
 def check_upsert(index: KeyIndex, model: dict, keys: torch.Tensor, tables: torch.Tensor | None,

@@ -32,9 +32,13 @@ POOL = [0, 1, -1, 7, 12, 99, 2**40, -(2**50), 2**63 - 1, 123456789] + list(range
 
 
 # ------------------------------------------------------------------------------------------ models
-def make_tables(prefix: str, limited: bool, capacity: int = 16) -> list[te.TableConfig]:
-    """Two tables (one shared by two features); ``limited``: admission at 2 and a small capacity."""
-    kw = {"admission": te.FrequencyAdmission(2), "max_capacity": capacity} if limited else {}
+def make_tables(prefix: str, limited: bool, capacity: int = 16,
+                admission: bool = True) -> list[te.TableConfig]:
+    """Two tables (one shared by two features); ``limited``: a small capacity and (``admission``)
+    admission at 2."""
+    kw = {"max_capacity": capacity} if limited else {}
+    if limited and admission:
+        kw["admission"] = te.FrequencyAdmission(2)
     return [
         te.TableConfig(f"{prefix}_a", DIM, [f"{prefix}0", f"{prefix}1"], **kw),
         te.TableConfig(f"{prefix}_b", DIM, [f"{prefix}2"], **kw),
@@ -42,10 +46,11 @@ def make_tables(prefix: str, limited: bool, capacity: int = 16) -> list[te.Table
 
 
 def make_collection(
-    module: type, prefix: str, optimizer: str = "adam", limited: bool = False, capacity: int = 16
+    module: type, prefix: str, optimizer: str = "adam", limited: bool = False, capacity: int = 16,
+    admission: bool = True,
 ):
     storage = te.StorageConfig(bucket_width=4) if limited else None
-    tables = make_tables(prefix, limited, capacity)
+    tables = make_tables(prefix, limited, capacity, admission)
     return module(tables, optimizer=OPTIMIZERS[optimizer](), storage=storage, seed=0)
 
 
@@ -104,11 +109,12 @@ def get(batch, name: str):
 
 
 def build(
-    module: type, optimizer: str = "adam", limited: bool = False, fields=("sparse",), capacity: int = 16, **kw
+    module: type, optimizer: str = "adam", limited: bool = False, fields=("sparse",), capacity: int = 16,
+    admission: bool = True, **kw
 ):
     """A model (same dense init every time) and its dense optimizer."""
     torch.manual_seed(0)
-    collections = [(f, make_collection(module, f, optimizer, limited, capacity)) for f in fields]
+    collections = [(f, make_collection(module, f, optimizer, limited, capacity, admission)) for f in fields]
     model = Model(collections, **kw)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
@@ -247,25 +253,28 @@ def test_pipeline_over_tiered_storage(caching):
         assert sum(s.memory_bytes["host"] for s in model.collections[0].stats().values()) > 0
 
 
-def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch):
+@pytest.mark.parametrize("admission", [True, False])  # without: the prefetch is staged
+def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admission):
     """prefetch(i+1) meets buckets holding rows batch i still has locked: the misses there wait for
     batch i's release to be inserted (a plain loop inserts them after it, choosing victims among
     those rows too), so the pipeline keeps and evicts exactly the plain loop's rows."""
     from tieredemb.modules.table import TableGroup
 
     deferrals = []
-    contested = TableGroup._contested
+    placed = TableGroup._placed
 
-    def counted(self, keys, tables):
-        out = contested(self, keys, tables)
-        deferrals.append(0 if out is None else int(out.sum()))
-        return out
+    def counted(self, *args, **kwargs):
+        pf = placed(self, *args, **kwargs)
+        deferrals.append(0 if pf.deferred is None else pf.deferred[0].numel())
+        return pf
 
-    monkeypatch.setattr(TableGroup, "_contested", counted)
+    monkeypatch.setattr(TableGroup, "_placed", counted)
     batches = make_batches(12)
-    want_model, want_opt = build(te.EmbeddingBagCollection, "sgd", limited=True, capacity=12)
+    kw = {"limited": True, "capacity": 12, "admission": admission}
+    want_model, want_opt = build(te.EmbeddingBagCollection, "sgd", **kw)
     want = plain_loop(want_model, want_opt, batches)
-    model, opt = build(te.EmbeddingBagCollection, "sgd", limited=True, capacity=12)
+    assert sum(deferrals) == 0  # nothing in flight
+    model, opt = build(te.EmbeddingBagCollection, "sgd", **kw)
     got = pipelined(TrainPipeline(model, opt), batches)
     assert sum(deferrals[len(batches):]) > 0  # the pipelined run did defer insertions
     assert stat(model, "conflict_misses") == stat(want_model, "conflict_misses")

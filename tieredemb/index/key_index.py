@@ -41,6 +41,9 @@ from tieredemb.init import _shr, splitmix64
 
 _INT64_MAX = 2**63 - 1
 MAX_LOAD = 0.5  # unbounded regions double before inserts would pass this load
+# find_touch(contest=True)'s slot for an absent key of a bounded region whose bucket holds a way
+# locked by an earlier batch: ``complete`` inserts only the absent keys at -1, never those below
+CONTESTED = -2
 
 
 def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:
@@ -225,19 +228,22 @@ class KeyIndex:
                  lock: bool, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
                  info: list[int], given_order: bool = False) -> InsertResult:
         """The rest of ``find_or_insert`` after ``find_touch``: ``info`` is the host copy of misses
-        per region, then ``_sizes``, read once (a caller may read them together with its own)."""
+        per region, then ``_sizes``, read once (a caller may read them together with its own).
+        Inserts the keys at slot -1; those a probe marked ``CONTESTED`` (or a caller otherwise, any
+        slot below -1) keep their slot and are not counted in ``misses``."""
         regions = len(self.regions)
         misses, sizes = info[:regions], info[regions:]
         found = slots >= 0
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not any(misses):  # the steady state of a warm table: every key found
             if not lock and self.locking:
-                self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+                self.locks.index_add_(0, slots.clamp(min=0), -found.to(torch.int32))
             return InsertResult(slots, found, values, empty, empty, empty, empty, any_miss=False,
-                                region_keys=per_region[regions:], inserted_count=0, unplaced=0)
-        miss = ~found
+                                region_keys=per_region[regions : 2 * regions], inserted_count=0, unplaced=0)
+        miss = slots == -1  # absent keys below -1 (``CONTESTED``, a caller's own marks) stay out
         if self._reserve([s + m for s, m in zip(sizes, misses)]):
-            slots = self.find(keys, tables)  # the rehash moved every slot
+            # the rehash moved every slot
+            slots = torch.where(slots < -1, slots, self.find(keys, tables))
         evicted, unplaced = self._insert(keys, tables, slots, miss, sum(misses), given_order)
         grow = []
         if not all(r.max_slots is not None for r in self.regions):
@@ -298,11 +304,15 @@ class KeyIndex:
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                    counts: torch.Tensor, valid: torch.Tensor | None = None,
                    guard: torch.Tensor | None = None, first_table: int | None = None,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None, contest: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Probe ``keys`` (unique pairs); lock and touch (``_touch``) the slots found. Returns slots
-        (-1: absent), their row addresses (-1: absent) and int64 (2R,): misses per region, then keys
-        per region. ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
+        (-1: absent), their row addresses (-1: absent) and int64 (3R,): misses per region, keys per
+        region, contested keys per region. ``contest``: an absent key of a bounded region whose
+        bucket holds a way locked before this call (by an earlier batch still in flight) gets slot
+        ``CONTESTED`` and is counted there, not among the misses: a plain loop would insert it after
+        that batch's release, choosing victims among its rows too (``TableGroup.settle``).
+        ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
         every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
         is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index.
         ``step`` may be an int64 tensor of one element on the device (a probe captured in a CUDA
@@ -322,12 +332,18 @@ class KeyIndex:
         slots = self.find(keys, tables)
         found = slots >= 0
         safe = slots.clamp(min=0)
+        if contest and self.bounded:  # the locks as they are before this call's
+            bucket = self._bucket(keys, tables)
+            ways = bucket[:, None] * self.width + torch.arange(self.width, device=self.device)[None, :]
+            held = (self.locks[ways] > 0).any(dim=1) & self.bucket_evictable[bucket]
+            slots = torch.where(held & ~found, CONTESTED, slots)
         if guard is None or not bool(guard.any()):
             if self.locking:
                 self.locks.index_add_(0, safe, found.to(torch.int32))
             self._touch(safe, found, tables, step, counts)
-        per_region = torch.cat([torch.bincount(tables[~found], minlength=regions),
-                                torch.bincount(tables, minlength=regions)])
+        per_region = torch.cat([torch.bincount(tables[slots == -1], minlength=regions),
+                                torch.bincount(tables, minlength=regions),
+                                torch.bincount(tables[slots == CONTESTED], minlength=regions)])
         values = torch.where(found, self.values[safe], -1)
         if out is None:
             out = tuple(torch.full((n,), -1, dtype=torch.int64, device=self.device) for _ in range(2))

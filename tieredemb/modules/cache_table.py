@@ -79,6 +79,8 @@ class CacheGroup(TableGroup):
     ``below``, the tables' backing store (``GroupStore``: one call for all tables where it can).
     """
 
+    _contest = False  # the staged probe only counts: the insertion probes again, after the fetch
+
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
                  cache_rows: list[int], below: GroupStore) -> None:
@@ -137,6 +139,7 @@ class CacheGroup(TableGroup):
         return super().stage_probe(keys, tables, step, counts, count, self._probe_only, first_table, out)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
+        info = info[: 2 * len(self.configs)]  # misses and sizes (its probe contests nothing)
         with label("## resolve ##"):
             return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
                                staged.step, staged.slots[:u], staged.per_region, info)
@@ -211,7 +214,7 @@ class CacheGroup(TableGroup):
         refused = dropped if deferring is None else dropped[~torch.isin(dropped, deferring)]
         # columns UNIQUE, HITS (in the cache or in a pad), MISSES: adjacent, one add per table
         self._counts[:, UNIQUE:MISSES + 1] += torch.stack(
-            [per_region[regions:], per_region[regions:] - misses, misses], dim=1)
+            [per_region[regions : 2 * regions], per_region[regions : 2 * regions] - misses, misses], dim=1)
         self._count((CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
                     (NOT_ADMITTED, utab[refused], None))
         owed_pos = torch.cat([in_pad, conflict]) if in_pad.numel() or conflict.numel() else empty

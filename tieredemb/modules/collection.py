@@ -121,8 +121,8 @@ class _StagedAll:
     distinct pairs and the sorted ids come group by group), each group's probe written into ``slots``
     and ``values`` at its own pairs; then in each group's own numbering: ``tables`` of the pairs,
     ``inverse`` and ``id_values`` of its ids (laid out group by group: ``grouped``), ``order``
-    (the sorted ids, positions among the group's). ``per_region``: each group's counts (misses, then
-    pairs, per region); ``plans``: each group's reduction plan (``reduce_plan``)."""
+    (the sorted ids, positions among the group's). ``per_region``: each group's counts (misses,
+    pairs and contested pairs per region); ``plans``: each group's reduction plan (``reduce_plan``)."""
 
     keys: torch.Tensor
     tables: torch.Tensor
@@ -286,7 +286,8 @@ class _Collection(nn.Module):
 
     def prefetch_deferred(self, kjt: object) -> None:
         """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
-        training batch without admission, bounded tables or sharding, no stashing),
+        training batch without admission policy, sharding or stashing; in cache mode without bounded
+        tables),
         its device work is queued and its one host read (the checks' verdict, the distinct keys, the
         misses) waits until the batch is needed: its forward, or the next change to the tables. A
         bad batch then raises at its forward. Otherwise the same as ``prefetch``. Made for a loop
@@ -369,7 +370,7 @@ class _Collection(nn.Module):
                 return CollectionPrefetch(batch, groups, True, stream=stream, graph_slot=slot)
             looked, looked_at = None, self._rows_changed
             if self._may_look_early(stream) and pending.id_values is not None and \
-                    not any(host[checks + 1 : checks + 1 + len(group.configs)]):  # no misses
+                    group.every_pair_found(host[checks:]):
                 looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
             with label("## group.prefetch ##"):
                 gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
@@ -491,7 +492,8 @@ class _Collection(nn.Module):
                 read += [per_region[-1], group.index.sizes_on_device]
         with label("## group.prefetch ##"):
             # each group's pairs come together, group by group: the first pair of each
-            pairs = torch.stack([p[len(g.configs):].sum() for g, p in zip(self._groups, per_region)])
+            pairs = torch.stack([p[len(g.configs) : 2 * len(g.configs)].sum()
+                                 for g, p in zip(self._groups, per_region)])
             pair_starts = pairs.cumsum(0) - pairs
             ids, id_tables, weights, inverse, id_values, order, tables = kernels.regroup_ids(
                 layout.group_shifts(staged, pair_starts), staged.values, staged.tables, staged.weights,
@@ -510,15 +512,15 @@ class _Collection(nn.Module):
         groups, pairs, ids, at = [], 0, 0, 1
         for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
             r = len(group.configs)
-            misses, present, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(3))
-            at += 3 * r
+            misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
+            at += 4 * r
             u, m = sum(present), gb.ids.numel()
             mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
             part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],
                                   pending.counts[mine], pending.order[its], pending.slots[mine],
                                   pending.values[mine], pending.per_region[g], pending.step,
                                   pending.id_values[its])
-            gpf = group.finish_prefetch(part, [u, *misses, *sizes], gb.ids_per_table)
+            gpf = group.finish_prefetch(part, [u, *misses, *sizes, *contested], gb.ids_per_table)
             gpf.sorted_ids.plan = pending.plans[g]
             groups.append(gpf)
             pairs, ids = pairs + u, ids + m

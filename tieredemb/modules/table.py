@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import InsertResult, Region
+from tieredemb.index.key_index import CONTESTED, InsertResult, Region
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -121,6 +121,7 @@ class StagedPrefetch:
 
 # columns of the per-table device counters
 UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
+REFUSED = -3  # the slot of a pair an admission policy keeps out (below -1: ``complete`` leaves it out)
 
 
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
@@ -168,6 +169,8 @@ class TableGroup:
         index_slots: per table, the bound of its region (default: the table's ``max_capacity``).
         device_rows: rows on the device before the next go to host memory (hybrid); None: all.
     """
+
+    _contest = True  # the staged probe marks the contested pairs (``find_touch``)
 
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
@@ -240,18 +243,19 @@ class TableGroup:
         return pf
 
     def can_stage(self) -> bool:
-        """Whether a training prefetch can be staged (``stage_prefetch``): every key of a batch gets
-        a stored row (no admission policy, no bounded table)."""
-        return self.admission is None and not self.index.bounded
+        """Whether a training prefetch can be staged (``stage_prefetch``): no table of the group
+        admits keys (the admission decision reads the device before the insertion can)."""
+        return self.admission is None
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor, by_id: bool = True,
                        id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """The device half of a training ``prefetch`` (``can_stage`` groups):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
-        ``guard`` (int64 (G,) on the device) is not all zero. Reads nothing on the host: returns the
-        staged state and the int64 tensors to read (1, R and R long, read with the caller's own in one
-        ``torch.cat``) whose values, in that order, ``finish_prefetch`` takes.
+        ``guard`` (int64 (G,) on the device) is not all zero, and marks the contested ones (a bounded
+        table's, ``find_touch``). Reads nothing on the host: returns the staged state and the int64
+        tensors to read (1, R, R and R long: the pairs, misses, sizes, contested pairs; read with the
+        caller's own in one ``torch.cat``) whose values, in that order, ``finish_prefetch`` takes.
         ``by_id``: also each id's row as probed, the forward's addresses when every key is found
         (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
         the device (a captured prefetch; the caller sets the host's in the result). ``id_count``:
@@ -262,11 +266,12 @@ class TableGroup:
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
                                                                                   id_count)
         with label("## resolve ##"):
-            slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard)
+            slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard,
+                                                              contest=self._contest)
         regions = len(self.configs)
         staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step,
                                 values[inverse] if by_id else None)
-        return staged, [count, per_region[:regions], self.index.sizes_on_device]
+        return staged, [count, per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :]]
 
     def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                     counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
@@ -274,9 +279,16 @@ class TableGroup:
         """``stage_prefetch``'s probe after one dedup of several groups' ids (``keys``: their distinct
         pairs, padded, ``count`` of them; ``tables`` numbered across the groups, this group's from
         ``first_table``): this group's pairs probed, their slots and values written into ``out`` at
-        their positions. Returns int64 (2R,): misses, then pairs, per region (the host reads them
-        with the index's sizes, for ``finish_prefetch``)."""
-        return self.index.find_touch(keys, tables, step, counts, count, guard, first_table, out)[2]
+        their positions. Returns int64 (3R,): misses, pairs and contested pairs per region (the host
+        reads them with the index's sizes, for ``finish_prefetch``)."""
+        return self.index.find_touch(keys, tables, step, counts, count, guard, first_table, out,
+                                     contest=self._contest)[2]
+
+    def every_pair_found(self, info: list[int]) -> bool:
+        """Whether ``stage_prefetch``'s read (``info``) says every pair of the batch was found (no
+        miss, none contested): the probe's rows are then the forward's."""
+        r = len(self.configs)
+        return not any(info[1 : 1 + r]) and not any(info[1 + 2 * r : 1 + 3 * r])
 
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
                         ids_per_table: list[int]) -> GroupPrefetch:
@@ -288,89 +300,80 @@ class TableGroup:
         return pf
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
-        """The batch's ``u`` distinct pairs after the staged probe and its read (``info``: misses
-        per region, then the index's sizes): the insertion."""
-        keys, utab, counts = staged.keys[:u], staged.tables[:u], staged.counts[:u]
-        res = self.index.complete(keys, utab, staged.step, counts, True, staged.slots[:u],
-                                  staged.values[:u], staged.per_region, info, given_order=True)
-        addresses = self._place_new(keys, utab, res)
-        self._count_probe(utab, utab, res, every_pair=True)
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        return GroupPrefetch(keys, utab, staged.inverse, addresses, keys, utab, res.slots,
-                             self.index.generation, empty,
-                             id_addresses=None if res.any_miss else staged.id_values)
+        """The batch's ``u`` distinct pairs after the staged probe and its read (``info``: misses per
+        region, the index's sizes, contested pairs per region): the insertion."""
+        return self._placed(staged.keys[:u], staged.tables[:u], staged.counts[:u], staged.inverse,
+                            staged.step, staged.slots[:u], staged.values[:u], staged.per_region, info,
+                            staged.id_values)
 
     def _prefetch_pairs(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if not training:
             self._count((UNIQUE, utab, None))
             slots = self.index.find(unique, utab)
             addresses = torch.where(slots >= 0, self.index.values[slots.clamp(min=0)], -1)
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return GroupPrefetch(unique, utab, inverse, addresses, empty, empty, empty,
                                  self.index.generation, empty)
-        store = self._admit(unique, utab, counts)  # bool (u,), or None: every key is stored
-        if store is None:
-            keys, ktab, kcounts = unique, utab, counts
-        else:
-            keys, ktab, kcounts = unique[store], utab[store], counts[store]
-        admitted = store
-        contested = self._contested(keys, ktab)
-        deferred = None
-        if contested is not None:
-            stored_pos = torch.arange(unique.numel(), device=self.device) if store is None else \
-                store.nonzero().squeeze(1)
-            deferred = stored_pos[contested]
-            keep = (~contested).nonzero().squeeze(1)
-            keys, ktab, kcounts = keys[keep], ktab[keep], kcounts[keep]
-            store = torch.zeros(unique.numel(), dtype=torch.bool, device=self.device)
-            store[stored_pos[keep]] = True
-            self._count((MISSES, utab[deferred], None))
-        # the dedup's keys come sorted: their order is the index's claim order, without a sort
-        res = self.index.find_or_insert(keys, step, kcounts, lock=True, tables=ktab, given_order=True)
-        addresses = self._place_new(keys, ktab, res)  # (k,), -1 for conflict misses
-        placed = res.slots >= 0
-        self._count_probe(utab, ktab, res, every_pair=store is None and contested is None)
-        generation = self.index.generation
-        if store is None and not self.index.bounded:  # every key got a row: no scratch
-            return GroupPrefetch(unique, utab, inverse, addresses, keys, ktab, res.slots, generation,
-                                 empty)
-        # scratch rows for the batch: keys not admitted, conflict misses of a bounded table
-        all_addr = torch.empty(unique.numel(), dtype=torch.int64, device=self.device)
-        stored_pos = torch.arange(unique.numel(), device=self.device)
-        if store is not None:
-            stored_pos = store.nonzero().squeeze(1)
-        if admitted is not None:
-            self._count((NOT_ADMITTED, utab, ~admitted))
-        all_addr[stored_pos] = addresses
-        scratch_pos = stored_pos[~placed]
-        if store is not None:
-            scratch_pos = torch.cat([(~store).nonzero().squeeze(1), scratch_pos])
-        scratch = self.store.allocate(scratch_pos.numel())
-        all_addr[scratch_pos] = scratch
-        self._initialize(unique[scratch_pos], utab[scratch_pos], scratch)
-        pf = GroupPrefetch(unique, utab, inverse, all_addr, keys[placed], ktab[placed], res.slots[placed],
+        regions = len(self.configs)
+        slots, values, per_region = self.index.find_touch(unique, utab, step, counts, contest=True)
+        read = [per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :]]
+        if self.admission is not None:  # the misses this batch does not bring to the threshold: out
+            slots = torch.where(self._count_admission(unique, utab, counts, slots >= 0), slots, REFUSED)
+            read = [self._per_table(utab, slots == -1), self.index.sizes_on_device,
+                    self._per_table(utab, slots == CONTESTED), (slots == REFUSED).sum().view(1)]
+        return self._placed(unique, utab, counts, inverse, step, slots, values, per_region,
+                            torch.cat(read).tolist())
+
+    def _per_table(self, tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """int64 (R,): the entries of ``mask`` per table."""
+        return torch.bincount(tables[mask], minlength=len(self.configs))
+
+    def _placed(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor,
+                step: int | torch.Tensor, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
+                info: list[int], id_values: torch.Tensor | None = None) -> GroupPrefetch:
+        """A training batch's distinct pairs after the probe (``find_touch`` with ``contest``: slots,
+        values, per_region; slots ``REFUSED`` where admission keeps a pair out) and its host read
+        (``info``: misses per region, the index's sizes, contested pairs per region, then, after an
+        admission, the pairs refused): the misses inserted, their rows given and initialized; a
+        scratch row for the batch where a pair got none (a conflict miss; a contested pair, inserted
+        when the batch holding its bucket goes, ``settle``; a refused one). ``id_values``: each id's
+        row as probed, the forward's addresses when every pair was found."""
+        regions = len(self.configs)
+        res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
+                                  info[: 2 * regions], given_order=True)  # claim in the dedup's order
+        addresses = self._place_new(keys, tables, res)  # -1 where not placed
+        waiting, refused = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
+        self._count_probe(tables, res, waiting + refused)
+        generation, empty = self.index.generation, torch.empty(0, dtype=torch.int64, device=self.device)
+        lacking = res.unplaced + waiting + refused
+        if not lacking:  # every pair placed (the common case)
+            return GroupPrefetch(keys, tables, inverse, addresses, keys, tables, res.slots, generation, empty,
+                                 id_addresses=None if res.any_miss else id_values)
+        placed = torch.nonzero_static(addresses >= 0, size=keys.numel() - lacking).squeeze(1)
+        without = torch.nonzero_static(addresses < 0, size=lacking).squeeze(1)
+        scratch = self.store.allocate(lacking)
+        addresses[without] = scratch
+        self._initialize(keys[without], tables[without], scratch)
+        pf = GroupPrefetch(keys, tables, inverse, addresses, keys[placed], tables[placed], res.slots[placed],
                            generation, scratch)
-        if deferred is not None:
-            pf.deferred = (deferred, step, counts[deferred])
+        if waiting:
+            pos = torch.nonzero_static(res.slots == CONTESTED, size=waiting).squeeze(1)
+            pf.deferred = (pos, step, counts[pos])
             self._pending.append(pf)
         return pf
 
-    def _count_probe(self, utab: torch.Tensor, ktab: torch.Tensor, res: InsertResult,
-                     every_pair: bool) -> None:
-        """Counters of one batch's insert: unique pairs (tables ``utab``), and hits, misses,
-        conflicts and evictions among the pairs inserted (tables ``ktab``); ``every_pair``: those are
-        all the batch's pairs (then a batch without misses adds the index's counts per region)."""
-        if res.any_miss:
-            self._count((UNIQUE, utab, None), (HITS, ktab, res.found), (MISSES, ktab, ~res.found),
-                        (CONFLICTS, ktab, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
-        elif every_pair:
-            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
+    def _count_probe(self, tables: torch.Tensor, res: InsertResult, held_back: int) -> None:
+        """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits, misses (a
+        refused pair is no miss), conflicts, evictions, refusals; ``held_back``: pairs the insert
+        left out (contested, refused)."""
+        if res.any_miss or held_back:
+            refused = () if self.admission is None else ((NOT_ADMITTED, tables, res.slots == REFUSED),)
+            self._count((UNIQUE, tables, None), (HITS, tables, res.found),
+                        (MISSES, tables, ~res.found & (res.slots != REFUSED)),
+                        (CONFLICTS, tables, res.slots == -1), (EVICTIONS, res.evicted_tables, None), *refused)
         else:
-            self._count((UNIQUE, utab, None), (HITS, ktab, None))
-
-    def _contested(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
-        return contested(self.index, keys, tables)
+            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
 
     def settle(self, pf: GroupPrefetch) -> None:
         """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
@@ -445,13 +448,6 @@ class TableGroup:
             return res.values
         safe = res.slots.clamp(min=0)
         return torch.where(res.slots >= 0, self.index.values[safe], -1)
-
-    def _admit(self, unique: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """bool (u,): keys to store (already stored, or admitted by this batch's occurrences);
-        None when no table of the group has an admission policy (every key is stored)."""
-        if self.admission is None:
-            return None
-        return self._count_admission(unique, tables, counts, self.index.find(unique, tables) >= 0)
 
     def _count_admission(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                          stored: torch.Tensor) -> torch.Tensor:

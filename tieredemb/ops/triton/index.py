@@ -95,18 +95,22 @@ def _find_kernel(
 @triton.jit(do_not_specialize=["n", "num_buckets", "step", "first_table"])
 def _find_touch_kernel(
     keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
-    table_scores, table_locks, out_slots, out_values, per_region, valid, guard, n, num_buckets, width, step,
-    step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr, POLICY: tl.constexpr,
-    BINS: tl.constexpr, GUARD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr, LOCK: tl.constexpr, STEP_PTR: tl.constexpr, RANGE: tl.constexpr,
+    table_scores, table_locks, bucket_evictable, out_slots, out_values, per_region, valid, guard, n,
+    num_buckets, width, step, step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr,
+    POLICY: tl.constexpr, BINS: tl.constexpr, GUARD: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, LOCK: tl.constexpr, STEP_PTR: tl.constexpr,
+    RANGE: tl.constexpr, CONTEST: tl.constexpr,
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
-    # out; per_region int64 (2, BINS, programs): this program's misses per region, then keys per
-    # region (bin BINS - 1 collects what is not counted; summed over programs after: no atomics).
-    # valid: int64 (1,) the real keys (the rest is padding); guard: int64 (GUARD,), nothing is
-    # changed unless it is all zero; STEP_PTR: the step is int64 (1,) at step_ptr (a captured probe);
-    # RANGE: only the keys of tables first_table .. first_table + regions - 1 are this index's
+    # out; per_region int64 (3, BINS, programs): this program's misses per region, keys per region,
+    # contested keys per region (bin BINS - 1 collects what is not counted; summed over programs
+    # after: no atomics). valid: int64 (1,) the real keys (the rest is padding); guard: int64
+    # (GUARD,), nothing is changed unless it is all zero; STEP_PTR: the step is int64 (1,) at
+    # step_ptr (a captured probe); RANGE: only the keys of tables first_table .. first_table +
+    # regions - 1 are this index's; CONTEST: an absent key whose bucket is evictable and holds a
+    # locked way gets slot -2 (contested), and the keys found are not locked here (``_lock_kernel``
+    # does it after, so that no program sees another's locks of this batch)
     if STEP_PTR:
         step = tl.load(step_ptr)
     bins = tl.arange(0, BINS)
@@ -114,24 +118,32 @@ def _find_touch_kernel(
     column = per_region + tl.program_id(0)
     real = tl.minimum(n, tl.load(valid))
     if tl.program_id(0).to(tl.int64) * BLOCK_K >= real:  # all padding: counts nothing
-        tl.store(column + bins * programs, tl.zeros([BINS], dtype=tl.int64))
-        tl.store(column + (BINS + bins) * programs, tl.zeros([BINS], dtype=tl.int64))
+        for row in tl.static_range(3):
+            tl.store(column + (row * BINS + bins) * programs, tl.zeros([BINS], dtype=tl.int64))
         return
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < real
     if RANGE:
         t = tl.load(tables + i, mask=in_range, other=first_table - 1)
         in_range = in_range & (t >= first_table) & (t < first_table + regions)
-    slot, r = _probe(keys, tables, region_start, region_buckets, table_keys, i, in_range, num_buckets,
-                     width, RESERVED, REGIONS, BLOCK_K, BLOCK_W, first_table)
+    k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
+                              REGIONS, BLOCK_K, first_table)
+    slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)
     found = slot >= 0
+    if CONTEST:
+        ways = tl.arange(0, BLOCK_W)
+        held = in_range & ~found & (tl.load(bucket_evictable + base // width, mask=in_range & ~found,
+                                            other=0) != 0)
+        locked = tl.load(table_locks + base[:, None] + ways[None, :],
+                         mask=held[:, None] & (ways[None, :] < width), other=0)
+        slot = tl.where(held & (tl.max(locked, axis=1) > 0), -2, slot)
     tl.store(out_slots + i, slot, mask=in_range)
     tl.store(out_values + i, tl.load(table_values + slot, mask=found, other=-1), mask=in_range)
     # the counts below include what a guarded batch would have touched
     g = tl.arange(0, BLOCK_G)
     failed = tl.sum((tl.load(guard + g, mask=g < GUARD, other=0) != 0).to(tl.int32), axis=0)
     touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
-    if LOCK:  # an index made with locking=False keeps none
+    if LOCK and not CONTEST:  # an index made with locking=False keeps none
         tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
     if POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
@@ -143,10 +155,31 @@ def _find_touch_kernel(
             lfu = tl.where(tl.load(region_lfu + r, mask=touch, other=0) != 0, lfu, lru)
         tl.store(table_scores + slot, lfu, mask=touch)
     spare = BINS - 1
-    misses = tl.histogram(tl.where(in_range & ~found, r, spare).to(tl.int32), BINS)
+    misses = tl.histogram(tl.where(in_range & (slot == -1), r, spare).to(tl.int32), BINS)
     tl.store(column + bins * programs, misses.to(tl.int64))
     present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
     tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
+    contested = tl.histogram(tl.where(in_range & (slot == -2), r, spare).to(tl.int32), BINS)
+    tl.store(column + (2 * BINS + bins) * programs, contested.to(tl.int64))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n", "first_table"])
+def _lock_kernel(slots, tables, table_locks, valid, guard, n, first_table, regions, GUARD: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, RANGE: tl.constexpr):
+    # find_touch's locks of the keys found (slots >= 0, distinct), after a probe that contested:
+    # the same keys as there (valid, RANGE), nothing unless guard is all zero
+    real = tl.minimum(n, tl.load(valid))
+    i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_range = i < real
+    if RANGE:
+        t = tl.load(tables + i, mask=in_range, other=first_table - 1)
+        in_range = in_range & (t >= first_table) & (t < first_table + regions)
+    g = tl.arange(0, BLOCK_G)
+    failed = tl.sum((tl.load(guard + g, mask=g < GUARD, other=0) != 0).to(tl.int32), axis=0)
+    slot = tl.load(slots + i, mask=in_range, other=-1)
+    touch = in_range & (slot >= 0) & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
+    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
 
 
 @fast_launch
@@ -306,37 +339,45 @@ class TritonKeyIndex(KeyIndex):
     def find_touch(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                    counts: torch.Tensor, valid: torch.Tensor | None = None,
                    guard: torch.Tensor | None = None, first_table: int | None = None,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None, contest: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reference's ``find_touch`` in one kernel (probe, lock, touch, count per region); reads
-        nothing on the host."""
+        """The reference's ``find_touch`` in one kernel (probe, lock, touch, count per region), two
+        when it contests (the locks after); reads nothing on the host."""
         n = keys.numel()
         regions = len(self.regions)
         if out is None:
             out = tuple(torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2))
         slots, values = out
         if n == 0:
-            return slots, values, torch.zeros(2 * regions, dtype=torch.int64, device=self.device)
+            return slots, values, torch.zeros(3 * regions, dtype=torch.int64, device=self.device)
+        contest = contest and self.bounded
         policies = {r.policy for r in self.regions}
         policy = 2 if len(policies) > 1 else int(policies == {"lfu"})
         block_w = triton.next_power_of_2(self.width)
         block_k = max(1, _FIND_TILE // block_w)
         bins = triton.next_power_of_2(regions + 1)
         programs = triton.cdiv(n, block_k)
-        partial = torch.empty(2, bins, programs, dtype=torch.int64, device=self.device)
+        partial = torch.empty(3, bins, programs, dtype=torch.int64, device=self.device)
         keys = keys.to(torch.int64).contiguous()
+        tables = tables.contiguous()
         valid = self._unguarded[:1] if valid is None else valid
         guard = self._unguarded[1:] if guard is None else guard
         on_device = isinstance(step, torch.Tensor)
+        block_g = triton.next_power_of_2(guard.numel())
         _find_touch_kernel[(programs,)](
-            keys, tables.contiguous(), counts.contiguous(), self._start_dev, self._nb_dev, self._lfu,
-            self.keys, self.values, self.scores, self.locks, slots, values, partial, valid, guard, n,
-            self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
+            keys, tables, counts.contiguous(), self._start_dev, self._nb_dev, self._lfu, self.keys,
+            self.values, self.scores, self.locks, self.bucket_evictable, slots, values, partial, valid, guard,
+            n, self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
             first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=policy, BINS=bins,
-            GUARD=guard.numel(), BLOCK_G=triton.next_power_of_2(guard.numel()), BLOCK_K=block_k,
-            BLOCK_W=block_w, LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None,
-            num_warps=4,
+            GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w, LOCK=self.locking,
+            STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest, num_warps=4,
         )
+        if contest:
+            block = 1024
+            _lock_kernel[(triton.cdiv(n, block),)](
+                slots, tables, self.locks, valid, guard, n, first_table or 0, regions, GUARD=guard.numel(),
+                BLOCK_G=block_g, BLOCK_K=block, RANGE=first_table is not None, num_warps=4,
+            )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
 
     def upsert(self, keys: torch.Tensor, tables: torch.Tensor | None, pool: torch.Tensor,
