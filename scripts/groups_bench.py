@@ -7,7 +7,7 @@ with PYTHONPATH on an older package for a before/after in one call (only one cal
                                                  [--capacity N] [--profile] [--python]
 
 --profile: the plain and deferred loops once more under the torch profiler: GPU busy time, host
-syncs and the GPU's idle gaps a step (profile_step.py's summaries). --python: the plain loop under
+syncs and the GPU's idle gaps a step (profile_step.py's summaries). --python: both loops under
 cProfile (where the host's time goes).
 """
 
@@ -96,11 +96,17 @@ def main() -> None:
 
     plain(batches[: args.steps])  # warm: most keys inserted
     s = args.steps
-    rows = [("plain", plain(batches[s : 2 * s])), ("deferred", deferred(batches[2 * s :]))]
+    rows = []
+    for name, loop, kjts in (("plain", plain, batches[s : 2 * s]), ("deferred", deferred, batches[2 * s :])):
+        before = ebc.stats()["t0"]
+        rows.append((name, loop(kjts), before, ebc.stats()["t0"]))
     print(f"groups {len(ebc._groups)} (dims {args.dims}), {args.tables} tables, {n} ids a step, "
           f"{args.optimizer}")
-    for name, ms in rows:
-        print(f"groups_bench {name:10s} {ms:8.3f} ms/step")
+    counters = {"unique": "unique_lookups", "misses": "misses", "evictions": "evictions",
+                "conflicts": "conflict_misses"}
+    for name, ms, a, b in rows:
+        per_step = ", ".join(f"{(getattr(b, f) - getattr(a, f)) / s:.0f} {c}" for c, f in counters.items())
+        print(f"groups_bench {name:10s} {ms:8.3f} ms/step   t0 a step: {per_step}")
     profiles(args, plain, deferred, batches[s : 2 * s])
 
 
@@ -110,10 +116,11 @@ def profiles(args: argparse.Namespace, plain, deferred, kjts) -> None:
         for name, loop in (("plain", plain), ("deferred", deferred)):
             profiled(name, loop, kjts)
     if args.python:
-        python_profile(plain, kjts)
+        for name, loop in (("plain", plain), ("deferred", deferred)):
+            python_profile(name, loop, kjts)
 
 
-def python_profile(loop, kjts) -> None:
+def python_profile(name: str, loop, kjts) -> None:
     """``loop`` over ``kjts`` under cProfile: where the host's time goes."""
     import cProfile
     import pstats
@@ -122,10 +129,10 @@ def python_profile(loop, kjts) -> None:
     prof.enable()
     ms = loop(kjts)
     prof.disable()
-    print(f"plain: {ms:.3f} ms a step under cProfile")
+    print(f"{name}: {ms:.3f} ms a step under cProfile")
     stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumtime").print_stats(50)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumtime").print_stats(40)
 
 
 def profiled(name: str, loop, kjts) -> None:
