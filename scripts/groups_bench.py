@@ -69,7 +69,9 @@ def main() -> None:
         # as the hbm bench's (bounded tables: the warm steps insert, a write could overflow a bucket)
         ebc.write(t.name, every, torch.zeros(args.rows, t.embedding_dim, device=dev))
 
-    batches = [batch() for _ in range(3 * args.steps)]
+    def batches() -> list:  # new ones every loop: a bounded table's misses stay those of a steady state
+        return [batch() for _ in range(args.steps)]
+
     width = sum(t.embedding_dim for t in tables)
     grad = torch.randn(args.batch, width, generator=gen, device=dev)
 
@@ -94,12 +96,13 @@ def main() -> None:
         sync()
         return (time.perf_counter() - t0) / len(kjts) * 1e3
 
-    plain(batches[: args.steps])  # warm: most keys inserted
+    plain(batches())  # warm: most keys inserted, each loop's CUDA graphs captured
+    deferred(batches())
     s = args.steps
     rows = []
-    for name, loop, kjts in (("plain", plain, batches[s : 2 * s]), ("deferred", deferred, batches[2 * s :])):
+    for name, loop in (("plain", plain), ("deferred", deferred)):
         before = ebc.stats()["t0"]
-        rows.append((name, loop(kjts), before, ebc.stats()["t0"]))
+        rows.append((name, loop(batches()), before, ebc.stats()["t0"]))
     print(f"groups {len(ebc._groups)} (dims {args.dims}), {args.tables} tables, {n} ids a step, "
           f"{args.optimizer}")
     counters = {"unique": "unique_lookups", "misses": "misses", "evictions": "evictions",
@@ -107,17 +110,17 @@ def main() -> None:
     for name, ms, a, b in rows:
         per_step = ", ".join(f"{(getattr(b, f) - getattr(a, f)) / s:.0f} {c}" for c, f in counters.items())
         print(f"groups_bench {name:10s} {ms:8.3f} ms/step   t0 a step: {per_step}")
-    profiles(args, plain, deferred, batches[s : 2 * s])
+    profiles(args, plain, deferred, batches)
 
 
-def profiles(args: argparse.Namespace, plain, deferred, kjts) -> None:
-    """--profile and --python: the loops again, under the torch profiler or cProfile."""
+def profiles(args: argparse.Namespace, plain, deferred, batches) -> None:
+    """--profile and --python: the loops again (on new batches), under the torch profiler or cProfile."""
     if args.profile:
         for name, loop in (("plain", plain), ("deferred", deferred)):
-            profiled(name, loop, kjts)
+            profiled(name, loop, batches())
     if args.python:
         for name, loop in (("plain", plain), ("deferred", deferred)):
-            python_profile(name, loop, kjts)
+            python_profile(name, loop, batches())
 
 
 def python_profile(name: str, loop, kjts) -> None:
