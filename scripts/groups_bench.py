@@ -4,7 +4,8 @@ TrainPipeline's order (batch i+1's prefetch_deferred between forward i and backw
 with PYTHONPATH on an older package for a before/after in one call (only one call's runs compare).
 
     PYTHONPATH=. python3 scripts/groups_bench.py [--dims 64,128] [--steps 40] [--optimizer adam]
-                                                 [--capacity N] [--profile] [--python]
+                                                 [--capacity N] [--rows N] [--alpha A]
+                                                 [--profile] [--python]
 
 --profile: the plain and deferred loops once more under the torch profiler: GPU busy time, host
 syncs and the GPU's idle gaps a step (profile_step.py's summaries). --python: both loops under
@@ -19,6 +20,7 @@ import time
 import torch
 
 import tieredemb as te
+from tieredemb.bench.workloads import ZipfSampler
 
 
 def sync() -> None:
@@ -33,6 +35,8 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=200_000, help="keys a table draws from, all stored first")
     p.add_argument("--capacity", type=int, default=None,
                    help="max_capacity of every table (bounded tables: their prefetch is not staged)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="Zipf exponent of the ranks (the hbm workload's law, e.g. 1.05; default u ** -1)")
     p.add_argument("--batch", type=int, default=10_486)
     p.add_argument("--bag", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
@@ -59,7 +63,11 @@ def main() -> None:
     def key(ranks: torch.Tensor) -> torch.Tensor:
         return ranks * 0x9E3779B1 + 12345
 
-    def batch() -> te.KeyedJaggedTensor:  # Zipf-like: u ** -1 over the rows, hashed
+    zipf = None if args.alpha is None else ZipfSampler(args.rows, args.alpha, dev)
+
+    def batch() -> te.KeyedJaggedTensor:  # Zipf-like: u ** -1 over the rows (or --alpha's law), hashed
+        if zipf is not None:
+            return te.KeyedJaggedTensor(keys, key(zipf.sample((n,), gen)), lengths)
         u = torch.rand(n, generator=gen, device=dev)
         ranks = (u.pow(-1.0).long() - 1).clamp_(max=args.rows - 1)
         return te.KeyedJaggedTensor(keys, key(ranks), lengths)
