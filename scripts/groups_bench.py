@@ -46,6 +46,27 @@ def arguments() -> argparse.Namespace:
     return p.parse_args()
 
 
+def key(ranks: torch.Tensor) -> torch.Tensor:
+    return ranks * 0x9E3779B1 + 12345
+
+
+def batch_maker(args: argparse.Namespace, dev: torch.device, gen: torch.Generator):
+    """A function making the next batch: ids Zipf-like, u ** -1 over the rows (or --alpha's law), hashed."""
+    n = args.tables * args.batch * args.bag
+    lengths = torch.full((args.tables * args.batch,), args.bag, dtype=torch.int64, device=dev)
+    keys = [f"f{i}" for i in range(args.tables)]
+    zipf = None if args.alpha is None else ZipfSampler(args.rows, args.alpha, dev)
+
+    def batch() -> te.KeyedJaggedTensor:
+        if zipf is not None:
+            return te.KeyedJaggedTensor(keys, key(zipf.sample((n,), gen)), lengths)
+        u = torch.rand(n, generator=gen, device=dev)
+        ranks = (u.pow(-1.0).long() - 1).clamp_(max=args.rows - 1)
+        return te.KeyedJaggedTensor(keys, key(ranks), lengths)
+
+    return batch
+
+
 def main() -> None:
     args = arguments()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,22 +77,8 @@ def main() -> None:
     opt = te.optim.Adam(lr=0.01) if args.optimizer == "adam" else te.optim.SGD(lr=0.01)
     ebc = te.EmbeddingBagCollection(tables, optimizer=opt, device=dev)
     gen = torch.Generator(device=dev).manual_seed(0)
+    batch = batch_maker(args, dev, gen)
     n = args.tables * args.batch * args.bag
-    lengths = torch.full((args.tables * args.batch,), args.bag, dtype=torch.int64, device=dev)
-    keys = [f"f{i}" for i in range(args.tables)]
-
-    def key(ranks: torch.Tensor) -> torch.Tensor:
-        return ranks * 0x9E3779B1 + 12345
-
-    zipf = None if args.alpha is None else ZipfSampler(args.rows, args.alpha, dev)
-
-    def batch() -> te.KeyedJaggedTensor:  # Zipf-like: u ** -1 over the rows (or --alpha's law), hashed
-        if zipf is not None:
-            return te.KeyedJaggedTensor(keys, key(zipf.sample((n,), gen)), lengths)
-        u = torch.rand(n, generator=gen, device=dev)
-        ranks = (u.pow(-1.0).long() - 1).clamp_(max=args.rows - 1)
-        return te.KeyedJaggedTensor(keys, key(ranks), lengths)
-
     every = key(torch.arange(args.rows, device=dev))
     for t in tables if args.capacity is None else []:  # every key stored first: steps without misses,
         # as the hbm bench's (bounded tables: the warm steps insert, a write could overflow a bucket)
