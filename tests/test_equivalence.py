@@ -322,6 +322,24 @@ def test_stats_and_storage_mode():
     assert all(isinstance(s, te.TableStats) for s in stats.values())
 
 
+def test_stats_count_hits_misses_conflicts_evictions_and_refusals():
+    """The counters against a count by hand: table a admits a key at its second occurrence; table b
+    holds 4 rows in one bucket (max_capacity 4, bucket width 4), so 5 new keys in one batch leave
+    one without a row (a conflict miss) and 2 new keys the next step evict 2 unlocked rows."""
+    tables = [te.TableConfig("a", 2, ["x"], admission=te.FrequencyAdmission(2)),
+              te.TableConfig("b", 2, ["y"], max_capacity=4)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1),
+                                    storage=te.StorageConfig(bucket_width=4))
+    for bags in ({"x": [[1, 2, 2, 3]], "y": [[10, 11, 12, 13, 14]]}, {"x": [[1, 2]], "y": [[20, 21]]}):
+        ebc(Batch(bags).kjt()).values().sum().backward()
+    a, b = ebc.stats()["a"], ebc.stats()["b"]
+    # a: step 1 distinct 1, 2, 3 (2 admitted, a miss; 1 and 3 refused), step 2: 2 a hit, 1 admitted
+    assert (a.lookups, a.unique_lookups, a.hits, a.misses, a.not_admitted) == (6, 5, 1, 2, 2)
+    assert (b.lookups, b.unique_lookups, b.hits, b.misses) == (7, 7, 0, 7)
+    assert (b.conflict_misses, b.evictions, b.not_admitted) == (1, 2, 0)
+    assert sorted_export(ebc, "a")[0].tolist() == [1, 2] and sorted_export(ebc, "b")[0].numel() == 4
+
+
 def test_kjt_given_by_offsets_equals_kjt_given_by_lengths():
     tables = [te.TableConfig("t", 3, ["x", "y"], pooling="mean")]
     batch = Batch(

@@ -52,6 +52,16 @@ def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tens
     return (hi * num_buckets) >> 32
 
 
+def region_counts(tables: torch.Tensor, mask: torch.Tensor | None, regions: int) -> torch.Tensor:
+    """int64 (regions,): the entries of ``tables`` (int64 (n,), where ``mask``) per region. A
+    histogram: no host read, and not 10^5 atomics on a few counters (``index_add_``: ~0.1 ms)."""
+    if tables.numel() == 0:
+        return torch.zeros(regions, dtype=torch.int64, device=tables.device)
+    idx = tables if mask is None else torch.where(mask, tables, regions)
+    hist = torch.histc(idx.to(torch.float32), bins=regions + 1, min=0, max=regions + 1)
+    return hist[:regions].to(torch.int64)
+
+
 @dataclass(frozen=True)
 class Region:
     """One table's part of an index: its eviction ``policy``, its bound ``max_slots`` (None:
@@ -264,8 +274,9 @@ class KeyIndex:
         self._touch(safe, placed & miss, tables, step, counts)
         if not lock and self.locking:
             self.locks.index_add_(0, safe, -placed.to(torch.int32))
-        self._sizes.index_add_(0, tables, (miss & placed).to(torch.int64))
-        self._sizes.index_add_(0, evicted[3], torch.full_like(evicted[3], -1))
+        self._sizes += region_counts(tables, miss & placed, regions)
+        if evicted[3].numel():
+            self._sizes -= region_counts(evicted[3], None, regions)
         return InsertResult(slots, found, values, *evicted, inserted_count=sum(misses) - unplaced,
                             unplaced=unplaced)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import CONTESTED, InsertResult, Region
+from tieredemb.index.key_index import CONTESTED, InsertResult, Region, region_counts
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -317,25 +317,28 @@ class TableGroup:
                                  self.index.generation, empty)
         regions = len(self.configs)
         slots, values, per_region = self.index.find_touch(unique, utab, step, counts, contest=True)
-        read = [per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :]]
+        refused = None
         if self.admission is not None:  # the misses this batch does not bring to the threshold: out
             slots = torch.where(self._count_admission(unique, utab, counts, slots >= 0), slots, REFUSED)
-            read = [self._per_table(utab, slots == -1), self.index.sizes_on_device,
-                    self._per_table(utab, slots == CONTESTED), (slots == REFUSED).sum().view(1)]
+            per_region = torch.cat([region_counts(utab, slots == -1, regions),
+                                    per_region[regions : 2 * regions],
+                                    region_counts(utab, slots == CONTESTED, regions)])
+            refused = region_counts(utab, slots == REFUSED, regions)
+        read = [per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :]]
+        if refused is not None:
+            read.append(refused.sum().view(1))
         return self._placed(unique, utab, counts, inverse, step, slots, values, per_region,
-                            torch.cat(read).tolist())
-
-    def _per_table(self, tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """int64 (R,): the entries of ``mask`` per table."""
-        return torch.bincount(tables[mask], minlength=len(self.configs))
+                            torch.cat(read).tolist(), refused=refused)
 
     def _placed(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor,
                 step: int | torch.Tensor, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
-                info: list[int], id_values: torch.Tensor | None = None) -> GroupPrefetch:
+                info: list[int], id_values: torch.Tensor | None = None,
+                refused: torch.Tensor | None = None) -> GroupPrefetch:
         """A training batch's distinct pairs after the probe (``find_touch`` with ``contest``: slots,
-        values, per_region; slots ``REFUSED`` where admission keeps a pair out) and its host read
-        (``info``: misses per region, the index's sizes, contested pairs per region, then, after an
-        admission, the pairs refused): the misses inserted, their rows given and initialized; a
+        values, per_region; slots ``REFUSED`` where admission keeps a pair out, ``refused`` int64
+        (R,) of them per table, not among ``per_region``'s misses and contested pairs) and its host
+        read (``info``: misses per region, the index's sizes, contested pairs per region, then, after
+        an admission, the pairs refused): the misses inserted, their rows given and initialized; a
         scratch row for the batch where a pair got none (a conflict miss; a contested pair, inserted
         when the batch holding its bucket goes, ``settle``; a refused one). ``id_values``: each id's
         row as probed, the forward's addresses when every pair was found."""
@@ -343,10 +346,10 @@ class TableGroup:
         res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
-        waiting, refused = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
-        self._count_probe(tables, res, waiting + refused)
+        waiting, kept_out = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
+        self._count_probe(tables, res, per_region, refused)
         generation, empty = self.index.generation, torch.empty(0, dtype=torch.int64, device=self.device)
-        lacking = res.unplaced + waiting + refused
+        lacking = res.unplaced + waiting + kept_out
         if not lacking:  # every pair placed (the common case)
             return GroupPrefetch(keys, tables, inverse, addresses, keys, tables, res.slots, generation, empty,
                                  id_addresses=None if res.any_miss else id_values)
@@ -363,17 +366,21 @@ class TableGroup:
             self._pending.append(pf)
         return pf
 
-    def _count_probe(self, tables: torch.Tensor, res: InsertResult, held_back: int) -> None:
-        """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits, misses (a
-        refused pair is no miss), conflicts, evictions, refusals; ``held_back``: pairs the insert
-        left out (contested, refused)."""
-        if res.any_miss or held_back:
-            refused = () if self.admission is None else ((NOT_ADMITTED, tables, res.slots == REFUSED),)
-            self._count((UNIQUE, tables, None), (HITS, tables, res.found),
-                        (MISSES, tables, ~res.found & (res.slots != REFUSED)),
-                        (CONFLICTS, tables, res.slots == -1), (EVICTIONS, res.evicted_tables, None), *refused)
-        else:
-            self._counts[:, UNIQUE : HITS + 1] += res.region_keys[:, None]
+    def _count_probe(self, tables: torch.Tensor, res: InsertResult, per_region: torch.Tensor,
+                     refused: torch.Tensor | None) -> None:
+        """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits and misses
+        per table from the probe's counts (``per_region``: misses, pairs, contested pairs; a pair
+        ``refused`` admission, int64 (R,) per table, is neither hit nor miss), then conflicts and
+        evictions where the insert had any."""
+        misses, pairs, contested = per_region.view(3, -1)
+        absent = misses + contested if refused is None else misses + contested + refused
+        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - absent, misses + contested], 1)
+        if refused is not None:
+            self._counts[:, NOT_ADMITTED] += refused
+        if res.unplaced:
+            self._count((CONFLICTS, tables, res.slots == -1))
+        if res.evicted_tables.numel():
+            self._count((EVICTIONS, res.evicted_tables, None))
 
     def settle(self, pf: GroupPrefetch) -> None:
         """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
@@ -387,9 +394,10 @@ class TableGroup:
             self._give_rows(res)
         rows = self._slot_rows(res)[placed]
         scratch = pf.addresses[pos[placed]]
-        self.kernels.scatter(self.store, rows, self.store.gather(scratch))
+        self.kernels.scatter(self.store, rows, self.kernels.gather(self.store, scratch, self.width))
         pf.addresses[pos[placed]] = rows
-        pf.scratch = pf.scratch[~torch.isin(pf.scratch, scratch)]
+        kept = pf.scratch.numel() - scratch.numel()  # the scratch rows still the batch's
+        pf.scratch = pf.scratch[torch.nonzero_static(~torch.isin(pf.scratch, scratch), size=kept).squeeze(1)]
         self.store.free(scratch)
         pf.locked = torch.cat([pf.locked, keys[placed]])
         pf.locked_tables = torch.cat([pf.locked_tables, tables[placed]])
@@ -407,7 +415,10 @@ class TableGroup:
         keys, tables = pf.unique_keys[pos], pf.unique_tables[pos]
         res = index.find_or_insert(keys, step, counts, lock=True, tables=tables, given_order=True)
         self._count((CONFLICTS, tables, res.slots < 0), (EVICTIONS, res.evicted_tables, None))
-        placed = (res.slots >= 0).nonzero().squeeze(1)
+        if res.unplaced is None:
+            placed = (res.slots >= 0).nonzero().squeeze(1)
+        else:  # known on the host: no read
+            placed = torch.nonzero_static(res.slots >= 0, size=keys.numel() - res.unplaced).squeeze(1)
         return (pos, keys, tables, res, placed) if placed.numel() else None
 
     def _place_new(self, keys: torch.Tensor, tables: torch.Tensor, res: InsertResult) -> torch.Tensor:
