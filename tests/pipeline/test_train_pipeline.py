@@ -255,15 +255,20 @@ def test_pipeline_over_tiered_storage(caching):
 
 @pytest.mark.parametrize("admission", [True, False])  # without: the prefetch is staged
 def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admission):
-    """prefetch(i+1) meets buckets holding rows batch i still has locked: the misses there wait for
-    batch i's release to be inserted (a plain loop inserts them after it, choosing victims among
-    those rows too), so the pipeline keeps and evicts exactly the plain loop's rows."""
+    """prefetch(i+1) meets buckets holding rows batch i still has locked: the misses there are
+    inserted after batch i's release (as a plain loop does, choosing victims among those rows too),
+    so the pipeline keeps and evicts exactly the plain loop's rows. With admission the prefetch
+    inserts before that release and defers them (``settle``); staged (no admission), its insertion
+    comes after batch i gave its locks back, and the pairs its probe contested go in with the
+    misses, none deferred."""
     from tieredemb.modules.table import TableGroup
 
-    deferrals = []
+    deferrals, contested = [], []
     placed = TableGroup._placed
 
     def counted(self, *args, **kwargs):
+        info, regions = args[8], len(self.configs)
+        contested.append(sum(info[2 * regions : 3 * regions]))
         pf = placed(self, *args, **kwargs)
         deferrals.append(0 if pf.deferred is None else pf.deferred[0].numel())
         return pf
@@ -273,10 +278,11 @@ def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admissio
     kw = {"limited": True, "capacity": 12, "admission": admission}
     want_model, want_opt = build(te.EmbeddingBagCollection, "sgd", **kw)
     want = plain_loop(want_model, want_opt, batches)
-    assert sum(deferrals) == 0  # nothing in flight
+    assert sum(deferrals) == sum(contested) == 0  # nothing in flight
     model, opt = build(te.EmbeddingBagCollection, "sgd", **kw)
     got = pipelined(TrainPipeline(model, opt), batches)
-    assert sum(deferrals[len(batches):]) > 0  # the pipelined run did defer insertions
+    assert sum(contested[len(batches):]) > 0  # the pipelined run's probes met locked buckets
+    assert (sum(deferrals[len(batches):]) > 0) == admission
     assert stat(model, "conflict_misses") == stat(want_model, "conflict_misses")
     assert stat(model, "evictions") == stat(want_model, "evictions") > 0
     assert_same_training(model, want_model, got, want)

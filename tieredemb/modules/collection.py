@@ -260,8 +260,12 @@ class _Collection(nn.Module):
         """Subclasses: precompute how outputs are assembled."""
 
     @contextmanager
-    def _mutating(self):
+    def _mutating(self, first=None):
+        """The lock, the deferred prefetches finished, and the stream ordered after the last change:
+        a change to the tables may start. ``first``: a change made before those prefetches finish."""
         with self._lock:
+            if first is not None:
+                first()
             self._settle()  # a deferred prefetch's host half comes before any other change
             if self.device.type != "cuda":
                 yield
@@ -695,7 +699,7 @@ class _Collection(nn.Module):
         held = [(group, part) for group, part in zip(self._groups, parts) if group.holds(part)]
         # nothing to unlock or free (a warm hbm_direct batch): no lock to take, so no wait for the
         # prefetch thread resolving the next batch under it (0.9 ms a step, session 7)
-        with self._mutating() if held else nullcontext():
+        with self._mutating(self._unlock_first(state, held)) if held else nullcontext():
             if state.released:
                 return
             state.released = True
@@ -705,6 +709,23 @@ class _Collection(nn.Module):
                 group.release(part)
             if state.graph_slot is not None:  # its outputs take another batch once the stream is past here
                 self._captured.release(state.graph_slot, state.stream)
+
+    def _unlock_first(self, state: CollectionPrefetch, held: list):
+        """What ``_release`` does before the deferred prefetches of later batches finish: give the
+        batch's locks back (``TableGroup.release_locks``), so that their insertion of a bounded
+        table's misses meets the buckets as a plain loop would, with no pair left to wait for
+        ``settle``. Only where those prefetches were staged on this stream, after the last change
+        (their probe is ordered before the unlock); else None, and the locks go with the release."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        staged = [record for _, record in self._queued if isinstance(record, _Staged)]
+        if not staged or any(r.stream != stream for r in staged) or self._mutated_on not in (None, stream):
+            return None
+
+        def unlock():
+            if not state.released:
+                for group, part in held:
+                    group.release_locks(part)
+        return unlock
 
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False

@@ -82,6 +82,7 @@ class GroupPrefetch:
     # bounded tables under a pipeline: misses whose bucket held rows of an earlier batch still in
     # flight, placed when that batch is released (as a plain loop would): (positions, step, counts)
     deferred: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    holds_locks: bool = False  # counted in its group's batches holding locks of a bounded index
     sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
     id_addresses: torch.Tensor | None = None  # int64 (n,) addresses[inverse], when made before the read
 
@@ -211,6 +212,7 @@ class TableGroup:
                        for init, ts in inits.items()]
         self.lookups = [0] * len(configs)  # ids looked up, per table (known on the host)
         self._pending: list[GroupPrefetch] = []  # batches with deferred insertions, oldest first
+        self._holding = 0  # batches placed whose locks of a bounded index are not given back yet
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
 
     def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
@@ -343,6 +345,12 @@ class TableGroup:
         when the batch holding its bucket goes, ``settle``; a refused one). ``id_values``: each id's
         row as probed, the forward's addresses when every pair was found."""
         regions = len(self.configs)
+        if not self._holding and any(info[2 * regions : 3 * regions]):
+            # the batches whose locks contested these pairs are gone: in with the misses, now, as in
+            # a plain loop (a pipeline's batch finished after the release of the one before)
+            slots = torch.where(slots == CONTESTED, -1, slots)
+            info = [m + c for m, c in zip(info[:regions], info[2 * regions : 3 * regions])] + \
+                info[regions : 2 * regions] + [0] * regions + info[3 * regions :]
         res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
@@ -350,16 +358,18 @@ class TableGroup:
         self._count_probe(tables, res, per_region, refused)
         generation, empty = self.index.generation, torch.empty(0, dtype=torch.int64, device=self.device)
         lacking = res.unplaced + waiting + kept_out
+        self._holding += self.index.bounded
         if not lacking:  # every pair placed (the common case)
             return GroupPrefetch(keys, tables, inverse, addresses, keys, tables, res.slots, generation, empty,
-                                 id_addresses=None if res.any_miss else id_values)
+                                 id_addresses=None if res.any_miss else id_values,
+                                 holds_locks=self.index.bounded)
         placed = torch.nonzero_static(addresses >= 0, size=keys.numel() - lacking).squeeze(1)
         without = torch.nonzero_static(addresses < 0, size=lacking).squeeze(1)
         scratch = self.store.allocate(lacking)
         addresses[without] = scratch
         self._initialize(keys[without], tables[without], scratch)
         pf = GroupPrefetch(keys, tables, inverse, addresses, keys[placed], tables[placed], res.slots[placed],
-                           generation, scratch)
+                           generation, scratch, holds_locks=self.index.bounded)
         if waiting:
             pos = torch.nonzero_static(res.slots == CONTESTED, size=waiting).squeeze(1)
             pf.deferred = (pos, step, counts[pos])
@@ -502,12 +512,26 @@ class TableGroup:
         self._release_own(pf)
         self._settle_pending()
 
+    def release_locks(self, pf: GroupPrefetch) -> None:
+        """``release``'s unlock, ahead of it: the collection gives a batch's locks back before it
+        finishes the later batches' deferred prefetches, whose insertion then meets the buckets
+        as in a plain loop (no pair contested by this batch waits for ``settle``)."""
+        if pf.holds_locks:
+            self._unlock(pf)
+
+    def _unlock(self, pf: GroupPrefetch) -> None:
+        if not self.index.unlock_slots(pf.locked_slots, pf.generation):
+            self.index.unlock(pf.locked, pf.locked_tables)  # rehashed since: find the keys again
+        if pf.holds_locks:
+            pf.holds_locks = False
+            self._holding -= 1
+        pf.locked_slots = pf.locked = pf.locked_tables = pf.locked_slots[:0]  # given back
+
     def _release_own(self, pf: GroupPrefetch) -> None:
         if pf.deferred is not None:  # never forwarded: nothing to insert
             pf.deferred = None
             self._pending.remove(pf)
-        if not self.index.unlock_slots(pf.locked_slots, pf.generation):
-            self.index.unlock(pf.locked, pf.locked_tables)  # rehashed since: find the keys again
+        self._unlock(pf)
         self.store.free(pf.scratch)
 
     def _settle_pending(self) -> None:
