@@ -95,23 +95,35 @@ def test_a_cache_step_with_misses_and_evictions_reads_the_device_three_times():
     assert after.evictions > before.evictions and after.misses > before.misses
 
 
-def test_a_bounded_step_with_misses_and_evictions_reads_the_device_twice():
+@pytest.mark.parametrize("loop", ["plain", "pipelined"])
+def test_a_bounded_step_with_misses_and_evictions_reads_the_device_twice(loop):
     """Bounded tables (hbm_direct, ``max_capacity`` a fifth of the keys drawn): misses, evictions and
-    conflict misses every step; a plain loop reads the device twice (the staged prefetch's read, then
-    the insert's: victims and pairs left without a slot), forward and backward never."""
+    conflict misses every step; a step reads the device twice (the staged prefetch's read, then the
+    insert's: victims and pairs left without a slot), forward and backward never. Also in
+    TrainPipeline's order (batch i+1's ``prefetch_deferred`` between forward i and backward i), where
+    the probe of batch i+1 meets buckets batch i holds: its insertion waits for batch i's locks to be
+    given back, and nothing is inserted later (``settle``), with its own reads."""
     tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], max_capacity=128) for i in range(3)]
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), device=DEV,
                                     storage=te.StorageConfig(bucket_width=8))
     gen = torch.Generator().manual_seed(0)
-    before = None
-    for i in range(16):
+    kjts = []
+    for _ in range(17):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
         ids = torch.randint(0, 640, (int(lengths.sum()),), generator=gen)
-        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV)
+        kjts.append(te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV))
+    if loop == "pipelined":
+        ebc.prefetch_deferred(kjts[0])
+    before = None
+    for i, kjt in enumerate(kjts[:-1]):
 
-        def step(kjt=kjt):
-            ebc.prefetch(kjt)
-            ebc(kjt).values().sum().backward()
+        def step(kjt=kjt, following=kjts[i + 1]):
+            if loop == "plain":
+                ebc.prefetch(kjt)
+            out = ebc(kjt).values()
+            if loop == "pipelined":
+                ebc.prefetch_deferred(following)
+            out.sum().backward()
 
         if i < 10:
             step()
