@@ -355,7 +355,7 @@ class TableGroup:
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
         waiting, kept_out = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
-        self._count_probe(tables, res, per_region, refused)
+        self._count_probe(tables, res, per_region, refused, res.any_miss or waiting or kept_out)
         generation, empty = self.index.generation, torch.empty(0, dtype=torch.int64, device=self.device)
         lacking = res.unplaced + waiting + kept_out
         self._holding += self.index.bounded
@@ -377,12 +377,15 @@ class TableGroup:
         return pf
 
     def _count_probe(self, tables: torch.Tensor, res: InsertResult, per_region: torch.Tensor,
-                     refused: torch.Tensor | None) -> None:
+                     refused: torch.Tensor | None, absent: bool) -> None:
         """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits and misses
         per table from the probe's counts (``per_region``: misses, pairs, contested pairs; a pair
         ``refused`` admission, int64 (R,) per table, is neither hit nor miss), then conflicts and
-        evictions where the insert had any."""
+        evictions where the insert had any. ``absent``: some pair was not found (else one add)."""
         misses, pairs, contested = per_region.view(3, -1)
+        if not absent:  # the steady state of a warm table
+            self._counts[:, UNIQUE : HITS + 1] += pairs[:, None]
+            return
         absent = misses + contested if refused is None else misses + contested + refused
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - absent, misses + contested], 1)
         if refused is not None:

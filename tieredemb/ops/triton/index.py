@@ -159,7 +159,9 @@ def _find_touch_kernel(
     tl.store(column + bins * programs, misses.to(tl.int64))
     present = tl.histogram(tl.where(in_range, r, spare).to(tl.int32), BINS)
     tl.store(column + (BINS + bins) * programs, present.to(tl.int64))
-    contested = tl.histogram(tl.where(in_range & (slot == -2), r, spare).to(tl.int32), BINS)
+    contested = tl.zeros([BINS], dtype=tl.int32)
+    if CONTEST:
+        contested = tl.histogram(tl.where(in_range & (slot == -2), r, spare).to(tl.int32), BINS)
     tl.store(column + (2 * BINS + bins) * programs, contested.to(tl.int64))
 
 
