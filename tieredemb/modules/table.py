@@ -377,13 +377,13 @@ class TableGroup:
         return pf
 
     def _count_probe(self, tables: torch.Tensor, res: InsertResult, per_region: torch.Tensor,
-                     refused: torch.Tensor | None, absent: bool) -> None:
+                     refused: torch.Tensor | None, any_absent: bool) -> None:
         """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits and misses
         per table from the probe's counts (``per_region``: misses, pairs, contested pairs; a pair
         ``refused`` admission, int64 (R,) per table, is neither hit nor miss), then conflicts and
-        evictions where the insert had any. ``absent``: some pair was not found (else one add)."""
+        evictions where the insert had any. ``any_absent``: some pair was not found (else one add)."""
         misses, pairs, contested = per_region.view(3, -1)
-        if not absent:  # the steady state of a warm table
+        if not any_absent:  # the steady state of a warm table
             self._counts[:, UNIQUE : HITS + 1] += pairs[:, None]
             return
         absent = misses + contested if refused is None else misses + contested + refused
