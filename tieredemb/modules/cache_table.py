@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import Region
+from tieredemb.index.key_index import CONTESTED, Region
 from tieredemb.modules.table import (
     CONFLICTS,
     EVICTIONS,
@@ -40,7 +40,6 @@ from tieredemb.modules.table import (
     TableGroup,
     TableRows,
     TableStats,
-    contested,
 )
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
@@ -298,14 +297,17 @@ class CacheGroup(TableGroup):
             admitted = self._count_admission(keys, tabs, cnts, self.bound.find(keys, tabs) >= 0)
             outside[b[~admitted]] = True
             b, keys, tabs, cnts = b[admitted], keys[admitted], tabs[admitted], cnts[admitted]
-        wait = contested(self.bound, keys, tabs)  # inserted when the batch holding their bucket goes
+        # contested pairs (``find_touch``) are inserted when the batch holding their bucket goes
+        slots, values, per_region = self.bound.find_touch(keys, tabs, step, cnts, contest=True)
+        r = len(self.configs)
+        waiting = per_region[2 * r :].sum().view(1)
+        info = torch.cat([per_region[:r], self.bound.sizes_on_device, waiting]).tolist()
+        res = self.bound.complete(keys, tabs, step, cnts, True, slots, values, per_region, info[: 2 * r],
+                                  given_order=True)
         deferring = None
-        if wait is not None:
-            deferring = b[wait]
+        if info[-1]:
+            deferring = b[torch.nonzero_static(res.slots == CONTESTED, size=info[-1]).squeeze(1)]
             outside[deferring] = True
-            now = (~wait).nonzero().squeeze(1)
-            b, keys, tabs, cnts = b[now], keys[now], tabs[now], cnts[now]
-        res = self.bound.find_or_insert(keys, step, cnts, lock=True, tables=tabs, given_order=True)
         self._drop(res.evicted_keys, res.evicted_tables)
         self._count((EVICTIONS, res.evicted_tables, None))
         placed = (res.slots >= 0).nonzero().squeeze(1)

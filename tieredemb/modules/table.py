@@ -143,19 +143,6 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kerne
     return keys, utab, inverse, counts, IdOrder(order, entries)
 
 
-def contested(index, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
-    """bool (k,): keys absent from a bounded region whose bucket holds rows locked by an earlier
-    batch still in flight. A plain loop would insert them after that batch's release, choosing
-    victims among its rows too; so their insertion waits for it (``settle``). None: no such key."""
-    if not index.bounded or keys.numel() == 0:
-        return None
-    bucket = index._bucket(keys, tables)
-    ways = bucket[:, None] * index.width + torch.arange(index.width, device=keys.device)[None, :]
-    held = (index.locks[ways] > 0).any(dim=1) & index.bucket_evictable[bucket]
-    out = held & (index.find(keys, tables) < 0)
-    return out if bool(out.any()) else None
-
-
 class TableGroup:
     """Tables of one row width whose rows all live on the compute device (CPU or CUDA), or on
     the device first and in host memory after (hybrid).
