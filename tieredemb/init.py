@@ -45,13 +45,17 @@ def _table_bases(seed: int, names: tuple[str, ...], stream: int, device: torch.d
     return splitmix64(torch.tensor(seed, dtype=torch.int64) * 31 + hashes + stream).to(device)
 
 
+def _bases(seed: int, table: str | list[str], stream: int, device: torch.device) -> torch.Tensor:
+    names = (table,) if isinstance(table, str) else tuple(table)
+    return _table_bases(int(seed), names, stream, device)
+
+
 def random_bits(seed: int, table: str | list[str], keys: torch.Tensor, dim: int, stream: int = 0,
                 tables: torch.Tensor | None = None) -> torch.Tensor:
     """int64 (n, dim) of well-mixed bits, a pure function of (seed, table, key, column, stream).
 
     ``table`` is one name, or several with ``tables`` (int64 (n,)) the position of each key's."""
-    names = (table,) if isinstance(table, str) else tuple(table)
-    bases = _table_bases(int(seed), names, stream, keys.device)
+    bases = _bases(seed, table, stream, keys.device)
     if keys.is_cuda and _triton_hashing() is not None:  # the same bits in one kernel
         return _triton_hashing().random_bits(bases, keys, dim, tables)
     base = bases[0] if tables is None else bases[tables]
@@ -95,6 +99,9 @@ class Uniform(Initializer):
 
     def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
              tables: torch.Tensor | None = None) -> torch.Tensor:
+        if keys.is_cuda and _triton_hashing() is not None:  # the same rows in one kernel
+            return _triton_hashing().uniform_rows(_bases(seed, table, 0, keys.device), keys, dim, tables,
+                                                  self.low, self.high)
         u = uniform01(random_bits(seed, table, keys, dim, tables=tables))
         return (self.low + (self.high - self.low) * u).to(torch.float32)
 

@@ -493,7 +493,7 @@ def test_hashes_equal_the_torch_ones(gen):
     """random_bits (initial rows) and the index's buckets: the same bits as the torch versions, on
     the int64 extremes too; several tables, and one."""
     from tieredemb.index.key_index import KeyIndex, Region
-    from tieredemb.init import _table_bases, random_bits
+    from tieredemb.init import Uniform, _table_bases, random_bits
     from tieredemb.ops.triton import hashing
     from tieredemb.ops.triton.index import TritonKeyIndex
 
@@ -506,6 +506,13 @@ def test_hashes_equal_the_torch_ones(gen):
         bases = _table_bases(7, tuple(names) if t is not None else ("a",), 1, torch.device(DEVICE))
         got = hashing.random_bits(bases, keys.to(DEVICE), dim, None if t is None else t.to(DEVICE))
         assert torch.equal(got.cpu(), want)
+        # Uniform's rows from those bits, in one kernel: the torch formula's bits exactly
+        for low, high in ((-0.01, 0.01), (0.3, 7.9)):
+            bases = _table_bases(7, tuple(names) if t is not None else ("a",), 0, torch.device(DEVICE))
+            want = Uniform(low, high).rows(7, names if t is not None else "a", keys, dim, tables=t)
+            got = hashing.uniform_rows(bases, keys.to(DEVICE), dim, None if t is None else t.to(DEVICE),
+                                       low, high)
+            assert torch.equal(got.cpu(), want)
     regions = [Region("lru", None, 64), Region("lfu", 40), Region("lru", None, 1024)]
     for kw in ({"regions": regions}, {"initial_slots": 4096}):
         ref, tri = KeyIndex(4, device=DEVICE, **kw), TritonKeyIndex(4, device=DEVICE, **kw)

@@ -65,6 +65,46 @@ def random_bits(bases: torch.Tensor, keys: torch.Tensor, dim: int,
     return out
 
 
+@triton.jit(do_not_specialize=["n"])
+def _uniform_kernel(keys, tables, bases, bounds, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    # ``_random_bits_kernel``'s bits made ``Uniform``'s rows: float32 (n, dim) = low + span * u, u the
+    # top 53 bits over 2**53, in float64 (bounds: float64 (2,) low, span), rounded once
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rmask = rows < n
+    k = tl.load(keys + rows, mask=rmask, other=0).to(tl.uint64, bitcast=True)
+    t = tl.zeros([BLOCK_N], dtype=tl.int64)
+    if HAS_TABLES:
+        t = tl.load(tables + rows, mask=rmask, other=0)
+    base = tl.load(bases + t, mask=rmask, other=0).to(tl.uint64, bitcast=True)
+    per_key = splitmix64(k ^ base)
+    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    bits = splitmix64(per_key[:, None] + step[None, :])
+    u = (bits >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: exact
+    x = tl.load(bounds) + tl.load(bounds + 1) * u
+    mask = rmask[:, None] & (cols[None, :] < dim)
+    tl.store(out + rows[:, None] * dim + cols[None, :], x.to(tl.float32), mask=mask)
+
+
+def uniform_rows(bases: torch.Tensor, keys: torch.Tensor, dim: int, tables: torch.Tensor | None,
+                 low: float, high: float) -> torch.Tensor:
+    """``tieredemb.init.Uniform(low, high).rows`` given the tables' bases, in one kernel (the torch
+    version: the bits, then five float64 passes over them). The float64 ``low + span * u`` is
+    compiled without fused multiply-adds, so it rounds as torch's two operations do."""
+    n = keys.numel()
+    out = torch.empty(n, dim, dtype=torch.float32, device=keys.device)
+    if n == 0 or dim == 0:
+        return out
+    block_d = min(128, triton.next_power_of_2(dim))
+    keys = keys.to(torch.int64).contiguous()
+    bounds = torch.tensor([low, high - low], dtype=torch.float64, device=keys.device)
+    _uniform_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(dim, block_d))](
+        keys, keys if tables is None else tables.contiguous(), bases, bounds, out, n, dim,
+        HAS_TABLES=tables is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, enable_fp_fusion=False)
+    return out
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _bucket_kernel(keys, tables, region_start, region_buckets, out, n, num_buckets, REGIONS: tl.constexpr,
