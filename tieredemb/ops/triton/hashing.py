@@ -30,11 +30,11 @@ def bucket_of(keys, num_buckets):
     return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["n"])
-def _random_bits_kernel(keys, tables, bases, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    # grid: (cdiv(n, BLOCK_N), cdiv(dim, BLOCK_D)); out int64 (n, dim)
+@triton.jit
+def _bits_tile(keys, tables, bases, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """This program's tile of ``tieredemb.init.random_bits``: (offsets into an (n, dim) output,
+    their mask, the uint64 bits). Grid (cdiv(n, BLOCK_N), cdiv(dim, BLOCK_D))."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = rows < n
@@ -46,45 +46,49 @@ def _random_bits_kernel(keys, tables, bases, out, n, dim, HAS_TABLES: tl.constex
     per_key = splitmix64(k ^ base)
     step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
     bits = splitmix64(per_key[:, None] + step[None, :])
-    mask = rmask[:, None] & (cols[None, :] < dim)
-    tl.store(out + rows[:, None] * dim + cols[None, :], bits.to(tl.int64, bitcast=True), mask=mask)
+    return rows[:, None] * dim + cols[None, :], rmask[:, None] & (cols[None, :] < dim), bits
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _random_bits_kernel(keys, tables, bases, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    # out int64 (n, dim)
+    at, mask, bits = _bits_tile(keys, tables, bases, n, dim, HAS_TABLES, BLOCK_N, BLOCK_D)
+    tl.store(out + at, bits.to(tl.int64, bitcast=True), mask=mask)
 
 
 def random_bits(bases: torch.Tensor, keys: torch.Tensor, dim: int,
                 tables: torch.Tensor | None) -> torch.Tensor:
     """``tieredemb.init.random_bits`` given the tables' bases (int64 (t,), on the keys' device)."""
+    return _per_column(_random_bits_kernel, torch.int64, bases, keys, dim, tables)
+
+
+def _per_column(kernel, dtype: torch.dtype, bases: torch.Tensor, keys: torch.Tensor, dim: int,
+                tables: torch.Tensor | None, *extra, **options) -> torch.Tensor:
+    """``kernel`` (a ``_bits_tile`` kernel, ``extra`` arguments after ``bases``) over every (key,
+    column) of a ``dtype`` (n, dim) output."""
     n = keys.numel()
-    out = torch.empty(n, dim, dtype=torch.int64, device=keys.device)
+    out = torch.empty(n, dim, dtype=dtype, device=keys.device)
     if n == 0 or dim == 0:
         return out
     block_d = min(128, triton.next_power_of_2(dim))
     keys = keys.to(torch.int64).contiguous()
-    _random_bits_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(dim, block_d))](
-        keys, keys if tables is None else tables.contiguous(), bases, out, n, dim,
-        HAS_TABLES=tables is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d)
+    kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(dim, block_d))](
+        keys, keys if tables is None else tables.contiguous(), bases, *extra, out, n, dim,
+        HAS_TABLES=tables is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, **options)
     return out
 
 
 @triton.jit(do_not_specialize=["n"])
 def _uniform_kernel(keys, tables, bases, bounds, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr):
-    # ``_random_bits_kernel``'s bits made ``Uniform``'s rows: float32 (n, dim) = low + span * u, u the
-    # top 53 bits over 2**53, in float64 (bounds: float64 (2,) low, span), rounded once
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    rmask = rows < n
-    k = tl.load(keys + rows, mask=rmask, other=0).to(tl.uint64, bitcast=True)
-    t = tl.zeros([BLOCK_N], dtype=tl.int64)
-    if HAS_TABLES:
-        t = tl.load(tables + rows, mask=rmask, other=0)
-    base = tl.load(bases + t, mask=rmask, other=0).to(tl.uint64, bitcast=True)
-    per_key = splitmix64(k ^ base)
-    step = (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-    bits = splitmix64(per_key[:, None] + step[None, :])
+    # the bits made ``Uniform``'s rows: float32 (n, dim) = low + span * u, u the top 53 bits over
+    # 2**53, in float64 (bounds: float64 (2,) low, span), rounded once
+    at, mask, bits = _bits_tile(keys, tables, bases, n, dim, HAS_TABLES, BLOCK_N, BLOCK_D)
     u = (bits >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: exact
     x = tl.load(bounds) + tl.load(bounds + 1) * u
-    mask = rmask[:, None] & (cols[None, :] < dim)
-    tl.store(out + rows[:, None] * dim + cols[None, :], x.to(tl.float32), mask=mask)
+    tl.store(out + at, x.to(tl.float32), mask=mask)
 
 
 def uniform_rows(bases: torch.Tensor, keys: torch.Tensor, dim: int, tables: torch.Tensor | None,
@@ -92,17 +96,9 @@ def uniform_rows(bases: torch.Tensor, keys: torch.Tensor, dim: int, tables: torc
     """``tieredemb.init.Uniform(low, high).rows`` given the tables' bases, in one kernel (the torch
     version: the bits, then five float64 passes over them). The float64 ``low + span * u`` is
     compiled without fused multiply-adds, so it rounds as torch's two operations do."""
-    n = keys.numel()
-    out = torch.empty(n, dim, dtype=torch.float32, device=keys.device)
-    if n == 0 or dim == 0:
-        return out
-    block_d = min(128, triton.next_power_of_2(dim))
-    keys = keys.to(torch.int64).contiguous()
     bounds = torch.tensor([low, high - low], dtype=torch.float64, device=keys.device)
-    _uniform_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(dim, block_d))](
-        keys, keys if tables is None else tables.contiguous(), bases, bounds, out, n, dim,
-        HAS_TABLES=tables is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, enable_fp_fusion=False)
-    return out
+    return _per_column(_uniform_kernel, torch.float32, bases, keys, dim, tables, bounds,
+                       enable_fp_fusion=False)
 
 
 @fast_launch
