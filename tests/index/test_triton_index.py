@@ -385,3 +385,65 @@ def test_host_store_writes_keys_left_out_by_a_full_bucket():
         assert torch.equal(got.found.cpu(), ref.found)
         assert torch.equal(got.rows.cpu(), ref.rows)
         assert store.size(t) == want[t].size()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "mixed"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_insert_rows_gives_every_miss_a_row(policy, seed):
+    """``insert_rows`` (regions all bounded, the staged insertion without a host read): the Triton
+    index equal to the reference in lockstep, both equal to ``find_or_insert`` (the host-read path)
+    run on a twin index, and each miss's row where the definition puts it: a victim's row reused,
+    the pool's next address for an empty way, an address from the pool's end for a key left without
+    a way (batches stay locked a while, so buckets fill with locked ways)."""
+    rng = random.Random(seed)
+    width = 4
+    policies = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mixed": ("lru", "lfu")}[policy]
+    regions = [Region(p, 3 * width, 8) for p in policies]
+    ref, tri, twin = (cls(width, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex, KeyIndex))
+    in_flight: list[tuple[torch.Tensor, torch.Tensor]] = []
+    next_address, fresh_total, lacking_total, victims_total = 0, 0, 0, 0
+    for step in range(1, 10):
+        keys, tables = _pairs(rng, rng.randint(0, 24), 2)
+        counts = torch.tensor([rng.randint(1, 3) for _ in range(keys.numel())], dtype=torch.int64,
+                              device=DEVICE)
+        msg = f"step {step}"
+        answers = []
+        for index in (ref, tri):
+            slots, values, _ = index.find_touch(keys, tables, step, counts)
+            misses = int((slots == -1).sum())
+            pool = torch.arange(next_address, next_address + misses, device=DEVICE)
+            answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
+                                                              step, pool)))
+        for got, want in zip(answers[1], answers[0]):
+            assert torch.equal(got, want), msg
+        assert_same_state(tri, ref, msg)
+        slots, values, pos, rows, per_region = answers[0]
+        res = twin.find_or_insert(keys, step, counts, lock=True, tables=tables, given_order=True)
+        assert torch.equal(res.slots, slots), msg
+        fresh = res.inserted & (res.values < 0)
+        twin.assign(res.slots[fresh], values[fresh])
+        assert_same_state(twin, ref, msg)
+        # the definition, by hand: rows by kind
+        misses = pos.numel()
+        taken, lacking, evicted = (per_region[k].sum().item() for k in range(3))
+        assert evicted == res.evicted_keys.numel() and lacking == res.unplaced, msg
+        assert torch.equal(per_region[2], torch.bincount(res.evicted_tables, minlength=2)), msg
+        assert taken + lacking + evicted == misses, msg
+        assert torch.equal(values[pos], rows), msg
+        got_rows = sorted(rows.tolist())
+        want_rows = sorted(list(range(next_address, next_address + taken))
+                           + list(range(next_address + misses - lacking, next_address + misses))
+                           + res.evicted_values.tolist())
+        assert got_rows == want_rows, msg
+        placed = slots >= 0
+        assert torch.equal(ref.values[slots[placed]], values[placed]), msg  # the index's rows are the batch's
+        assert int((slots[pos] < 0).sum()) == lacking, msg
+        next_address += misses
+        fresh_total, lacking_total, victims_total = (fresh_total + taken, lacking_total + lacking,
+                                                     victims_total + evicted)
+        in_flight.append((keys[placed], tables[placed]))
+        if len(in_flight) > 2:  # the oldest batch is released
+            gone = in_flight.pop(0)
+            for index in (ref, tri, twin):
+                index.unlock(*gone)
+    assert fresh_total and victims_total and lacking_total  # each kind of row was exercised

@@ -107,6 +107,24 @@ class InsertResult:
         return ~self.found & (self.slots >= 0)
 
 
+@dataclass
+class Claim:
+    """What ``KeyIndex._claim`` did for k keys: ``order`` int64 (k,) the claim order (positions into
+    the keys given); ``slots`` int64 (k,) each key's slot, -1 where its bucket had no way for it,
+    in the order given; in claim order: ``victim`` bool (k,) the slot held a key, evicted, whose
+    ``old_keys``, ``old_values``, ``old_scores`` (int64 (k,), undefined elsewhere) it had."""
+
+    order: torch.Tensor
+    slots: torch.Tensor
+    victim: torch.Tensor
+    old_keys: torch.Tensor
+    old_values: torch.Tensor
+    old_scores: torch.Tensor
+    # int32 (2, k), claim order: 1 where the key took an empty way (row 0), got none (row 1); made
+    # by the Triton claim for its own use (None: the reference derives what it needs)
+    taken: torch.Tensor | None = None
+
+
 class KeyIndex:
     """Bucketed key -> row-address index with scores and lock counts (pure torch).
 
@@ -374,38 +392,112 @@ class KeyIndex:
         Returns the evicted (keys, values, scores, tables), and how many of keys[todo] found no way
         (None where the index does not know it without a host read: nothing is left unplaced once an
         unbounded region has grown)."""
-        idx = todo.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        if idx.numel() == 0:
+        if keys.numel() == 0:
             return (empty, empty, empty, empty), 0
-        mk, mt = keys[idx], tables[idx]
-        bucket = self._bucket(mk, mt)
+        idx = todo.nonzero().squeeze(1) if count is None else torch.nonzero_static(todo, size=count).squeeze(1)
+        if idx.numel() == 0:
+            return (empty, empty, empty, empty), (0 if self.bounded else None)
+        tables = tables[idx]
+        claim = self._claim(keys[idx], tables, given_order)
+        slots[idx] = claim.slots
+        if not self.bounded:  # only a bounded region evicts: nothing to select (and no host read)
+            return (empty, empty, empty, empty), None
+        # one host read: the victims (for the four selections) and the keys left without a way
+        victims, unplaced = torch.stack([claim.victim.sum(dtype=torch.int64), (claim.slots < 0).sum()]).tolist()
+        victim = torch.nonzero_static(claim.victim, size=victims).squeeze(1)
+        evicted = (claim.old_keys[victim], claim.old_values[victim], claim.old_scores[victim],
+                   tables[claim.order[victim]])
+        return evicted, unplaced
+
+    def _claim(self, keys: torch.Tensor, tables: torch.Tensor, given_order: bool) -> Claim:
+        """Insert ``keys`` (int64 (k,), absent pairs, with their regions ``tables``) by the claim
+        rules: a bucket's keys, in key order (or as given), take its empty ways, then its
+        evictable ones. New slots get value -1 (unless a victim's: its row stays), score 0, one lock."""
+        bucket = self._bucket(keys, tables)
         # misses sorted by (bucket, key) (or bucket, then as given): the order in which they claim ways
         if given_order:
             order = torch.argsort(bucket, stable=True)
         else:
-            order = torch.argsort(mk, stable=True)
+            order = torch.argsort(keys, stable=True)
             order = order[torch.argsort(bucket[order], stable=True)]
-        idx, mk, mt, bucket = idx[order], mk[order], mt[order], bucket[order]
+        mk, bucket = keys[order], bucket[order]
         ubuckets, counts = torch.unique_consecutive(bucket, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(idx.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
+        rank = torch.arange(keys.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
         cand = self._candidates(ubuckets)  # (u, W) ways in claim order, -1 = unavailable
         bpos = torch.repeat_interleave(torch.arange(ubuckets.numel(), device=self.device), counts)
         way = torch.where(rank < self.width, cand[bpos, rank.clamp(max=self.width - 1)], -1)
         ok = way >= 0
-        slot = torch.where(ok, bucket * self.width + way, torch.full_like(way, -1))
-        slots[idx] = slot
+        slot = torch.where(ok, bucket * self.width + way, -1)  # in claim order
+        safe = slot.clamp(min=0)
+        victim = ok & (self.keys[safe] != RESERVED_KEY)
+        old = [t[safe].clone() for t in (self.keys, self.values, self.scores)]
         s = slot[ok]
-        victim = self.keys[s] != RESERVED_KEY
-        ev = s[victim]
-        evicted = (self.keys[ev].clone(), self.values[ev].clone(), self.scores[ev].clone(), mt[ok][victim])
-        self.values[s[~victim]] = -1
+        self.values[slot[ok & ~victim]] = -1
         self.keys[s] = mk[ok]
         self.scores[s] = 0
         if self.locking:
             self.locks[s] = 1
-        return evicted, int(idx.numel() - s.numel())
+        slots = torch.empty_like(slot)
+        slots[order] = slot
+        return Claim(order, slots, victim, *old)
+
+    def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                    slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``complete``'s insertion, with rows, for an index whose regions are all bounded, reading
+        nothing on the host: ``keys``, ``tables``, ``counts`` (int64 (u,)) a batch's distinct pairs
+        after ``find_touch``, whose ``slots`` and ``values`` (int64 (u,)) are written in place;
+        ``misses``: the pairs at slot -1 (the host's count), inserted by the claim rules in the order
+        given, locked once, scores touched as ``find_touch`` touches; each gets a row: a victim's
+        (its row is reused), else the next address of ``pool`` (int64 (misses,) free rows; the
+        index's value for an empty slot), or, left without a way (a conflict miss), an address of
+        ``pool`` from its end (a scratch row for the batch; its slot stays -1). ``values`` then holds
+        every pair's row.
+
+        Returns positions int64 (misses,) of the inserted pairs (ascending), their rows int64
+        (misses,), and int64 (3, R) on the index device: per region, the pool's addresses taken
+        from its start (empty slots, counted in the sizes), the pairs left without a way (addresses
+        from the pool's end) and the victims evicted."""
+        self._check_insert_rows()
+        if pool.numel() < misses:
+            raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
+        pos = torch.nonzero_static(slots == -1, size=misses).squeeze(1)
+        if misses == 0:
+            return pos, pos, torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
+        mt = tables[pos]
+        claim = self._claim(keys[pos], mt, given_order=True)
+        rows, per_region = self._give_claimed(claim, pos, mt, counts, slots, values, step, pool)
+        self._sizes += per_region[0]
+        return pos, rows, per_region
+
+    def _give_claimed(self, claim: Claim, pos: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                      slots: torch.Tensor, values: torch.Tensor, step: int | torch.Tensor,
+                      pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``insert_rows`` after the claim of the pairs at ``pos`` (of ``tables``): rows, scores,
+        the caller's slots and values; (rows, per-region counts)."""
+        misses = pos.numel()
+        slot = claim.slots[claim.order]  # claim order
+        fresh, unplaced = (slot >= 0) & ~claim.victim, slot < 0
+        taken = torch.stack([fresh, unplaced]).to(torch.int64).cumsum(1)
+        row = torch.where(claim.victim, claim.old_values,
+                          torch.where(fresh, pool[(taken[0] - 1).clamp(min=0)],
+                                      pool[(misses - taken[1]).clamp(max=misses - 1)]))
+        self.values[slot[fresh]] = row[fresh]
+        rows = torch.empty_like(row)
+        rows[claim.order] = row
+        self._touch(claim.slots.clamp(min=0), claim.slots >= 0, tables, step, counts[pos])
+        slots[pos], values[pos] = claim.slots, rows
+        ordered = tables[claim.order]
+        per_region = torch.stack([region_counts(ordered, mask, len(self.regions))
+                                  for mask in (fresh, unplaced, claim.victim)])
+        return rows, per_region
+
+    def _check_insert_rows(self) -> None:
+        if not all(r.max_slots is not None for r in self.regions):
+            raise ValueError("insert_rows needs an index whose regions are all bounded (an unbounded one "
+                             "grows as it inserts, which needs the host)")
 
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
         """Ways of each bucket in claim order: empty by way, then evictable by (score, way)."""

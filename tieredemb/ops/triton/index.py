@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tieredemb.config import RESERVED_KEY
-from tieredemb.index.key_index import KeyIndex
+from tieredemb.index.key_index import Claim, KeyIndex
 from tieredemb.ops.triton.hashing import bucket_of as _bucket_of
 from tieredemb.ops.triton.hashing import buckets
 from tieredemb.ops.triton.launch import fast_launch
@@ -200,18 +200,25 @@ def _insert_kernel(
     ev_keys,
     ev_values,
     ev_scores,
+    taken,
     n,
     num_buckets,
     width,
     RESERVED: tl.constexpr,
     BLOCK_W: tl.constexpr,
     LOCK: tl.constexpr,
+    TAKEN: tl.constexpr,
 ):
     # grid: (n,) over the keys to insert. Position p of their (bucket, key) order; the head of each
-    # bucket's run inserts the run.
+    # bucket's run inserts the run. TAKEN: int32 (2, n) at ``taken``, by position: 1 where the key
+    # took an empty way (row 0), 1 where it got no way (row 1), else 0
     p = tl.program_id(0).to(tl.int64)
     b = tl.load(sorted_bucket + p)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1)
+    if TAKEN:  # past the first ``width`` of its run: no way for it, and no head writes its flags
+        if tl.load(sorted_bucket + p - width, mask=p >= width, other=-1) == b:
+            tl.store(taken + p, 0)
+            tl.store(taken + n + p, 1)
     if (b < num_buckets) & (prev != b):
         ways = tl.arange(0, BLOCK_W)
         wmask = ways < width
@@ -255,6 +262,61 @@ def _insert_kernel(
         tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
         if LOCK:
             tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
+        if TAKEN:
+            tl.store(taken + pos, (got & ~victim).to(tl.int32), mask=in_run)
+            tl.store(taken + n + pos, (~got).to(tl.int32), mask=in_run)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n", "step"])
+def _give_kernel(
+    order, claim_slots, victim, old_values, taken, pool, pos, tables, counts, region_lfu, table_values,
+    table_scores, slots, values, rows, per_region, n, step, step_ptr, regions, POLICY: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, STEP_PTR: tl.constexpr,
+):
+    # ``insert_rows`` after the claim, by claim position p: each key's row (the victim's, the pool's
+    # next from its start for an empty way, from its end for no way), the index's value of an empty
+    # way taken, the new slots' scores, the caller's slots[pos] and values[pos], rows in the order
+    # given; per_region int64 (3, regions) += taken from the start, from the end, victims (atomics
+    # of one program's histograms). taken: int32 (2, n) the running counts of both kinds
+    if STEP_PTR:
+        step = tl.load(step_ptr)
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = p < n
+    idx = tl.load(order + p, mask=in_range, other=0)
+    slot = tl.load(claim_slots + idx, mask=in_range, other=-1)
+    evicts = tl.load(victim + p, mask=in_range, other=0) != 0
+    placed = in_range & (slot >= 0)
+    fresh = placed & ~evicts
+    lacking = in_range & (slot < 0)
+    start = tl.load(taken + p, mask=fresh, other=1) - 1
+    end = n - tl.load(taken + n + p, mask=lacking, other=1)
+    row = tl.load(old_values + p, mask=in_range & evicts, other=-1)
+    row = tl.where(fresh, tl.load(pool + start, mask=fresh, other=-1), row)
+    row = tl.where(lacking, tl.load(pool + end, mask=lacking, other=-1), row)
+    tl.store(table_values + slot, row, mask=fresh)
+    q = tl.load(pos + idx, mask=in_range, other=0)
+    r = tl.load(tables + idx, mask=in_range, other=0)
+    lru = tl.zeros([BLOCK], dtype=tl.int64) + step
+    if POLICY == 0:
+        score = lru
+    else:
+        score = tl.load(counts + q, mask=placed, other=0)  # a new slot's score starts at 0
+        if POLICY == 2:
+            score = tl.where(tl.load(region_lfu + r, mask=placed, other=0) != 0, score, lru)
+    tl.store(table_scores + slot, score, mask=placed)
+    tl.store(slots + q, slot, mask=in_range)
+    tl.store(values + q, row, mask=in_range)
+    tl.store(rows + idx, row, mask=in_range)
+    bins = tl.arange(0, BINS)
+    spare = BINS - 1
+    for_region = bins < regions
+    counted = tl.histogram(tl.where(fresh, r, spare).to(tl.int32), BINS)
+    tl.atomic_add(per_region + bins, counted.to(tl.int64), mask=for_region)
+    counted = tl.histogram(tl.where(lacking, r, spare).to(tl.int32), BINS)
+    tl.atomic_add(per_region + regions + bins, counted.to(tl.int64), mask=for_region)
+    counted = tl.histogram(tl.where(in_range & evicts, r, spare).to(tl.int32), BINS)
+    tl.atomic_add(per_region + 2 * regions + bins, counted.to(tl.int64), mask=for_region)
 
 
 @fast_launch
@@ -405,25 +467,12 @@ class TritonKeyIndex(KeyIndex):
         )
         return out, counters
 
-    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor,
-                count: int | None = None, given_order: bool = False):
-        """Place keys[todo] in their buckets; writes slots in place (``slots[todo]`` come -1, as a
-        probe leaves them, and stay -1 where no way is free), locks the new slots once.
-        ``count``: how many of ``todo`` are set, when the caller knows (else one host read);
-        ``given_order``: a bucket's misses claim in the order given, not by key (one sort fewer).
-
-        Returns the evicted (keys, values, scores, tables), in the reference's order, and the keys
-        left without a way (None without a bounded region: the caller grows the index for them).
-        """
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        if keys.numel() == 0:
-            return (empty, empty, empty, empty), 0
-        n = int(todo.sum()) if count is None else count
-        if n == 0:
-            return (empty, empty, empty, empty), (0 if self.bounded else None)
-        # only the keys to insert, in (bucket, key) order: the sorts and the grid are the misses'
-        pos = torch.nonzero_static(todo, size=n).squeeze(1)
-        keys, tables = keys[pos].to(torch.int64), tables[pos]
+    def _claim(self, keys: torch.Tensor, tables: torch.Tensor, given_order: bool) -> Claim:
+        """The reference's ``_claim`` (same slots, victims and index state): the keys sorted by
+        (bucket, key) (or bucket, then as given) on the device, then one program per position, the
+        head of each bucket's run inserting the run. Also counts each key's kind (``Claim.taken``)."""
+        n = keys.numel()
+        keys = keys.to(torch.int64).contiguous()
         bucket = self._bucket(keys, tables)
         # buckets fit 32 bits: their radix sort makes half the passes of the keys'
         narrow = bucket.to(torch.int32) if self.num_buckets < 2**31 else bucket
@@ -432,39 +481,34 @@ class TritonKeyIndex(KeyIndex):
         else:
             order = torch.argsort(keys, stable=True)
             order = order[torch.argsort(narrow[order], stable=True)]
-        sorted_bucket = bucket[order]
         out_slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
-        ev_keys, ev_values, ev_scores = (
-            torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(3)
-        )
-        block_w = triton.next_power_of_2(self.width)
+        ev_keys, ev_values, ev_scores = (torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(3))
+        taken = torch.empty(2, n, dtype=torch.int32, device=self.device)
         _insert_kernel[(n,)](
-            keys,
-            order,
-            sorted_bucket,
-            out_slots,
-            self.keys,
-            self.values,
-            self.scores,
-            self.locks,
-            self.bucket_evictable,
-            ev_flag,
-            ev_keys,
-            ev_values,
-            ev_scores,
-            n,
-            self.num_buckets,
-            self.width,
-            RESERVED=RESERVED_KEY,
-            BLOCK_W=block_w,
-            LOCK=self.locking,
+            keys, order, bucket[order], out_slots, self.keys, self.values, self.scores, self.locks,
+            self.bucket_evictable, ev_flag, ev_keys, ev_values, ev_scores, taken, n, self.num_buckets, self.width,
+            RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, TAKEN=True,
             num_warps=_INSERT_WARPS,
         )
-        slots[pos] = out_slots
-        if not self.bounded:  # only a bounded region evicts: nothing to select (and no host sync)
-            return (empty, empty, empty, empty), None
-        # one host read: the victims (for the four selections) and the keys left without a way
-        victims, unplaced = torch.stack([ev_flag.sum(dtype=torch.int64), (out_slots < 0).sum()]).tolist()
-        victim = torch.nonzero_static(ev_flag, size=victims).squeeze(1)
-        return (ev_keys[victim], ev_values[victim], ev_scores[victim], tables[order[victim]]), unplaced
+        return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores, taken)
+
+    def _give_claimed(self, claim: Claim, pos: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                      slots: torch.Tensor, values: torch.Tensor, step: int | torch.Tensor,
+                      pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's ``_give_claimed`` in one kernel, after the running counts of the kinds."""
+        n, regions = pos.numel(), len(self.regions)
+        taken = claim.taken.cumsum(1, dtype=torch.int32)
+        rows = torch.empty(n, dtype=torch.int64, device=self.device)
+        per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
+        policies = {r.policy for r in self.regions}
+        on_device = isinstance(step, torch.Tensor)
+        block = 1024
+        _give_kernel[(triton.cdiv(n, block),)](
+            claim.order, claim.slots, claim.victim, claim.old_values, taken, pool, pos, tables.contiguous(),
+            counts, self._lfu, self.values, self.scores, slots, values, rows, per_region, n,
+            0 if on_device else step, step if on_device else pos, regions,
+            POLICY=2 if len(policies) > 1 else int(policies == {"lfu"}),
+            BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, num_warps=4,
+        )
+        return rows, per_region
