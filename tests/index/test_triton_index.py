@@ -399,7 +399,8 @@ def test_insert_rows_gives_every_miss_a_row(policy, seed):
     width = 4
     policies = {"lru": ("lru", "lru"), "lfu": ("lfu", "lfu"), "mixed": ("lru", "lfu")}[policy]
     regions = [Region(p, 3 * width, 8) for p in policies]
-    ref, tri, twin = (cls(width, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex, KeyIndex))
+    ref, tri, twin = (cls(width, device=DEVICE, regions=regions)
+                      for cls in (KeyIndex, TritonKeyIndex, KeyIndex))
     in_flight: list[tuple[torch.Tensor, torch.Tensor]] = []
     next_address, fresh_total, lacking_total, victims_total = 0, 0, 0, 0
     for step in range(1, 10):

@@ -395,7 +395,8 @@ class KeyIndex:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if keys.numel() == 0:
             return (empty, empty, empty, empty), 0
-        idx = todo.nonzero().squeeze(1) if count is None else torch.nonzero_static(todo, size=count).squeeze(1)
+        idx = todo.nonzero() if count is None else torch.nonzero_static(todo, size=count)
+        idx = idx.squeeze(1)
         if idx.numel() == 0:
             return (empty, empty, empty, empty), (0 if self.bounded else None)
         tables = tables[idx]
@@ -404,7 +405,8 @@ class KeyIndex:
         if not self.bounded:  # only a bounded region evicts: nothing to select (and no host read)
             return (empty, empty, empty, empty), None
         # one host read: the victims (for the four selections) and the keys left without a way
-        victims, unplaced = torch.stack([claim.victim.sum(dtype=torch.int64), (claim.slots < 0).sum()]).tolist()
+        victims, unplaced = torch.stack([claim.victim.sum(dtype=torch.int64),
+                                         (claim.slots < 0).sum()]).tolist()
         victim = torch.nonzero_static(claim.victim, size=victims).squeeze(1)
         evicted = (claim.old_keys[victim], claim.old_values[victim], claim.old_scores[victim],
                    tables[claim.order[victim]])

@@ -216,9 +216,9 @@ def _insert_kernel(
     b = tl.load(sorted_bucket + p)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1)
     if TAKEN:  # past the first ``width`` of its run: no way for it, and no head writes its flags
-        if tl.load(sorted_bucket + p - width, mask=p >= width, other=-1) == b:
-            tl.store(taken + p, 0)
-            tl.store(taken + n + p, 1)
+        past = tl.load(sorted_bucket + p - width, mask=p >= width, other=-1) == b
+        tl.store(taken + p, 0, mask=past)
+        tl.store(taken + n + p, 1, mask=past)
     if (b < num_buckets) & (prev != b):
         ways = tl.arange(0, BLOCK_W)
         wmask = ways < width
@@ -483,13 +483,14 @@ class TritonKeyIndex(KeyIndex):
             order = order[torch.argsort(narrow[order], stable=True)]
         out_slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
-        ev_keys, ev_values, ev_scores = (torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(3))
+        ev_keys, ev_values, ev_scores = (torch.empty(n, dtype=torch.int64, device=self.device)
+                                         for _ in range(3))
         taken = torch.empty(2, n, dtype=torch.int32, device=self.device)
         _insert_kernel[(n,)](
             keys, order, bucket[order], out_slots, self.keys, self.values, self.scores, self.locks,
-            self.bucket_evictable, ev_flag, ev_keys, ev_values, ev_scores, taken, n, self.num_buckets, self.width,
-            RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, TAKEN=True,
-            num_warps=_INSERT_WARPS,
+            self.bucket_evictable, ev_flag, ev_keys, ev_values, ev_scores, taken, n, self.num_buckets,
+            self.width, RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking,
+            TAKEN=True, num_warps=_INSERT_WARPS,
         )
         return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores, taken)
 
