@@ -29,6 +29,7 @@ from tests.conftest import (
     assert_tables_match_reference,
     feature_dims,
     feature_order,
+    initial_rows,
     make_optimizer,
     probed_init,
     random_batch,
@@ -338,6 +339,33 @@ def test_stats_count_hits_misses_conflicts_evictions_and_refusals():
     assert (b.lookups, b.unique_lookups, b.hits, b.misses) == (7, 7, 0, 7)
     assert (b.conflict_misses, b.evictions, b.not_admitted) == (1, 2, 0)
     assert sorted_export(ebc, "a")[0].tolist() == [1, 2] and sorted_export(ebc, "b")[0].numel() == 4
+
+
+def test_bounded_tables_count_by_hand_and_give_every_row_not_stored_back():
+    """Tables all bounded: the insertion runs on the device, the new rows from a pool of free rows
+    (``TableGroup._inserted``). The counters against a count by hand (b as in the test above: a
+    conflict miss, then 2 evictions; a's 2 buckets of 4 never fill), the rows against a plain
+    loop's initial rows and SGD updates, and once the batches are released every row of the store
+    that no table holds is free again (the pool's unused rows, the conflict miss's scratch row)."""
+    tables = [te.TableConfig("a", 2, ["x"], max_capacity=8), te.TableConfig("b", 2, ["y"], max_capacity=4)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1),
+                                    storage=te.StorageConfig(bucket_width=4))
+    batches = ({"x": [[1, 2, 2, 3]], "y": [[10, 11, 12, 13, 14]]}, {"x": [[1, 4]], "y": [[20, 21]]})
+    for bags in batches:
+        ebc(Batch(bags).kjt()).values().sum().backward()
+    a, b = ebc.stats()["a"], ebc.stats()["b"]
+    assert (a.lookups, a.unique_lookups, a.hits, a.misses) == (6, 5, 1, 4)
+    assert (a.conflict_misses, a.evictions) == (0, 0)
+    assert (b.lookups, b.unique_lookups, b.hits, b.misses) == (7, 7, 0, 7)
+    assert (b.conflict_misses, b.evictions) == (1, 2)
+    keys, weights = sorted_export(ebc, "a")[:2]
+    assert keys.tolist() == [1, 2, 3, 4]
+    # a sum pooling's gradient is 1 per occurrence: each row moved by -lr x its occurrences
+    occurrences = torch.tensor([[2.0], [2.0], [1.0], [1.0]])
+    torch.testing.assert_close(weights, initial_rows(tables[0], [1, 2, 3, 4]) - 0.1 * occurrences)
+    ebc.flush()
+    (group,) = ebc._groups
+    assert group.store.rows_in_use() == group.index.size() == 8
 
 
 def test_kjt_given_by_offsets_equals_kjt_given_by_lengths():

@@ -529,15 +529,17 @@ class KeyIndex:
         self.values[slots] = values
 
     def unlock_slots(self, slots: torch.Tensor, generation: int) -> bool:
-        """Release one lock on each of ``slots`` (int64 (n,), distinct, occupied) if the index has
-        not been rehashed since they were found (``generation``). Returns False (nothing done) if it
-        has: then ``unlock`` the keys."""
+        """Release one lock on each of ``slots`` (int64 (n,), distinct, occupied; -1 entries are
+        skipped) if the index has not been rehashed since they were found (``generation``). Returns
+        False (nothing done) if it has: then ``unlock`` the keys."""
         if generation != self.generation:
             return False
-        if not self.locking:  # no locks were taken
-            return True
-        self.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        if self.locking and slots.numel():  # else no locks were taken
+            self._unlock_at(slots)
         return True
+
+    def _unlock_at(self, slots: torch.Tensor) -> None:
+        self.locks.index_add_(0, slots.clamp(min=0), -(slots >= 0).to(torch.int32))
 
     def unlock(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Release one lock on each present key (absent keys are ignored)."""

@@ -85,6 +85,21 @@ class GroupPrefetch:
     holds_locks: bool = False  # counted in its group's batches holding locks of a bounded index
     sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
     id_addresses: torch.Tensor | None = None  # int64 (n,) addresses[inverse], when made before the read
+    lent: LentRows | None = None  # the rows of a pool this batch took its new rows from
+
+
+@dataclass
+class LentRows:
+    """A pool of free rows (``pool``: int64 (m,) addresses, popped from the store) that an insertion
+    on the device took rows from without telling the host how many: ``counts`` (int64 (3R,), host
+    memory: ``insert_rows``'s counts per region, valid once ``ready`` has passed, or None on the
+    CPU) says it. Those taken from the start now belong to the table; the rest (unused, or a
+    scratch row of the batch) go back to the store once the batch is released."""
+
+    pool: torch.Tensor
+    counts: torch.Tensor
+    ready: torch.cuda.Event | None
+    released: bool = False
 
 
 @dataclass
@@ -200,6 +215,10 @@ class TableGroup:
         self.lookups = [0] * len(configs)  # ids looked up, per table (known on the host)
         self._pending: list[GroupPrefetch] = []  # batches with deferred insertions, oldest first
         self._holding = 0  # batches placed whose locks of a bounded index are not given back yet
+        # every table bounded: a batch's misses are inserted on the device, rows from a pool, no read
+        self._inserts_rows = all(s is not None for s in index_slots)
+        self._lent: list[LentRows] = []  # pools of batches whose unused rows are not back yet
+        self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows.counts
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
 
     def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
@@ -338,11 +357,18 @@ class TableGroup:
             slots = torch.where(slots == CONTESTED, -1, slots)
             info = [m + c for m, c in zip(info[:regions], info[2 * regions : 3 * regions])] + \
                 info[regions : 2 * regions] + [0] * regions + info[3 * regions :]
+        waiting, kept_out = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
+        misses = sum(info[:regions])
+        if self._inserts_rows and misses and not waiting and refused is None:
+            return self._inserted(keys, tables, counts, inverse, step, slots, values, per_region, misses)
         res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
-        waiting, kept_out = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
-        self._count_probe(tables, res, per_region, refused, res.any_miss or waiting or kept_out)
+        self._count_probe(per_region, refused, res.any_miss or waiting or kept_out)
+        if res.unplaced:
+            self._count((CONFLICTS, tables, res.slots == -1))
+        if res.evicted_tables.numel():
+            self._count((EVICTIONS, res.evicted_tables, None))
         generation, empty = self.index.generation, torch.empty(0, dtype=torch.int64, device=self.device)
         lacking = res.unplaced + waiting + kept_out
         self._holding += self.index.bounded
@@ -363,12 +389,58 @@ class TableGroup:
             self._pending.append(pf)
         return pf
 
-    def _count_probe(self, tables: torch.Tensor, res: InsertResult, per_region: torch.Tensor,
-                     refused: torch.Tensor | None, any_absent: bool) -> None:
-        """Counters of one batch's insert (``tables``: its pairs'): unique pairs, hits and misses
-        per table from the probe's counts (``per_region``: misses, pairs, contested pairs; a pair
-        ``refused`` admission, int64 (R,) per table, is neither hit nor miss), then conflicts and
-        evictions where the insert had any. ``any_absent``: some pair was not found (else one add)."""
+    def _inserted(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor,
+                  step: int | torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+                  per_region: torch.Tensor, misses: int) -> GroupPrefetch:
+        """``_placed`` of a group whose tables are all bounded, with ``misses`` pairs at slot -1 and
+        none held back: inserted on the device (``insert_rows``), their rows from a pool of as many
+        free rows (the store's next), initialized; no host read. Counters on the device too."""
+        self._take_back()
+        pool = self.store.peek(misses)
+        self.store.pop(misses)
+        pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
+        self._initialize(keys[pos], tables[pos], rows)
+        self._count_probe(per_region, None, True)
+        self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
+        self._holding += 1
+        pf = GroupPrefetch(keys, tables, inverse, values, keys, tables, slots, self.index.generation,
+                           pos[:0], holds_locks=True, lent=self._lend(pool, kinds))
+        self._lent.append(pf.lent)
+        return pf
+
+    def _lend(self, pool: torch.Tensor, kinds: torch.Tensor) -> LentRows:
+        """``pool``'s record, its counts (``kinds``: int64 (3, R) on the device) copied to the host
+        behind the insertion (a pinned buffer kept from an earlier batch, or a new one)."""
+        if self.device.type != "cuda":
+            return LentRows(pool, kinds.view(-1), None)
+        host = self._count_buffers.pop() if self._count_buffers else \
+            torch.empty(kinds.numel(), dtype=torch.int64, pin_memory=True)
+        host.copy_(kinds.view(-1), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LentRows(pool, host, ready)
+
+    def _take_back(self, wait: bool = False) -> None:
+        """Give the store back the rows of released batches' pools that did not go into a table,
+        those whose counts have reached the host (all of them, waiting, with ``wait``)."""
+        for lent in list(self._lent):
+            if not lent.released:
+                continue
+            if lent.ready is not None:
+                if wait:
+                    lent.ready.synchronize()
+                elif not lent.ready.query():  # not read yet: a later call takes it back
+                    continue
+            taken = int(lent.counts[: len(self.configs)].sum())
+            self.store.free(lent.pool[taken:])
+            if lent.ready is not None:
+                self._count_buffers.append(lent.counts)
+            self._lent.remove(lent)
+
+    def _count_probe(self, per_region: torch.Tensor, refused: torch.Tensor | None, any_absent: bool) -> None:
+        """Counters of one batch's probe: unique pairs, hits and misses per table from its counts
+        (``per_region``: misses, pairs, contested pairs; a pair ``refused`` admission, int64 (R,)
+        per table, is neither hit nor miss). ``any_absent``: some pair was not found (else one add)."""
         misses, pairs, contested = per_region.view(3, -1)
         if not any_absent:  # the steady state of a warm table
             self._counts[:, UNIQUE : HITS + 1] += pairs[:, None]
@@ -377,10 +449,6 @@ class TableGroup:
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - absent, misses + contested], 1)
         if refused is not None:
             self._counts[:, NOT_ADMITTED] += refused
-        if res.unplaced:
-            self._count((CONFLICTS, tables, res.slots == -1))
-        if res.evicted_tables.numel():
-            self._count((EVICTIONS, res.evicted_tables, None))
 
     def settle(self, pf: GroupPrefetch) -> None:
         """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
@@ -523,6 +591,9 @@ class TableGroup:
             self._pending.remove(pf)
         self._unlock(pf)
         self.store.free(pf.scratch)
+        if pf.lent is not None:
+            pf.lent.released = True
+            self._take_back()
 
     def _settle_pending(self) -> None:
         for later in list(self._pending):
@@ -619,7 +690,9 @@ class TableGroup:
         )
 
     def flush(self) -> None:
-        """Nothing to write down: every row already lives in its only tier."""
+        """Nothing to write down (every row already lives in its only tier): the rows lent to
+        released batches go back to the store."""
+        self._take_back(wait=True)
 
     def close(self) -> None:
         """Nothing to release beyond the tensors."""

@@ -4,6 +4,8 @@ elementwise torch ops each."""
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -80,14 +82,15 @@ def _per_column(kernel, dtype: torch.dtype, bases: torch.Tensor, keys: torch.Ten
     return out
 
 
-@triton.jit(do_not_specialize=["n"])
-def _uniform_kernel(keys, tables, bases, bounds, out, n, dim, HAS_TABLES: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "low", "span"])
+def _uniform_kernel(keys, tables, bases, low, span, out, n, dim, HAS_TABLES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # the bits made ``Uniform``'s rows: float32 (n, dim) = low + span * u, u the top 53 bits over
-    # 2**53, in float64 (bounds: float64 (2,) low, span), rounded once
+    # 2**53, in float64 (low, span: the bits of float64 scalars, as ints: a float argument would be
+    # float32), rounded once
     at, mask, bits = _bits_tile(keys, tables, bases, n, dim, HAS_TABLES, BLOCK_N, BLOCK_D)
     u = (bits >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2**-53: exact
-    x = tl.load(bounds) + tl.load(bounds + 1) * u
+    x = low.to(tl.int64).to(tl.float64, bitcast=True) + span.to(tl.int64).to(tl.float64, bitcast=True) * u
     tl.store(out + at, x.to(tl.float32), mask=mask)
 
 
@@ -95,10 +98,15 @@ def uniform_rows(bases: torch.Tensor, keys: torch.Tensor, dim: int, tables: torc
                  low: float, high: float) -> torch.Tensor:
     """``tieredemb.init.Uniform(low, high).rows`` given the tables' bases, in one kernel (the torch
     version: the bits, then five float64 passes over them). The float64 ``low + span * u`` is
-    compiled without fused multiply-adds, so it rounds as torch's two operations do."""
-    bounds = torch.tensor([low, high - low], dtype=torch.float64, device=keys.device)
-    return _per_column(_uniform_kernel, torch.float32, bases, keys, dim, tables, bounds,
-                       enable_fp_fusion=False)
+    compiled without fused multiply-adds, so it rounds as torch's two operations do. The bounds go
+    as arguments, not a tensor (whose copy from pageable memory would make the host wait)."""
+    return _per_column(_uniform_kernel, torch.float32, bases, keys, dim, tables, _float64_bits(low),
+                       _float64_bits(high - low), enable_fp_fusion=False)
+
+
+def _float64_bits(x: float) -> int:
+    """The bits of ``x`` as a float64, read as an int64."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 @fast_launch

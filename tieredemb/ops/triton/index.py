@@ -185,6 +185,16 @@ def _lock_kernel(slots, tables, table_locks, valid, guard, n, first_table, regio
 
 
 @fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _unlock_kernel(slots, table_locks, n, BLOCK: tl.constexpr):
+    # one lock less on each slot >= 0 (distinct: no two programs meet)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots + i, mask=i < n, other=-1)
+    held = slot >= 0
+    tl.store(table_locks + slot, tl.load(table_locks + slot, mask=held, other=1) - 1, mask=held)
+
+
+@fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_kernel(
     keys,
@@ -278,7 +288,8 @@ def _give_kernel(
     # next from its start for an empty way, from its end for no way), the index's value of an empty
     # way taken, the new slots' scores, the caller's slots[pos] and values[pos], rows in the order
     # given; per_region int64 (3, regions) += taken from the start, from the end, victims (atomics
-    # of one program's histograms). taken: int32 (2, n) the running counts of both kinds
+    # of one program's histograms). taken: int32 (2, n) the running count of both kinds, row 1's
+    # after row 0's (one scan of 2n: a scan by rows of two rows is one slow block a row)
     if STEP_PTR:
         step = tl.load(step_ptr)
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -290,7 +301,7 @@ def _give_kernel(
     fresh = placed & ~evicts
     lacking = in_range & (slot < 0)
     start = tl.load(taken + p, mask=fresh, other=1) - 1
-    end = n - tl.load(taken + n + p, mask=lacking, other=1)
+    end = n - (tl.load(taken + n + p, mask=lacking, other=1) - tl.load(taken + n - 1))
     row = tl.load(old_values + p, mask=in_range & evicts, other=-1)
     row = tl.where(fresh, tl.load(pool + start, mask=fresh, other=-1), row)
     row = tl.where(lacking, tl.load(pool + end, mask=lacking, other=-1), row)
@@ -467,6 +478,11 @@ class TritonKeyIndex(KeyIndex):
         )
         return out, counters
 
+    def _unlock_at(self, slots: torch.Tensor) -> None:
+        block = 1024
+        _unlock_kernel[(triton.cdiv(slots.numel(), block),)](slots, self.locks, slots.numel(), BLOCK=block,
+                                                             num_warps=4)
+
     def _claim(self, keys: torch.Tensor, tables: torch.Tensor, given_order: bool) -> Claim:
         """The reference's ``_claim`` (same slots, victims and index state): the keys sorted by
         (bucket, key) (or bucket, then as given) on the device, then one program per position, the
@@ -499,7 +515,7 @@ class TritonKeyIndex(KeyIndex):
                       pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's ``_give_claimed`` in one kernel, after the running counts of the kinds."""
         n, regions = pos.numel(), len(self.regions)
-        taken = claim.taken.cumsum(1, dtype=torch.int32)
+        taken = claim.taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(n, dtype=torch.int64, device=self.device)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
         policies = {r.policy for r in self.regions}
