@@ -74,16 +74,20 @@ def test_gather(gen, dim, programs):
 
 @pytest.mark.parametrize("width", [1, 5, 33])
 @pytest.mark.parametrize("programs", [None, 1])
-def test_scatter(gen, width, programs):
+@pytest.mark.parametrize("given", ["all", "some"])  # some: the rows' first columns, the rest zero
+def test_scatter(gen, width, programs, given):
     store, addresses = make_store(gen, width, 30)
     twin = clone_store(store)
     addr = addresses[torch.randperm(30, generator=gen)[:17].to(DEVICE)]
-    rows = torch.randn(17, width, generator=gen).to(DEVICE)
+    cols = width if given == "all" else (width + 1) // 2
+    rows = torch.randn(17, cols, generator=gen).to(DEVICE)
     TritonKernels().scatter(store, addr, rows, programs)
     TorchKernels().scatter(twin, addr, rows)
     for got, want in zip(store.segments, twin.segments):
         assert torch.equal(got, want)
-    assert torch.equal(store.gather(addr), rows)
+    full = torch.zeros(17, width, device=DEVICE)
+    full[:, :cols] = rows
+    assert torch.equal(store.gather(addr), full)
 
 
 @pytest.mark.parametrize("dim", DIMS)

@@ -120,9 +120,6 @@ class Claim:
     old_keys: torch.Tensor
     old_values: torch.Tensor
     old_scores: torch.Tensor
-    # int32 (2, k), claim order: 1 where the key took an empty way (row 0), got none (row 1); made
-    # by the Triton claim for its own use (None: the reference derives what it needs)
-    taken: torch.Tensor | None = None
 
 
 class KeyIndex:
@@ -458,43 +455,31 @@ class KeyIndex:
         ``pool`` from its end (a scratch row for the batch; its slot stays -1). ``values`` then holds
         every pair's row.
 
-        Returns positions int64 (misses,) of the inserted pairs (ascending), their rows int64
-        (misses,), and int64 (3, R) on the index device: per region, the pool's addresses taken
-        from its start (empty slots, counted in the sizes), the pairs left without a way (addresses
-        from the pool's end) and the victims evicted."""
+        Returns the positions int64 (misses,) of the inserted pairs in the order they claimed ways,
+        their rows int64 (misses,), and int64 (3, R) on the index device: per region, the pool's
+        addresses taken from its start (empty slots, counted in the sizes), the pairs left without a
+        way (addresses from the pool's end) and the victims evicted."""
         self._check_insert_rows()
         if pool.numel() < misses:
             raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
         pos = torch.nonzero_static(slots == -1, size=misses).squeeze(1)
+        per_region = torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
         if misses == 0:
-            return pos, pos, torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
-        mt = tables[pos]
-        claim = self._claim(keys[pos], mt, given_order=True)
-        rows, per_region = self._give_claimed(claim, pos, mt, counts, slots, values, step, pool)
-        self._sizes += per_region[0]
-        return pos, rows, per_region
-
-    def _give_claimed(self, claim: Claim, pos: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                      slots: torch.Tensor, values: torch.Tensor, step: int | torch.Tensor,
-                      pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``insert_rows`` after the claim of the pairs at ``pos`` (of ``tables``): rows, scores,
-        the caller's slots and values; (rows, per-region counts)."""
-        misses = pos.numel()
-        slot = claim.slots[claim.order]  # claim order
+            return pos, pos, per_region
+        claim = self._claim(keys[pos], tables[pos], given_order=True)
+        pos, slot = pos[claim.order], claim.slots[claim.order]  # claim order from here
         fresh, unplaced = (slot >= 0) & ~claim.victim, slot < 0
         taken = torch.stack([fresh, unplaced]).to(torch.int64).cumsum(1)
-        row = torch.where(claim.victim, claim.old_values,
-                          torch.where(fresh, pool[(taken[0] - 1).clamp(min=0)],
-                                      pool[(misses - taken[1]).clamp(max=misses - 1)]))
-        self.values[slot[fresh]] = row[fresh]
-        rows = torch.empty_like(row)
-        rows[claim.order] = row
-        self._touch(claim.slots.clamp(min=0), claim.slots >= 0, tables, step, counts[pos])
-        slots[pos], values[pos] = claim.slots, rows
-        ordered = tables[claim.order]
-        per_region = torch.stack([region_counts(ordered, mask, len(self.regions))
-                                  for mask in (fresh, unplaced, claim.victim)])
-        return rows, per_region
+        rows = torch.where(claim.victim, claim.old_values,
+                           torch.where(fresh, pool[(taken[0] - 1).clamp(min=0)],
+                                       pool[(misses - taken[1]).clamp(max=misses - 1)]))
+        self.values[slot[fresh]] = rows[fresh]
+        self._touch(slot.clamp(min=0), slot >= 0, tables[pos], step, counts[pos])
+        slots[pos], values[pos] = slot, rows
+        for k, mask in enumerate((fresh, unplaced, claim.victim)):
+            per_region[k] = region_counts(tables[pos], mask, len(self.regions))
+        self._sizes += per_region[0]
+        return pos, rows, per_region
 
     def _check_insert_rows(self) -> None:
         if not all(r.max_slots is not None for r in self.regions):

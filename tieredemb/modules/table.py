@@ -220,6 +220,9 @@ class TableGroup:
         self._lent: list[LentRows] = []  # pools of batches whose unused rows are not back yet
         self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows.counts
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
+        # the training probes' counts per table, summed (misses, pairs, contested pairs: one add a
+        # batch; then the pairs refused admission); ``stats`` adds them to the columns they make
+        self._probed = torch.zeros(4, len(configs), dtype=torch.int64, device=device)
 
     def _count(self, *entries: tuple[int, torch.Tensor, torch.Tensor | None]) -> None:
         """Per entry (column, tables, mask or None): add one to the table's counter in that column
@@ -364,7 +367,7 @@ class TableGroup:
         res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
-        self._count_probe(per_region, refused, res.any_miss or waiting or kept_out)
+        self._count_probe(per_region, refused)
         if res.unplaced:
             self._count((CONFLICTS, tables, res.slots == -1))
         if res.evicted_tables.numel():
@@ -400,7 +403,7 @@ class TableGroup:
         self.store.pop(misses)
         pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
         self._initialize(keys[pos], tables[pos], rows)
-        self._count_probe(per_region, None, True)
+        self._count_probe(per_region, None)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
         self._holding += 1
         pf = GroupPrefetch(keys, tables, inverse, values, keys, tables, slots, self.index.generation,
@@ -431,24 +434,18 @@ class TableGroup:
                     lent.ready.synchronize()
                 elif not lent.ready.query():  # not read yet: a later call takes it back
                     continue
-            taken = int(lent.counts[: len(self.configs)].sum())
+            taken = sum(lent.counts.tolist()[: len(self.configs)])
             self.store.free(lent.pool[taken:])
             if lent.ready is not None:
                 self._count_buffers.append(lent.counts)
             self._lent.remove(lent)
 
-    def _count_probe(self, per_region: torch.Tensor, refused: torch.Tensor | None, any_absent: bool) -> None:
-        """Counters of one batch's probe: unique pairs, hits and misses per table from its counts
-        (``per_region``: misses, pairs, contested pairs; a pair ``refused`` admission, int64 (R,)
-        per table, is neither hit nor miss). ``any_absent``: some pair was not found (else one add)."""
-        misses, pairs, contested = per_region.view(3, -1)
-        if not any_absent:  # the steady state of a warm table
-            self._counts[:, UNIQUE : HITS + 1] += pairs[:, None]
-            return
-        absent = misses + contested if refused is None else misses + contested + refused
-        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - absent, misses + contested], 1)
+    def _count_probe(self, per_region: torch.Tensor, refused: torch.Tensor | None) -> None:
+        """Counters of one batch's probe (``per_region``: misses, pairs, contested pairs per table;
+        a pair ``refused`` admission, int64 (R,) per table, is neither hit nor miss)."""
+        self._probed[:3] += per_region.view(3, -1)
         if refused is not None:
-            self._counts[:, NOT_ADMITTED] += refused
+            self._probed[3] += refused
 
     def settle(self, pf: GroupPrefetch) -> None:
         """Insert ``pf``'s deferred keys now: rows for them (a victim's or a fresh one) get the
@@ -544,19 +541,25 @@ class TableGroup:
 
     def _initial_rows(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """float32 (n, W): weights from each key's table's initializer, optimizer state zero."""
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        weights = self._initial_weights(keys, tables)
+        return torch.nn.functional.pad(weights, (0, self.width - self.dim))
+
+    def _initial_weights(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """float32 (n, D): weights from each key's table's initializer."""
+        init, members = self._inits[0]
+        if members is None:  # one initializer
+            return init.rows(self.seed, self.names, keys, self.dim, tables)
+        weights = torch.empty(keys.numel(), self.dim, dtype=torch.float32, device=self.device)
         for init, members in self._inits:
-            if members is None:
-                rows[:, : self.dim] = init.rows(self.seed, self.names, keys, self.dim, tables)
-            else:
-                pos = torch.isin(tables, members).nonzero().squeeze(1)
-                rows[pos, : self.dim] = init.rows(self.seed, self.names, keys[pos], self.dim, tables[pos])
-        return rows
+            pos = torch.isin(tables, members).nonzero().squeeze(1)
+            weights[pos] = init.rows(self.seed, self.names, keys[pos], self.dim, tables[pos])
+        return weights
 
     def _initialize(self, keys: torch.Tensor, tables: torch.Tensor, addresses: torch.Tensor) -> None:
-        """Initial rows at ``addresses``."""
+        """Initial rows at ``addresses`` (the optimizer state zero: the scatter fills what the
+        weights leave)."""
         if keys.numel():
-            self.kernels.scatter(self.store, addresses, self._initial_rows(keys, tables))
+            self.kernels.scatter(self.store, addresses, self._initial_weights(keys, tables))
 
     def holds(self, pf: GroupPrefetch) -> bool:
         """Whether releasing ``pf`` changes anything: locks (an index that evicts), scratch rows,
@@ -676,6 +679,11 @@ class TableGroup:
 
     def stats(self, table: int) -> TableStats:
         unique, hits, misses, conflicts, evictions, not_admitted = self._counts[table].tolist()
+        probe_misses, pairs, contested, refused = self._probed[:, table].tolist()
+        unique += pairs
+        hits += pairs - probe_misses - contested - refused
+        misses += probe_misses + contested
+        not_admitted += refused
         _, addresses, _ = self.index.export(table)
         per_segment = torch.bincount(addresses // self.store.segment_rows,
                                      minlength=len(self.store.segments)).tolist()

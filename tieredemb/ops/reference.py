@@ -61,7 +61,10 @@ class TorchKernels:
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
                 programs: int | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W)."""
+        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, C), C <= W,
+        the rows' first C columns (the others are set to zero)."""
+        if rows.shape[1] < store.width:
+            rows = torch.nn.functional.pad(rows, (0, store.width - rows.shape[1]))
         store.scatter(addresses, rows)
 
     def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,

@@ -112,15 +112,17 @@ def _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOC
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
-    ptr_table, addresses, rows_in, n, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
+    ptr_table, addresses, rows_in, n, in_width, row_width, segment_rows, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr
 ):
     # grid: (cdiv(n, BLOCK_N),) or fewer programs, each then taking every num_programs-th block;
-    # rows_in: float32 (n, row_width) -> the rows at addresses
+    # rows_in: float32 (n, in_width) -> the rows at addresses, their columns from in_width on zero
     cols = tl.arange(0, BLOCK_W)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
         rows, _, valid, dst = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOCK_N)
         mask = valid[:, None] & (cols[None, :] < row_width)
-        w = tl.load(rows_in + rows[:, None] * row_width + cols[None, :], mask=mask, other=0.0)
+        given = mask & (cols[None, :] < in_width)
+        w = tl.load(rows_in + rows[:, None] * in_width + cols[None, :], mask=given, other=0.0)
         tl.store(dst[:, None] + cols[None, :], w, mask=mask)
 
 
@@ -675,8 +677,8 @@ class TritonKernels:
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
                 programs: int | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, W).
-        ``programs``: as ``gather``."""
+        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, C), C <= W,
+        the rows' first C columns (the others are set to zero). ``programs``: as ``gather``."""
         n = addresses.numel()
         if n == 0:
             return
@@ -687,6 +689,7 @@ class TritonKernels:
             addresses.contiguous(),
             rows.contiguous(),
             n,
+            rows.shape[1],
             store.width,
             store.segment_rows,
             BLOCK_N=block_n,

@@ -82,6 +82,7 @@ def _per_column(kernel, dtype: torch.dtype, bases: torch.Tensor, keys: torch.Ten
     return out
 
 
+@fast_launch  # the first launch compiles with the caller's options (no FMA); later ones reuse it
 @triton.jit(do_not_specialize=["n", "low", "span"])
 def _uniform_kernel(keys, tables, bases, low, span, out, n, dim, HAS_TABLES: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -197,36 +197,22 @@ def _unlock_kernel(slots, table_locks, n, BLOCK: tl.constexpr):
 @fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _insert_kernel(
-    keys,
-    order,
-    sorted_bucket,
-    slots,
-    table_keys,
-    table_values,
-    table_scores,
-    table_locks,
-    bucket_evictable,
-    ev_flag,
-    ev_keys,
-    ev_values,
-    ev_scores,
-    taken,
-    n,
-    num_buckets,
-    width,
-    RESERVED: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    LOCK: tl.constexpr,
-    TAKEN: tl.constexpr,
+    keys, order, sorted_bucket, slots, table_keys, table_values, table_scores, table_locks, bucket_evictable,
+    ev_flag, ev_keys, ev_values, ev_scores, taken, n, num_buckets, width, RESERVED: tl.constexpr,
+    BLOCK_W: tl.constexpr, LOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # grid: (n,) over the keys to insert. Position p of their (bucket, key) order; the head of each
-    # bucket's run inserts the run. TAKEN: int32 (2, n) at ``taken``, by position: 1 where the key
-    # took an empty way (row 0), 1 where it got no way (row 1), else 0
+    # grid: (n,) over the keys to insert: keys[order[p]] at position p of their (bucket, key) order
+    # (sorted_bucket: int64 or int32, their buckets); the head of each bucket's run inserts the run,
+    # writing slots[order[p]] where the key got a way. By position: ev_flag (int8) 1 where a victim
+    # was evicted, its ev_keys, ev_values, ev_scores. ROWS (``insert_rows``): no ev_keys, ev_scores;
+    # taken int32 (2, n): 1 where the key took an empty way (row 0), got no way (row 1), else 0; and
+    # every position written (ev_flag and taken need no zeros first)
     p = tl.program_id(0).to(tl.int64)
-    b = tl.load(sorted_bucket + p)
-    prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1)
-    if TAKEN:  # past the first ``width`` of its run: no way for it, and no head writes its flags
-        past = tl.load(sorted_bucket + p - width, mask=p >= width, other=-1) == b
+    b = tl.load(sorted_bucket + p).to(tl.int64)
+    prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1).to(tl.int64)
+    if ROWS:  # past the first ``width`` of its run: no way for it, and no head writes its flags
+        past = tl.load(sorted_bucket + p - width, mask=p >= width, other=-1).to(tl.int64) == b
+        tl.store(ev_flag + p, 0, mask=past)
         tl.store(taken + p, 0, mask=past)
         tl.store(taken + n + p, 1, mask=past)
     if (b < num_buckets) & (prev != b):
@@ -250,7 +236,7 @@ def _insert_kernel(
         r = tl.arange(0, BLOCK_W)
         pos = p + r
         in_run = (r < width) & (pos < n)
-        in_run = in_run & (tl.load(sorted_bucket + pos, mask=in_run, other=-1) == b)
+        in_run = in_run & (tl.load(sorted_bucket + pos, mask=in_run, other=-1).to(tl.int64) == b)
         got = in_run & (r < tl.sum(avail.to(tl.int32), axis=0))
         way = tl.sum(tl.where(avail[None, :] & (rank[None, :] == r[:, None]), ways[None, :], 0), axis=1)
         old_key = tl.load(table_keys + first_slot + way, mask=got, other=RESERVED)
@@ -264,38 +250,59 @@ def _insert_kernel(
         tl.debug_barrier()
         tl.store(slots + idx, slot, mask=got)
         tl.store(ev_flag + pos, victim.to(tl.int8), mask=in_run)
-        tl.store(ev_keys + pos, old_key, mask=victim)
         tl.store(ev_values + pos, old_value, mask=victim)
-        tl.store(ev_scores + pos, old_score, mask=victim)
+        if ROWS:
+            tl.store(taken + pos, (got & ~victim).to(tl.int32), mask=in_run)
+            tl.store(taken + n + pos, (~got).to(tl.int32), mask=in_run)
+        else:
+            tl.store(ev_keys + pos, old_key, mask=victim)
+            tl.store(ev_scores + pos, old_score, mask=victim)
         tl.store(table_keys + slot, new_key, mask=got)
         tl.store(table_values + slot, tl.full([BLOCK_W], -1, tl.int64), mask=got & ~victim)
         tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
         if LOCK:
             tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
-        if TAKEN:
-            tl.store(taken + pos, (got & ~victim).to(tl.int32), mask=in_run)
-            tl.store(taken + n + pos, (~got).to(tl.int32), mask=in_run)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n", "num_buckets"])
+def _miss_bucket_kernel(keys, tables, slots, region_start, region_buckets, out, n, num_buckets,
+                        REGIONS: tl.constexpr, BLOCK: tl.constexpr):
+    # ``insert_rows``' sort key: the bucket of each pair at slot -1, num_buckets (after every bucket)
+    # for the others; out int32 or int64 (n,)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    k = tl.load(keys + i, mask=m, other=0)
+    if REGIONS:
+        r = tl.load(tables + i, mask=m, other=0)
+        nb = tl.load(region_buckets + r, mask=m, other=1).to(tl.uint64)
+        b = tl.load(region_start + r, mask=m, other=0) + _bucket_of(k, nb)
+    else:
+        b = _bucket_of(k, num_buckets)
+    b = tl.where(tl.load(slots + i, mask=m, other=0) == -1, b, num_buckets)
+    tl.store(out + i, b.to(out.dtype.element_ty), mask=m)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "step"])
 def _give_kernel(
-    order, claim_slots, victim, old_values, taken, pool, pos, tables, counts, region_lfu, table_values,
-    table_scores, slots, values, rows, per_region, n, step, step_ptr, regions, POLICY: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr, STEP_PTR: tl.constexpr,
+    order, slots, victim, old_values, taken, pool, tables, counts, region_lfu, table_values, table_scores,
+    values, rows, per_region, n, step, step_ptr, regions, POLICY: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr, STEP_PTR: tl.constexpr,
 ):
-    # ``insert_rows`` after the claim, by claim position p: each key's row (the victim's, the pool's
-    # next from its start for an empty way, from its end for no way), the index's value of an empty
-    # way taken, the new slots' scores, the caller's slots[pos] and values[pos], rows in the order
-    # given; per_region int64 (3, regions) += taken from the start, from the end, victims (atomics
-    # of one program's histograms). taken: int32 (2, n) the running count of both kinds, row 1's
-    # after row 0's (one scan of 2n: a scan by rows of two rows is one slow block a row)
+    # ``insert_rows`` after the insert kernel, by claim position p < n (the pair order[p], whose slot
+    # the insert kernel wrote in slots, -1 where none): its row (the victim's, the pool's next from
+    # its start for an empty way, from its end for no way) into values[order[p]] and rows[p]; the
+    # index's value of an empty way taken and the new slots' scores; per_region int64 (3, regions)
+    # += taken from the start, from the end, victims (atomics of one program's histograms). taken:
+    # int32 (2, n) the running count of both kinds, row 1's after row 0's (one scan of 2n: a scan by
+    # rows of two rows is one slow block a row)
     if STEP_PTR:
         step = tl.load(step_ptr)
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = p < n
     idx = tl.load(order + p, mask=in_range, other=0)
-    slot = tl.load(claim_slots + idx, mask=in_range, other=-1)
+    slot = tl.load(slots + idx, mask=in_range, other=-1)
     evicts = tl.load(victim + p, mask=in_range, other=0) != 0
     placed = in_range & (slot >= 0)
     fresh = placed & ~evicts
@@ -306,19 +313,17 @@ def _give_kernel(
     row = tl.where(fresh, tl.load(pool + start, mask=fresh, other=-1), row)
     row = tl.where(lacking, tl.load(pool + end, mask=lacking, other=-1), row)
     tl.store(table_values + slot, row, mask=fresh)
-    q = tl.load(pos + idx, mask=in_range, other=0)
     r = tl.load(tables + idx, mask=in_range, other=0)
     lru = tl.zeros([BLOCK], dtype=tl.int64) + step
     if POLICY == 0:
         score = lru
     else:
-        score = tl.load(counts + q, mask=placed, other=0)  # a new slot's score starts at 0
+        score = tl.load(counts + idx, mask=placed, other=0)  # a new slot's score starts at 0
         if POLICY == 2:
             score = tl.where(tl.load(region_lfu + r, mask=placed, other=0) != 0, score, lru)
     tl.store(table_scores + slot, score, mask=placed)
-    tl.store(slots + q, slot, mask=in_range)
-    tl.store(values + q, row, mask=in_range)
-    tl.store(rows + idx, row, mask=in_range)
+    tl.store(values + idx, row, mask=in_range)
+    tl.store(rows + p, row, mask=in_range)
     bins = tl.arange(0, BINS)
     spare = BINS - 1
     for_region = bins < regions
@@ -486,46 +491,74 @@ class TritonKeyIndex(KeyIndex):
     def _claim(self, keys: torch.Tensor, tables: torch.Tensor, given_order: bool) -> Claim:
         """The reference's ``_claim`` (same slots, victims and index state): the keys sorted by
         (bucket, key) (or bucket, then as given) on the device, then one program per position, the
-        head of each bucket's run inserting the run. Also counts each key's kind (``Claim.taken``)."""
+        head of each bucket's run inserting the run."""
         n = keys.numel()
         keys = keys.to(torch.int64).contiguous()
-        bucket = self._bucket(keys, tables)
-        # buckets fit 32 bits: their radix sort makes half the passes of the keys'
-        narrow = bucket.to(torch.int32) if self.num_buckets < 2**31 else bucket
+        bucket = self._narrow(self._bucket(keys, tables))
         if given_order:
-            order = torch.argsort(narrow, stable=True)
+            sorted_bucket, order = torch.sort(bucket, stable=True)
         else:
             order = torch.argsort(keys, stable=True)
-            order = order[torch.argsort(narrow[order], stable=True)]
+            sorted_bucket, by_bucket = torch.sort(bucket[order], stable=True)
+            order = order[by_bucket]
         out_slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         ev_flag = torch.zeros(n, dtype=torch.int8, device=self.device)
         ev_keys, ev_values, ev_scores = (torch.empty(n, dtype=torch.int64, device=self.device)
                                          for _ in range(3))
-        taken = torch.empty(2, n, dtype=torch.int32, device=self.device)
-        _insert_kernel[(n,)](
-            keys, order, bucket[order], out_slots, self.keys, self.values, self.scores, self.locks,
-            self.bucket_evictable, ev_flag, ev_keys, ev_values, ev_scores, taken, n, self.num_buckets,
-            self.width, RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking,
-            TAKEN=True, num_warps=_INSERT_WARPS,
-        )
-        return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores, taken)
+        self._launch_insert(keys, order, sorted_bucket, out_slots, ev_flag, ev_keys, ev_values, ev_scores,
+                            ev_flag, n=n, rows=False)
+        return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores)
 
-    def _give_claimed(self, claim: Claim, pos: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                      slots: torch.Tensor, values: torch.Tensor, step: int | torch.Tensor,
-                      pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's ``_give_claimed`` in one kernel, after the running counts of the kinds."""
-        n, regions = pos.numel(), len(self.regions)
-        taken = claim.taken.view(-1).cumsum(0, dtype=torch.int32)
-        rows = torch.empty(n, dtype=torch.int64, device=self.device)
+    def _narrow(self, bucket: torch.Tensor) -> torch.Tensor:
+        """Buckets as sort keys: int32 where they fit (and the sentinel ``num_buckets`` with them),
+        whose radix sort makes half the passes of int64's."""
+        return bucket.to(torch.int32) if self.num_buckets < 2**31 - 1 else bucket
+
+    def _launch_insert(self, keys: torch.Tensor, order: torch.Tensor, sorted_bucket: torch.Tensor,
+                       slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool) -> None:
+        _insert_kernel[(n,)](
+            keys, order, sorted_bucket, slots, self.keys, self.values, self.scores, self.locks,
+            self.bucket_evictable, *out, n, self.num_buckets, self.width, RESERVED=RESERVED_KEY,
+            BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, ROWS=rows, num_warps=_INSERT_WARPS,
+        )
+
+    def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                    slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
+        by the bucket of the misses, the others after them; the insert kernel runs over the first
+        ``misses`` positions, the give kernel after the running counts of the kinds."""
+        self._check_insert_rows()
+        if pool.numel() < misses:
+            raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
+        u, regions = keys.numel(), len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
+        if misses == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty, per_region
+        block = 1024
+        sort_key = torch.empty(u, dtype=torch.int32 if self.num_buckets < 2**31 - 1 else torch.int64,
+                               device=self.device)
+        keys, tables = keys.contiguous(), tables.contiguous()
+        _miss_bucket_kernel[(triton.cdiv(u, block),)](
+            keys, tables, slots, self._start_dev, self._nb_dev, sort_key, u, self.num_buckets,
+            REGIONS=regions > 1, BLOCK=block)
+        sorted_bucket, order = torch.sort(sort_key, stable=True)
+        victim = torch.empty(misses, dtype=torch.int8, device=self.device)
+        old_values = torch.empty(misses, dtype=torch.int64, device=self.device)
+        taken = torch.empty(2, misses, dtype=torch.int32, device=self.device)
+        self._launch_insert(keys, order, sorted_bucket, slots, victim, old_values, old_values, old_values,
+                            taken, n=misses, rows=True)
+        taken = taken.view(-1).cumsum(0, dtype=torch.int32)
+        rows = torch.empty(misses, dtype=torch.int64, device=self.device)
         policies = {r.policy for r in self.regions}
         on_device = isinstance(step, torch.Tensor)
-        block = 1024
-        _give_kernel[(triton.cdiv(n, block),)](
-            claim.order, claim.slots, claim.victim, claim.old_values, taken, pool, pos, tables.contiguous(),
-            counts, self._lfu, self.values, self.scores, slots, values, rows, per_region, n,
-            0 if on_device else step, step if on_device else pos, regions,
+        _give_kernel[(triton.cdiv(misses, block),)](
+            order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
+            self.scores, values, rows, per_region, misses, 0 if on_device else step,
+            step if on_device else order, regions,
             POLICY=2 if len(policies) > 1 else int(policies == {"lfu"}),
             BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, num_warps=4,
         )
-        return rows, per_region
+        self._sizes += per_region[0]
+        return order[:misses], rows, per_region
