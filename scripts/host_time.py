@@ -1,32 +1,55 @@
+"""Host time of the prefetch's pieces in scripts/groups_bench.py's loops: each function below wrapped
+with a wall clock, and the median of its last 30 calls printed at exit (the last loop's: the
+deferred one). No profiler, so no per-call overhead beyond two clock reads; the first calls (Triton
+compilations, graph captures) fall out of the median.
+
+    PYTHONPATH=. python3 scripts/host_time.py [groups_bench.py's arguments]
+"""
+
+from __future__ import annotations
+
 import atexit
 import runpy
 import sys
 import time
 
-from tieredemb.modules import collection as C
-from tieredemb.modules.table import TableGroup as T
+from tieredemb.modules.batch import Layout
+from tieredemb.modules.collection import _Collection
+from tieredemb.modules.table import TableGroup
+from tieredemb.ops.triton.index import TritonKeyIndex
+from tieredemb.storage.row_store import RowStore
 
-acc = {}
-def wrap(cls, name):
-    f = getattr(cls, name)
-    def g(*a, **k):
-        t = time.perf_counter()
+TIMED = {
+    _Collection: ("_stage", "_finish_staged", "_run", "_backward", "_release"),
+    Layout: ("finish",),
+    TableGroup: ("_placed", "_inserted", "_initialize", "_count_probe", "_take_back", "_lend", "release"),
+    TritonKeyIndex: ("insert_rows",),
+    RowStore: ("peek",),
+}
+seconds: dict[str, list[float]] = {}
+
+
+def timed(name: str, f):
+    def call(*args, **kwargs):
+        start = time.perf_counter()
         try:
-            return f(*a, **k)
+            return f(*args, **kwargs)
         finally:
-            acc.setdefault(name, []).append(time.perf_counter() - t)
-    setattr(cls, name, g)
-for n in ("_inserted", "_initialize", "_count_probe", "_take_back", "_lend", "release"):
-    wrap(T, n)
-for n in ("_finish_staged", "_stage", "_release", "_backward", "_run"):
-    wrap(C._Collection, n)
+            seconds.setdefault(name, []).append(time.perf_counter() - start)
+    return call
 
 
-def report():
-    for k, v in acc.items():
-        print(f"  {k:16s} {len(v):5d} calls, median of the last 30: {1e3 * sorted(v[-30:])[15]:.3f} ms")
+def report() -> None:
+    for name, runs in seconds.items():
+        last = sorted(runs[-30:])
+        print(f"  {name:16s} {len(runs):5d} calls, median of the last {len(last)}: "
+              f"{1e3 * last[len(last) // 2]:.3f} ms")
 
 
-atexit.register(report)
-sys.argv = ["groups_bench.py"] + sys.argv[1:]
-runpy.run_path("scripts/groups_bench.py", run_name="__main__")
+if __name__ == "__main__":
+    for cls, names in TIMED.items():
+        for name in names:
+            setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    atexit.register(report)
+    sys.argv = ["groups_bench.py", *sys.argv[1:]]
+    runpy.run_path("scripts/groups_bench.py", run_name="__main__")

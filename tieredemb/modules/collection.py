@@ -900,7 +900,8 @@ class _Collection(nn.Module):
                 group.close()
 
     def flush(self) -> None:
-        """Write every dirty cached row down to the backing store (a no-op in ``hbm_direct``)."""
+        """Write every dirty cached row down to the backing store (in ``hbm_direct``: nothing to write;
+        the free rows lent to released batches' insertions go back to the row store)."""
         with self._mutating():
             for group in self._groups:
                 group.flush()
