@@ -92,12 +92,14 @@ class GroupPrefetch:
 class LentRows:
     """A pool of free rows (``pool``: int64 (m,) addresses, popped from the store) that an insertion
     on the device took rows from without telling the host how many: ``counts`` (int64 (3R,), host
-    memory: ``insert_rows``'s counts per region, valid once ``ready`` has passed, or None on the
-    CPU) says it. Those taken from the start now belong to the table; the rest (unused, or a
-    scratch row of the batch) go back to the store once the batch is released."""
+    memory: ``insert_rows``'s counts per region, valid once ``ready`` has passed; ``ready`` None on
+    the CPU) says it. Those taken from its start now belong to the table, those from its end are the
+    batch's scratch rows, the ones between were not used: they go back to the store as soon as the
+    counts are read (``pool`` is then the scratch rows, ``counts`` None), the scratch rows once the
+    batch is released."""
 
     pool: torch.Tensor
-    counts: torch.Tensor
+    counts: torch.Tensor | None
     ready: torch.cuda.Event | None
     released: bool = False
 
@@ -424,21 +426,32 @@ class TableGroup:
         return LentRows(pool, host, ready)
 
     def _take_back(self, wait: bool = False) -> None:
-        """Give the store back the rows of released batches' pools that did not go into a table,
-        those whose counts have reached the host (all of them, waiting, with ``wait``)."""
+        """Give the store back the rows of lent pools that no table took: the unused ones of each
+        pool whose counts have reached the host (waiting for those of released batches, with
+        ``wait``), the scratch rows of released batches."""
         for lent in list(self._lent):
-            if not lent.released:
-                continue
-            if lent.ready is not None:
-                if wait:
-                    lent.ready.synchronize()
-                elif not lent.ready.query():  # not read yet: a later call takes it back
-                    continue
-            taken = sum(lent.counts.tolist()[: len(self.configs)])
-            self.store.free(lent.pool[taken:])
-            if lent.ready is not None:
-                self._count_buffers.append(lent.counts)
-            self._lent.remove(lent)
+            if lent.counts is not None:
+                if lent.ready is not None:
+                    if wait and lent.released:
+                        lent.ready.synchronize()
+                    elif not lent.ready.query():  # not read yet: a later call takes it back
+                        continue
+                self._trim(lent)
+            if lent.released:
+                self.store.free(lent.pool)
+                self._lent.remove(lent)
+
+    def _trim(self, lent: LentRows) -> None:
+        """``lent``'s unused rows back to the store, its pool cut to the batch's scratch rows."""
+        regions = len(self.configs)
+        counts = lent.counts.tolist()
+        taken, lacking = sum(counts[:regions]), sum(counts[regions : 2 * regions])
+        end = lent.pool.numel() - lacking
+        self.store.free(lent.pool[taken:end])
+        lent.pool = lent.pool[end:]
+        if lent.ready is not None:  # its pinned buffer serves a later batch
+            self._count_buffers.append(lent.counts)
+        lent.counts = None
 
     def _count_probe(self, per_region: torch.Tensor, refused: torch.Tensor | None) -> None:
         """Counters of one batch's probe (``per_region``: misses, pairs, contested pairs per table;
