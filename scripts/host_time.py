@@ -24,7 +24,7 @@ TIMED = {
     Layout: ("finish",),
     TableGroup: ("_placed", "_inserted", "_initialize", "_count_probe", "_take_back", "_lend", "release"),
     TritonKeyIndex: ("insert_rows",),
-    RowStore: ("peek",),
+    RowStore: ("peek", "_add_segment"),
 }
 seconds: dict[str, list[float]] = {}
 

@@ -135,6 +135,35 @@ def test_a_bounded_step_with_misses_and_evictions_reads_the_device_once(loop):
     assert after.evictions > before.evictions and after.conflict_misses > before.conflict_misses
 
 
+def test_a_step_that_grows_the_row_store_reads_the_device_once():
+    """Bounded tables far from their bound, new keys every step and small segments: the store adds
+    segments every step (its pointer table made again, copied to the device without a wait), and a
+    step still reads the device once."""
+    tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], max_capacity=1 << 20) for i in range(3)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), device=DEV,
+                                    storage=te.StorageConfig(bucket_width=8, segment_rows=64))
+    (group,) = ebc._groups
+    gen = torch.Generator().manual_seed(0)
+    grown = 0
+    for i in range(16):
+        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+        ids = torch.randint(0, 400, (int(lengths.sum()),), generator=gen) + 400 * i  # new keys
+        kjt = te.KeyedJaggedTensor([f"f{t}" for t in range(3)], ids, lengths).to(DEV)
+
+        def step(kjt=kjt):
+            ebc.prefetch(kjt)
+            ebc(kjt).values().sum().backward()
+
+        if i < 8:
+            step()
+            continue
+        before = group.store.rows_allocated()
+        reads = host_reads(step)
+        grown += group.store.rows_allocated() > before
+        assert len(reads) <= 1, f"{len(reads)} host reads in a step that grows the store: {reads}"
+    assert grown >= 6  # the scenario happened
+
+
 def host_reads_by_thread(fn) -> dict[str, int]:
     """The synchronizing operations ``fn`` runs, counted per thread (the pipeline's worker too)."""
     torch.cuda.synchronize()

@@ -155,8 +155,10 @@ class RowStore:
         addresses)."""
         self._await_copy(host=False)
         if self._pointers is None:
-            self._pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0],
-                                          dtype=torch.int64, device=self.device)
+            pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0], dtype=torch.int64)
+            if self.device.type == "cuda":  # a copy from pageable memory would make the host wait
+                pointers = pointers.pin_memory().to(self.device, non_blocking=True)
+            self._pointers = pointers
             self._pointer_streams = set()
         if self._pointers.is_cuda:
             stream = torch.cuda.current_stream(self.device)
