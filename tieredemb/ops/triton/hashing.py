@@ -112,8 +112,9 @@ def _float64_bits(x: float) -> int:
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
-def _bucket_kernel(keys, tables, region_start, region_buckets, out, n, num_buckets, REGIONS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _bucket_kernel(keys, tables, slots, region_start, region_buckets, out, n, num_buckets,
+                   REGIONS: tl.constexpr, MISSES: tl.constexpr, BLOCK: tl.constexpr):
+    # out (int64 or int32): each key's bucket; MISSES: num_buckets where slots is not -1
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     k = tl.load(keys + i, mask=m, other=0)
@@ -123,18 +124,24 @@ def _bucket_kernel(keys, tables, region_start, region_buckets, out, n, num_bucke
         b = tl.load(region_start + r, mask=m, other=0) + bucket_of(k, nb)
     else:
         b = bucket_of(k, num_buckets)
-    tl.store(out + i, b, mask=m)
+    if MISSES:
+        b = tl.where(tl.load(slots + i, mask=m, other=0) == -1, b, num_buckets)
+    tl.store(out + i, b.to(out.dtype.element_ty), mask=m)
 
 
 def buckets(keys: torch.Tensor, tables: torch.Tensor | None, region_start: torch.Tensor,
-            region_buckets: torch.Tensor, num_buckets: int) -> torch.Tensor:
+            region_buckets: torch.Tensor, num_buckets: int, slots: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``KeyIndex._bucket``: int64 (n,) the bucket of each key in its region (``tables``; None:
-    one region of ``num_buckets``)."""
+    one region of ``num_buckets``). ``slots`` (int64 (n,)): only the keys at -1 get their bucket,
+    the others ``num_buckets`` (after every bucket: ``insert_rows``' sort key); ``dtype``: int32
+    where that fits (a radix sort of half the passes)."""
     n = keys.numel()
-    out = torch.empty(n, dtype=torch.int64, device=keys.device)
+    out = torch.empty(n, dtype=dtype, device=keys.device)
     if n:
         keys = keys.to(torch.int64).contiguous()
         _bucket_kernel[(triton.cdiv(n, 1024),)](
-            keys, keys if tables is None else tables.contiguous(), region_start, region_buckets, out, n,
-            num_buckets, REGIONS=tables is not None, BLOCK=1024)
+            keys, keys if tables is None else tables.contiguous(), keys if slots is None else slots,
+            region_start, region_buckets, out, n, num_buckets, REGIONS=tables is not None,
+            MISSES=slots is not None, BLOCK=1024)
     return out

@@ -265,25 +265,6 @@ def _insert_kernel(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n", "num_buckets"])
-def _miss_bucket_kernel(keys, tables, slots, region_start, region_buckets, out, n, num_buckets,
-                        REGIONS: tl.constexpr, BLOCK: tl.constexpr):
-    # ``insert_rows``' sort key: the bucket of each pair at slot -1, num_buckets (after every bucket)
-    # for the others; out int32 or int64 (n,)
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    k = tl.load(keys + i, mask=m, other=0)
-    if REGIONS:
-        r = tl.load(tables + i, mask=m, other=0)
-        nb = tl.load(region_buckets + r, mask=m, other=1).to(tl.uint64)
-        b = tl.load(region_start + r, mask=m, other=0) + _bucket_of(k, nb)
-    else:
-        b = _bucket_of(k, num_buckets)
-    b = tl.where(tl.load(slots + i, mask=m, other=0) == -1, b, num_buckets)
-    tl.store(out + i, b.to(out.dtype.element_ty), mask=m)
-
-
-@fast_launch
 @triton.jit(do_not_specialize=["n", "step"])
 def _give_kernel(
     order, slots, victim, old_values, taken, pool, tables, counts, region_lfu, table_values, table_scores,
@@ -494,7 +475,9 @@ class TritonKeyIndex(KeyIndex):
         head of each bucket's run inserting the run."""
         n = keys.numel()
         keys = keys.to(torch.int64).contiguous()
-        bucket = self._narrow(self._bucket(keys, tables))
+        one = len(self.regions) == 1
+        bucket = buckets(keys, None if one else tables, self._start_dev, self._nb_dev, self.num_buckets,
+                         dtype=self._sort_dtype)
         if given_order:
             sorted_bucket, order = torch.sort(bucket, stable=True)
         else:
@@ -509,10 +492,11 @@ class TritonKeyIndex(KeyIndex):
                             ev_flag, n=n, rows=False)
         return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores)
 
-    def _narrow(self, bucket: torch.Tensor) -> torch.Tensor:
+    @property
+    def _sort_dtype(self) -> torch.dtype:
         """Buckets as sort keys: int32 where they fit (and the sentinel ``num_buckets`` with them),
         whose radix sort makes half the passes of int64's."""
-        return bucket.to(torch.int32) if self.num_buckets < 2**31 - 1 else bucket
+        return torch.int32 if self.num_buckets < 2**31 - 1 else torch.int64
 
     def _launch_insert(self, keys: torch.Tensor, order: torch.Tensor, sorted_bucket: torch.Tensor,
                        slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool) -> None:
@@ -531,18 +515,15 @@ class TritonKeyIndex(KeyIndex):
         self._check_insert_rows()
         if pool.numel() < misses:
             raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
-        u, regions = keys.numel(), len(self.regions)
+        regions = len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
         if misses == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return empty, empty, per_region
         block = 1024
-        sort_key = torch.empty(u, dtype=torch.int32 if self.num_buckets < 2**31 - 1 else torch.int64,
-                               device=self.device)
         keys, tables = keys.contiguous(), tables.contiguous()
-        _miss_bucket_kernel[(triton.cdiv(u, block),)](
-            keys, tables, slots, self._start_dev, self._nb_dev, sort_key, u, self.num_buckets,
-            REGIONS=regions > 1, BLOCK=block)
+        sort_key = buckets(keys, tables if regions > 1 else None, self._start_dev, self._nb_dev,
+                           self.num_buckets, slots, self._sort_dtype)
         sorted_bucket, order = torch.sort(sort_key, stable=True)
         victim = torch.empty(misses, dtype=torch.int8, device=self.device)
         old_values = torch.empty(misses, dtype=torch.int64, device=self.device)
