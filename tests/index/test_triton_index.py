@@ -448,3 +448,24 @@ def test_insert_rows_gives_every_miss_a_row(policy, seed):
             for index in (ref, tri, twin):
                 index.unlock(*gone)
     assert fresh_total and victims_total and lacking_total  # each kind of row was exercised
+
+
+@pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])
+def test_insert_rows_refuses_an_unbounded_index_or_a_short_pool(index_class):
+    """Bad calls raise before anything changes: an unbounded region (it would have to grow), a pool
+    with fewer rows than misses."""
+    keys = torch.tensor([5, 6, 7], device=DEVICE)
+    tables = torch.zeros_like(keys)
+    counts = torch.ones_like(keys)
+    unbounded = index_class(4, device=DEVICE)
+    slots, values, _ = unbounded.find_touch(keys, tables, 1, counts)
+    with pytest.raises(ValueError, match="all bounded"):
+        unbounded.insert_rows(keys, tables, counts, slots, values, 3, 1, torch.arange(3, device=DEVICE))
+    bounded = index_class(4, device=DEVICE, max_slots=8)
+    slots, values, _ = bounded.find_touch(keys, tables, 1, counts)
+    before = [t.clone() for t in (bounded.keys, bounded.values, bounded.scores, bounded.locks)]
+    with pytest.raises(ValueError, match="a pool of 2 rows for 3 misses"):
+        bounded.insert_rows(keys, tables, counts, slots, values, 3, 1, torch.arange(2, device=DEVICE))
+    after = (bounded.keys, bounded.values, bounded.scores, bounded.locks)
+    assert all(torch.equal(a, b) for a, b in zip(after, before)) and bounded.size() == 0
+    assert torch.equal(slots, torch.full_like(slots, -1))
