@@ -1,4 +1,4 @@
-"""TritonKeyIndex: the KeyIndex with its probe (``find``) and insertion core (``_insert``) in Triton.
+"""TritonKeyIndex: the KeyIndex with its probe (``find``) and insertion core (``_claim``) in Triton.
 
 Same layout, same hash and the same deterministic claim rules as the reference
 (``tieredemb.index.key_index.KeyIndex``), so every call gives identical slots, values, scores, locks
@@ -6,12 +6,13 @@ and evictions; ``tests/index/test_triton_index.py`` checks that on random worklo
 
 - ``find``: one program probes ``BLOCK_K`` keys, each against the ``width`` ways of its bucket
   (a ``[BLOCK_K, BLOCK_W]`` tile); the bucket hash (splitmix64, multiply-shift) is computed in-kernel.
-- ``_insert``: the misses are sorted by (bucket, key) on the device; one program per position, and
-  the program at the head of a bucket's run does that bucket's whole insertion: it ranks the bucket's
-  available ways (empty ones by way, then, when the index is bounded, unlocked ones by (score, way))
-  and hands the r-th miss of the run the way of rank r. A bucket is written by its head program only,
-  so there are no races and no atomics.
-
+- ``_claim`` (``_insert``'s core): the misses are sorted by (bucket, key) on the device; one program
+  per position, and the program at the head of a bucket's run does that bucket's whole insertion: it
+  ranks the bucket's available ways (empty ones by way, then, when the index is bounded, unlocked
+  ones by (score, way)) and hands the r-th miss of the run the way of rank r. A bucket is written by
+  its head program only, so there are no races and no atomics.
+- ``insert_rows``: the same insertion over a batch's pairs with no compaction and no host read (the
+  misses sorted first), then each miss's row (a victim's, or a pool's address) in one more kernel.
 - ``find_touch``: the probe of ``find_or_insert``, which also locks and touches the keys found,
   reads their row addresses and counts misses and keys per region, in one pass.
 
