@@ -459,9 +459,7 @@ class KeyIndex:
         their rows int64 (misses,), and int64 (3, R) on the index device: per region, the pool's
         addresses taken from its start (empty slots, counted in the sizes), the pairs left without a
         way (addresses from the pool's end) and the victims evicted."""
-        self._check_insert_rows()
-        if pool.numel() < misses:
-            raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
+        self._check_insert_rows(pool, misses)
         pos = torch.nonzero_static(slots == -1, size=misses).squeeze(1)
         per_region = torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -481,10 +479,12 @@ class KeyIndex:
         self._sizes += per_region[0]
         return pos, rows, per_region
 
-    def _check_insert_rows(self) -> None:
+    def _check_insert_rows(self, pool: torch.Tensor, misses: int) -> None:
         if not all(r.max_slots is not None for r in self.regions):
             raise ValueError("insert_rows needs an index whose regions are all bounded (an unbounded one "
                              "grows as it inserts, which needs the host)")
+        if pool.numel() < misses:
+            raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
 
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
         """Ways of each bucket in claim order: empty by way, then evictable by (score, way)."""

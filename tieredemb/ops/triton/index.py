@@ -413,8 +413,6 @@ class TritonKeyIndex(KeyIndex):
         if n == 0:
             return slots, values, torch.zeros(3 * regions, dtype=torch.int64, device=self.device)
         contest = contest and self.bounded
-        policies = {r.policy for r in self.regions}
-        policy = 2 if len(policies) > 1 else int(policies == {"lfu"})
         block_w = triton.next_power_of_2(self.width)
         block_k = max(1, _FIND_TILE // block_w)
         bins = triton.next_power_of_2(regions + 1)
@@ -430,7 +428,7 @@ class TritonKeyIndex(KeyIndex):
             keys, tables, counts.contiguous(), self._start_dev, self._nb_dev, self._lfu, self.keys,
             self.values, self.scores, self.locks, self.bucket_evictable, slots, values, partial, valid, guard,
             n, self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
-            first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=policy, BINS=bins,
+            first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy, BINS=bins,
             GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w, LOCK=self.locking,
             STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest, num_warps=4,
         )
@@ -494,6 +492,12 @@ class TritonKeyIndex(KeyIndex):
         return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores)
 
     @property
+    def _policy(self) -> int:
+        """The kernels' POLICY: 0 every region LRU, 1 every region LFU, 2 some of each."""
+        policies = {r.policy for r in self.regions}
+        return 2 if len(policies) > 1 else int(policies == {"lfu"})
+
+    @property
     def _sort_dtype(self) -> torch.dtype:
         """Buckets as sort keys: int32 where they fit (and the sentinel ``num_buckets`` with them),
         whose radix sort makes half the passes of int64's."""
@@ -513,9 +517,7 @@ class TritonKeyIndex(KeyIndex):
         """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
         by the bucket of the misses, the others after them; the insert kernel runs over the first
         ``misses`` positions, the give kernel after the running counts of the kinds."""
-        self._check_insert_rows()
-        if pool.numel() < misses:
-            raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
+        self._check_insert_rows(pool, misses)
         regions = len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -533,13 +535,12 @@ class TritonKeyIndex(KeyIndex):
                             taken, n=misses, rows=True)
         taken = taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(misses, dtype=torch.int64, device=self.device)
-        policies = {r.policy for r in self.regions}
         on_device = isinstance(step, torch.Tensor)
         _give_kernel[(triton.cdiv(misses, block),)](
             order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
             self.scores, values, rows, per_region, misses, 0 if on_device else step,
             step if on_device else order, regions,
-            POLICY=2 if len(policies) > 1 else int(policies == {"lfu"}),
+            POLICY=self._policy,
             BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, num_warps=4,
         )
         self._sizes += per_region[0]
