@@ -428,9 +428,9 @@ class TritonKeyIndex(KeyIndex):
             keys, tables, counts.contiguous(), self._start_dev, self._nb_dev, self._lfu, self.keys,
             self.values, self.scores, self.locks, self.bucket_evictable, slots, values, partial, valid, guard,
             n, self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
-            first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy, BINS=bins,
-            GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w, LOCK=self.locking,
-            STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest, num_warps=4,
+            first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy,
+            BINS=bins, GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w,
+            LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest, num_warps=4,
         )
         if contest:
             block = 1024
