@@ -430,7 +430,8 @@ class TritonKeyIndex(KeyIndex):
             n, self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
             first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy,
             BINS=bins, GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w,
-            LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest, num_warps=4,
+            LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest,
+            num_warps=4,
         )
         if contest:
             block = 1024
