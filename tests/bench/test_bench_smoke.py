@@ -23,6 +23,7 @@ from tieredemb.bench.hbm import (
     HbmOptions,
     RowSnapshot,
     check_ranks,
+    compare_bounded,
     compare_rows,
     initial_rows,
     sgd_reference,
@@ -136,6 +137,35 @@ def test_floor_bytes_follow_the_formula(report: dict) -> None:
             shape.batch_size * shape.num_tables * shape.dim * 4)
 
 
+def test_bounded_tables_are_held_to_the_reference_kernels(tmp_path) -> None:
+    """``--capacity``: ours again with every table bounded (no row stored first, so misses and
+    evictions every step), plain and under TrainPipeline, and the torch kernels' run of the same
+    bounded tables as the reference; each bounded run's counters and rows checked against it."""
+    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+               "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64",
+               "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
+    assert rc == 0 and data["ok"] is True and data["options"]["capacity"] == 64
+    labels = [(r["configuration"], r["label"]) for r in data["results"]]
+    assert labels == [("ours", "ours (torch kernels)"), ("ours", "ours (torch kernels, TrainPipeline)"),
+                      ("ours", "ours (torch kernels, max_capacity 64)"),
+                      ("ours", "ours (torch kernels, TrainPipeline, max_capacity 64)"),
+                      ("reference", "reference: ours (torch kernels, max_capacity 64)"),
+                      ("peer", "nn.EmbeddingBag + SparseAdam"), ("floor", "bandwidth floor")]
+    shape = HbmShape().scaled(SCALE)
+    for r in data["results"][2:5]:
+        assert r["error"] is None and r["step_ms"] > 0
+        assert r["new_keys_per_step"] > 0 and r["extra"]["evictions_per_step"] > 0
+        assert r["extra"]["rows_stored"] == 64 * shape.num_tables  # 64: two whole buckets
+    checks = {c["kernels"]: c for c in data["checks"]}
+    assert set(checks) == {"torch", "torch+pipeline", "torch+cap64", "torch+pipeline+cap64"}
+    for name in ("torch+cap64", "torch+pipeline+cap64"):
+        assert checks[name]["passed"] and checks[name]["reference"] == "torch+cap64"
+        assert checks[name]["rows_trained"] == 64 * shape.num_tables
+        assert checks[name]["max_moved"] > 100 * CHECK_ATOL
+    assert checks["torch"]["reference"] == "peer"
+
+
 @pytest.mark.slow
 def test_tables_that_outgrow_their_first_allocation_train_the_same_rows(tmp_path) -> None:
     """Enough steps that every table stores thousands of keys: the index rehashes and the row store
@@ -190,6 +220,52 @@ def test_compare_rows_catches_differences(fault: str) -> None:
         snap.weights = [torch.where(s[:, None], p, torch.zeros(())) for p, s in zip(peer, seen)]
     check = compare_rows("adam", snap, peer, initial, seen, total)
     assert not check.passed and check.problems
+
+
+def _bounded_snapshots(gen: torch.Generator):
+    """Two tables of 8 checked ranks, D=3, bounded to 4 rows (a bucket of 32 would round them up to
+    32): (snapshot, an equal reference, initial rows). Table 0 stores ranks 0-3, table 1 ranks 4-7."""
+    ranks = [torch.arange(8), torch.arange(8)]
+    found = [torch.arange(8) < 4, torch.arange(8) >= 4]
+    initial = [torch.rand(8, 3, generator=gen) for _ in ranks]
+    weights = [torch.where(f[:, None], init + torch.rand(8, 3, generator=gen), torch.zeros(()))
+               for f, init in zip(found, initial)]
+
+    def snapshot(kernels: str) -> RowSnapshot:
+        return RowSnapshot(kernels, ranks, [w.clone() for w in weights], [f.clone() for f in found],
+                           [4, 4], misses=[9, 7], evictions=[5, 3], capacity=[4, 4])
+
+    return snapshot("triton+cap4"), snapshot("torch+cap4"), initial
+
+
+@pytest.mark.parametrize("fault", [None, "weight", "stored_key", "misses", "evictions", "no_evictions",
+                                   "over_capacity", "nothing_moved"])
+def test_compare_bounded_catches_differences(fault: str | None) -> None:
+    """The bounded runs' check passes on equal snapshots and fails on each kind of difference, and on
+    a run that evicted nothing or stores more rows than its bound."""
+    snap, ref, initial = _bounded_snapshots(torch.Generator().manual_seed(3))
+    if fault == "weight":
+        snap.weights[1][5, 1] += 1e-3
+    elif fault == "stored_key":
+        snap.found[0][3], snap.found[0][4] = False, True
+    elif fault == "misses":
+        snap.misses[1] += 1
+    elif fault == "evictions":
+        snap.evictions[0] -= 1
+    elif fault == "no_evictions":
+        snap.evictions[1] = ref.evictions[1] = 0
+    elif fault == "over_capacity":
+        snap.stored[0] = ref.stored[0] = 33  # over 4 rounded up to one bucket of 32
+    elif fault == "nothing_moved":
+        snap.weights = [torch.where(f[:, None], i, torch.zeros(())) for f, i in zip(snap.found, initial)]
+        ref.weights = [w.clone() for w in snap.weights]
+    check = compare_bounded("adam", snap, ref, initial)
+    assert check.reference == "torch+cap4" and check.kernels == "triton+cap4"
+    if fault is None:
+        assert check.passed, check.problems
+        assert check.rows_compared == 16 and check.rows_trained == 8 and check.max_moved > 0
+    else:
+        assert not check.passed and check.problems, fault
 
 
 def test_compare_rows_holds_sgd_to_the_exact_rows() -> None:

@@ -2,14 +2,15 @@
 
     tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
                         [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
-                        [--pipeline]
+                        [--pipeline] [--capacity N]
                         [--out DIR]
 
 prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
 and writes ``<out>/<YYYYmmdd-HHMMSS>-hbm.json`` (machine, command line, options, every measurement,
 the row checks) with the table beside it as ``.txt``. Both are rewritten after each configuration, so
 a run cut short still leaves what it measured. The exit status is 0 when every configuration ran and
-ours trained the same rows as the peer.
+ours trained the same rows as the peer (with ``--capacity``, the bounded runs the same rows as the
+torch kernels' run of the same bounded tables).
 
     tieredemb bench cache|ssd [--scale S] [--device cpu|cuda] [--steps N] [--warmup N]
                               [--budget-fraction F] [--dir DIR] [--shards N] [--out DIR]
@@ -80,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="start from empty tables (new keys are inserted while timing)")
     hbm.add_argument("--pipeline", action="store_true",
                      help="also each 'ours' under te.TrainPipeline (inline prefetch, read deferred)")
+    hbm.add_argument("--capacity", type=int, default=None,
+                     help="also each 'ours' with every table bounded to this max_capacity (no row "
+                          "stored first: misses and evictions every step), checked against the torch "
+                          "kernels' run of the same bounded tables")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
                                  "footprint over host memory, vs all in HBM (DESIGN section 7)"),
@@ -204,7 +209,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
         options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
                              optimizers=_split(args.optimizers), kernels=_split(args.kernels),
                              steps=args.steps, warmup=args.warmup, seed=args.seed,
-                             preinsert=args.preinsert, pipeline=args.pipeline)
+                             preinsert=args.preinsert, pipeline=args.pipeline, capacity=args.capacity)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2

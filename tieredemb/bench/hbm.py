@@ -13,6 +13,13 @@ and on the same batches:
             optimizer.step + zero_grad. Its initial weights are ours' initial rows of the same keys.
     floor   the bytes a step must move / the measured device copy bandwidth (``floor_bytes``)
 
+With ``capacity``, ours runs again with bounded tables (``max_capacity=capacity`` each, DynamicEmb's
+case): no row stored first, so every step inserts the keys it misses and, once a bucket is full, evicts
+its least recently used rows. A dense peer does not compute that function (an evicted row starts again
+from its initial row), so these runs are held to ours' pure-torch reference kernels run on the same
+bounded tables and batches (``compare_bounded``): the same misses and evictions, the same keys stored,
+the same rows.
+
 Steps are timed one at a time after ``warmup`` untimed ones (CUDA events, the queue drained before
 each step; perf_counter on CPU) and summarized by the median; then as many more run back to back (the
 host ahead of the device, as in training) and their mean is the "b2b ms" column. Ours runs first and
@@ -26,6 +33,7 @@ not trusted. For Adam ours is held to the peer's rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
 import time
@@ -92,6 +100,7 @@ class HbmOptions:
     seed: int = 0
     preinsert: bool = True  # every row stored before timing, as the peer's dense tables are
     pipeline: bool = False  # each "ours" also under te.TrainPipeline
+    capacity: int | None = None  # each "ours" also with tables of this max_capacity (bounded)
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -99,6 +108,8 @@ class HbmOptions:
             raise ValueError(f"unknown optimizers {unknown}; choose from {sorted(OPTIMIZERS)}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
+            raise ValueError(f"capacity must be None or an int >= 1, got {self.capacity!r}")
 
 
 @dataclass
@@ -106,7 +117,8 @@ class RowSnapshot:
     """Ours' rows at the checked ranks after training, kept on the host once ours is freed.
 
     Per table: ranks int64 (k,), weights float32 (k, D) (zeros where not stored), found bool (k,),
-    and the number of rows the table stores in all.
+    the number of rows the table stores in all, and its counters (``te.TableStats``): misses,
+    evictions and the rows it may hold (``capacity``: None unbounded).
     """
 
     kernels: str
@@ -114,6 +126,9 @@ class RowSnapshot:
     weights: list[torch.Tensor]
     found: list[torch.Tensor]
     stored: list[int]
+    misses: list[int] = field(default_factory=list)
+    evictions: list[int] = field(default_factory=list)
+    capacity: list[int | None] = field(default_factory=list)
     preinserted: bool = False
     table_rows: int = 0
 
@@ -231,47 +246,72 @@ def upstream_grad(shape: HbmShape, device: torch.device, seed: int) -> torch.Ten
 
 
 # ------------------------------------------------------------------------------ configurations
+def ours_label(kernels: str, pipelined: bool = False, capacity: int | None = None) -> str:
+    """How the table names one configuration of ours (``kernels``: the kernels' name)."""
+    return ("ours (" + ", ".join([f"{kernels} kernels"] + (["TrainPipeline"] if pipelined else [])
+                                + ([f"max_capacity {capacity}"] if capacity is not None else [])) + ")")
+
+
+def ours_name(kernels: str, pipelined: bool = False, capacity: int | None = None) -> str:
+    """The short name of one configuration of ours, as its row check names it."""
+    return kernels + ("+pipeline" if pipelined else "") + ("" if capacity is None else f"+cap{capacity}")
+
+
 def run_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
-             grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+             grad: torch.Tensor, capacity: int | None = None) -> tuple[Measurement, RowSnapshot]:
     """Ours: prefetch + forward + backward (fused update) per step; then a snapshot of its rows.
-    The collection is gone (and its memory freed) when this returns."""
+    ``capacity``: every table bounded to it (``max_capacity``), none stored first. The collection is
+    gone (and its memory freed) when this returns."""
     reset_peak(opts.device)
-    result = _train_ours(opts, optimizer, kernels, batches, grad)
+    result = _train_ours(opts, optimizer, kernels, batches, grad, capacity)
     free_memory(opts.device)
     return result
 
 
-def _build_ours(opts: HbmOptions, optimizer: str, kernels: str) -> te.EmbeddingBagCollection:
-    ebc = te.EmbeddingBagCollection(opts.shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
+def _build_ours(opts: HbmOptions, optimizer: str, kernels: str,
+                capacity: int | None) -> te.EmbeddingBagCollection:
+    configs = [dataclasses.replace(c, max_capacity=capacity) for c in opts.shape.table_configs()]
+    ebc = te.EmbeddingBagCollection(configs, optimizer=OPTIMIZERS[optimizer][0](),
                                     device=opts.device, seed=opts.seed, kernels=kernels)
-    if opts.preinsert:
+    if opts.preinsert and capacity is None:  # a bounded table starts empty: its steps insert and evict
         preinsert_rows(ebc, opts.shape, opts.device, opts.seed)
     return ebc
 
 
-def _misses(ebc: te.EmbeddingBagCollection) -> int:
-    return sum(s.misses for s in ebc.stats().values())
+def _counters(ebc: te.EmbeddingBagCollection) -> tuple[int, int]:
+    """(misses, evictions) over every table so far."""
+    stats = ebc.stats().values()
+    return sum(s.misses for s in stats), sum(s.evictions for s in stats)
+
+
+def _per_step(m: Measurement, ebc: te.EmbeddingBagCollection, before: tuple[int, int],
+              steps: int) -> None:
+    """Misses (``new_keys_per_step``) and evictions a step since ``before`` into ``m``."""
+    misses, evictions = _counters(ebc)
+    m.new_keys_per_step = (misses - before[0]) / steps
+    m.extra["evictions_per_step"] = (evictions - before[1]) / steps
 
 
 def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
-                grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+                grad: torch.Tensor, capacity: int | None) -> tuple[Measurement, RowSnapshot]:
     shape, dev = opts.shape, opts.device
-    ebc = _build_ours(opts, optimizer, kernels)
+    ebc = _build_ours(opts, optimizer, kernels, capacity)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
-    m = Measurement("ours", optimizer, f"ours ({name} kernels)", kernels=name)
+    m = Measurement("ours", optimizer, ours_label(name, capacity=capacity),
+                    kernels=ours_name(name, capacity=capacity))
 
     def step(batch: HbmBatch) -> None:
         ebc.prefetch(batch.kjt)
         ebc(batch.kjt).values().backward(grad)
 
     before = {}
-    times, unique = run_steps(step, batches, opts, lambda: before.setdefault("misses", _misses(ebc)))
+    times, unique = run_steps(step, batches, opts, lambda: before.setdefault("counters", _counters(ebc)))
     synchronize(dev)
     m.set_times(times, shape.lookups)
     m.unique_keys_per_step = statistics.mean(unique)
-    m.new_keys_per_step = (_misses(ebc) - before["misses"]) / opts.steps
+    _per_step(m, ebc, before["counters"], opts.steps)
     m.back_to_back_ms = run_back_to_back(step, batches, opts)
-    return m, _finish_ours(m, ebc, opts, name)
+    return m, _finish_ours(m, ebc, opts, capacity)
 
 
 class _WithUpstreamGrad(torch.autograd.Function):
@@ -305,22 +345,23 @@ class UpstreamLoss(torch.nn.Module):
 
 
 def run_ours_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
-                       grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
+                       grad: torch.Tensor, capacity: int | None = None) -> tuple[Measurement, RowSnapshot]:
     """Ours under ``te.TrainPipeline`` (its default, inline prefetch) on the same batches as the plain
     run (warmup, then the timed and back-to-back ones, all timed here): the mean step of a pipeline,
     whose next batch's device work runs beside the step and whose host read waits for that batch's
     forward. The collection is gone (and its memory freed) when this returns."""
     reset_peak(opts.device)
-    result = _train_pipelined(opts, optimizer, kernels, batches, grad)
+    result = _train_pipelined(opts, optimizer, kernels, batches, grad, capacity)
     free_memory(opts.device)
     return result
 
 
 def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
-                     grad: torch.Tensor) -> tuple[Measurement, RowSnapshot]:
-    ebc = _build_ours(opts, optimizer, kernels)
+                     grad: torch.Tensor, capacity: int | None) -> tuple[Measurement, RowSnapshot]:
+    ebc = _build_ours(opts, optimizer, kernels, capacity)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
-    m = Measurement("ours", optimizer, f"ours ({name} kernels, TrainPipeline)", kernels=f"{name}+pipeline")
+    m = Measurement("ours", optimizer, ours_label(name, True, capacity),
+                    kernels=ours_name(name, True, capacity))
     model = UpstreamLoss(ebc, grad)
     pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=opts.device)
     todo = [batches.batch(i) for i in range(opts.warmup + 2 * opts.steps)]
@@ -334,7 +375,7 @@ def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: Hb
 
     train(data[: opts.warmup])
     synchronize(opts.device)
-    misses = _misses(ebc)
+    before = _counters(ebc)
     t0 = time.perf_counter()
     train(data[opts.warmup :])
     synchronize(opts.device)
@@ -342,23 +383,24 @@ def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: Hb
     m.set_times([ms], opts.shape.lookups)
     m.back_to_back_ms = ms
     m.unique_keys_per_step = statistics.mean(sum(b.unique_keys) for b in todo[opts.warmup :])
-    m.new_keys_per_step = (_misses(ebc) - misses) / (2 * opts.steps)
-    return m, _finish_ours(m, ebc, opts, f"{name}+pipeline")
+    _per_step(m, ebc, before, 2 * opts.steps)
+    return m, _finish_ours(m, ebc, opts, capacity)
 
 
 def _finish_ours(m: Measurement, ebc: te.EmbeddingBagCollection, opts: HbmOptions,
-                 kernels: str) -> RowSnapshot:
-    """Memory and storage figures into ``m``; the snapshot of the rows ``ebc`` trained."""
+                 capacity: int | None) -> RowSnapshot:
+    """Memory and storage figures into ``m``; the snapshot of the rows ``ebc`` trained (its tables
+    bounded to ``capacity``, or not)."""
     shape, dev = opts.shape, opts.device
     m.peak_device_bytes = peak_device_bytes(dev)
     m.host_rss_bytes = host_rss_bytes()
     stats = ebc.stats()
-    m.extra = {"storage_mode": ebc.storage_mode,
-               "rows_stored": sum(s.rows["device"] for s in stats.values()),
-               "row_memory_bytes": sum(s.memory_bytes.get("device", 0) for s in stats.values()),
-               "peak_host_rss_bytes": peak_host_rss_bytes()}
-    snap = snapshot_rows(ebc, shape, dev, opts.seed, kernels)
-    snap.preinserted, snap.table_rows = opts.preinsert, shape.rows
+    m.extra.update({"storage_mode": ebc.storage_mode,
+                    "rows_stored": sum(s.rows["device"] for s in stats.values()),
+                    "row_memory_bytes": sum(s.memory_bytes.get("device", 0) for s in stats.values()),
+                    "peak_host_rss_bytes": peak_host_rss_bytes()})
+    snap = snapshot_rows(ebc, shape, dev, opts.seed, m.kernels)
+    snap.preinserted, snap.table_rows = opts.preinsert and capacity is None, shape.rows
     return snap
 
 
@@ -520,13 +562,17 @@ def snapshot_rows(ebc: te.EmbeddingBagCollection, shape: HbmShape, device: torch
                   kernels: str) -> RowSnapshot:
     """Ours' rows at ``check_ranks``, copied to the host."""
     ranks = check_ranks(shape, seed)
-    weights, found, stored = [], [], []
+    snap = RowSnapshot(kernels, ranks, [], [], [])
     for t, r in enumerate(ranks):
         w, f = ebc.read(shape.table_name(t), scramble(r.to(device), t))
-        weights.append(w.detach().cpu())
-        found.append(f.cpu())
-        stored.append(ebc.stats()[shape.table_name(t)].rows["device"])
-    return RowSnapshot(kernels, ranks, weights, found, stored)
+        stats = ebc.stats()[shape.table_name(t)]
+        snap.weights.append(w.detach().cpu())
+        snap.found.append(f.cpu())
+        snap.stored.append(stats.rows["device"])
+        snap.misses.append(stats.misses)
+        snap.evictions.append(stats.evictions)
+        snap.capacity.append(stats.capacity)
+    return snap
 
 
 def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor],
@@ -571,6 +617,49 @@ def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor
         check.problems.append("no trained row moved from its initial value: the comparison proves nothing")
     if not check.rows_trained:
         check.problems.append("no trained row was compared")
+    check.passed = not check.problems
+    return check
+
+
+def compare_bounded(optimizer: str, snap: RowSnapshot, reference: RowSnapshot,
+                    initial: list[torch.Tensor]) -> HbmRowCheck:
+    """A bounded run's snapshot against the reference kernels' run of the same bounded tables and
+    batches (``initial``: float32 (k, D) host per table, the initial rows at ``snap.ranks``):
+
+    - every table missed and evicted as many keys as the reference's, and evicted some (a run that
+      never evicts checks nothing a dense table would not);
+    - it stores as many rows, no more than its ``max_capacity`` rounded up to whole buckets, and the
+      same keys of the checked ones;
+    - a stored row equals the reference's (CHECK_RTOL, CHECK_ATOL: their reductions may sum a key's
+      gradients in another order).
+    """
+    check = HbmRowCheck(optimizer, snap.kernels, False, 0, 0, 0.0, 0.0, reference=reference.kernels)
+    width = te.StorageConfig().bucket_width
+    for t in range(len(snap.ranks)):
+        counters = (snap.misses[t], snap.evictions[t], snap.stored[t])
+        expected = (reference.misses[t], reference.evictions[t], reference.stored[t])
+        if counters != expected:
+            check.problems.append(f"table {t}: (misses, evictions, rows stored) {counters}, the "
+                                  f"reference's {expected}")
+        if not snap.evictions[t]:
+            check.problems.append(f"table {t}: no row was evicted")
+        if snap.stored[t] > -(-snap.capacity[t] // width) * width:
+            check.problems.append(f"table {t}: {snap.stored[t]} rows stored, over max_capacity "
+                                  f"{snap.capacity[t]}")
+        found = snap.found[t]
+        if not torch.equal(found, reference.found[t]):
+            check.problems.append(f"table {t}: stores {int(found.sum())} of the checked keys, the "
+                                  f"reference {int(reference.found[t].sum())}")
+            continue
+        check.rows_compared += found.numel()
+        check.rows_trained += int(found.sum())
+        if found.any():
+            _compare_trained(check, t, snap.weights[t][found], reference.weights[t][found],
+                             initial[t][found], None)
+    if check.rows_trained and check.max_moved == 0.0:
+        check.problems.append("no stored row moved from its initial value: the comparison proves nothing")
+    if not check.rows_trained:
+        check.problems.append("no stored row was compared")
     check.passed = not check.problems
     return check
 
@@ -620,17 +709,9 @@ class HbmBench:
         batches = HbmBatches(opts.shape, opts.device, opts.seed)
         grad = upstream_grad(opts.shape, opts.device, opts.seed)
         for optimizer in opts.optimizers:
-            snapshots = []
-            runs = [(k, f"ours ({k} kernels)", run_ours) for k in opts.kernels]
-            if opts.pipeline:
-                runs += [(k, f"ours ({k} kernels, TrainPipeline)", run_ours_pipelined) for k in opts.kernels]
-            for kernels, label, run in runs:
-                failed = Measurement("ours", optimizer, label)
-                result = self._attempt(failed, partial(run, opts, optimizer, kernels, batches, grad))
-                if result is not None:
-                    failed, snap = result
-                    snapshots.append(snap)
-                self._add(failed, on_update)
+            snapshots = self._run_ours(optimizer, batches, grad, None, on_update)
+            if opts.capacity is not None:
+                self._run_bounded(optimizer, batches, grad, on_update)
             failed = Measurement("peer", optimizer, peer_label(optimizer))
             result = self._attempt(failed, partial(run_peer, opts, optimizer, batches, grad,
                                                    snapshots))
@@ -641,11 +722,50 @@ class HbmBench:
             self._add(floor_measurement(opts, optimizer, batches, self.bandwidth["bytes_per_s"]),
                       on_update)
 
+    def _run_ours(self, optimizer: str, batches: HbmBatches, grad: torch.Tensor, capacity: int | None,
+                  on_update: Callable[[], None], kernels: list[str] | None = None,
+                  pipeline: bool | None = None, configuration: str = "ours") -> list[RowSnapshot]:
+        """Ours with each of ``kernels`` (default: the options'), then under TrainPipeline if
+        ``pipeline`` (default: the options'), tables bounded to ``capacity`` or not; measurements of
+        ``configuration`` (another than "ours" prefixes their labels). Returns the snapshots of the
+        runs that did not fail."""
+        opts = self.options
+        kernels = opts.kernels if kernels is None else kernels
+        pipeline = opts.pipeline if pipeline is None else pipeline
+        runs = [(k, False, run_ours) for k in kernels]
+        runs += [(k, True, run_ours_pipelined) for k in kernels] if pipeline else []
+        snapshots = []
+        for k, pipelined, run in runs:
+            failed = Measurement("ours", optimizer, ours_label(k, pipelined, capacity))
+            result = self._attempt(failed, partial(run, opts, optimizer, k, batches, grad, capacity))
+            if result is not None:
+                failed, snap = result
+                snapshots.append(snap)
+            if configuration != "ours":
+                failed.configuration, failed.label = configuration, f"{configuration}: {failed.label}"
+            self._add(failed, on_update)
+        return snapshots
+
+    def _run_bounded(self, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
+                     on_update: Callable[[], None]) -> None:
+        """Ours on tables bounded to ``capacity``, then the reference kernels on the same tables (a
+        plain run: timed too); each run's rows checked against the reference's."""
+        opts = self.options
+        snapshots = self._run_ours(optimizer, batches, grad, opts.capacity, on_update)
+        reference = self._run_ours(optimizer, batches, grad, opts.capacity, on_update, ["torch"], False,
+                                   "reference")
+        if not reference:
+            return
+        configs = opts.shape.table_configs()
+        initial = [initial_rows(configs[t], t, r.to(opts.device), opts.seed).cpu()
+                   for t, r in enumerate(reference[0].ranks)]
+        self._add_checks([compare_bounded(optimizer, snap, reference[0], initial) for snap in snapshots])
+
     def _add_checks(self, checks: list[HbmRowCheck]) -> None:
         self.checks.extend(checks)
         for c in checks:
             verdict = "passed" if c.passed else "FAILED: " + "; ".join(c.problems)
-            against = "the exact float64 rows" if c.reference == "exact" else "the peer"
+            against = {"exact": "the exact float64 rows", "peer": "the peer"}.get(c.reference, c.reference)
             peer = "" if c.peer_max_abs_diff is None else f"; the peer's {c.peer_max_abs_diff:.3g}"
             self.log(f"{c.optimizer} rows of ours[{c.kernels}] vs {against}: {verdict} "
                      f"(max |diff| {c.max_abs_diff:.3g}, rtol {c.rtol:g}{peer}; rows moved up to "
@@ -681,7 +801,8 @@ class HbmBench:
             "shape": asdict(opts.shape),
             "lookups_per_step": opts.shape.lookups,
             "options": {"device": str(opts.device), "optimizers": opts.optimizers,
-                        "kernels": opts.kernels, "pipeline": opts.pipeline, "steps": opts.steps,
+                        "kernels": opts.kernels, "pipeline": opts.pipeline, "capacity": opts.capacity,
+                        "steps": opts.steps,
                         "warmup": opts.warmup,
                         "seed": opts.seed,
                         "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers}},
@@ -692,5 +813,5 @@ class HbmBench:
         }
 
 
-__all__ = ["FLOOR_FORMULA", "HbmBench", "HbmOptions", "HbmRowCheck", "compare_rows", "floor_bytes",
-           "sgd_reference"]
+__all__ = ["FLOOR_FORMULA", "HbmBench", "HbmOptions", "HbmRowCheck", "compare_bounded", "compare_rows",
+           "floor_bytes", "sgd_reference"]

@@ -94,18 +94,21 @@ def _gib(x: int | None) -> str:
 
 def format_table(title: str, results: list[Measurement]) -> str:
     """The benchmark's one table, as text."""
+    evicting = any("evictions_per_step" in r.extra for r in results)  # a column only where measured
     head = ["configuration", "optimizer", "step ms", "b2b ms", "lookups/s", "speedup vs peer", "x floor",
-            "unique/step", "new/step", "peak dev GiB", "host RSS GiB"]
+            "unique/step", "new/step", *(["evicted/step"] if evicting else []), "peak dev GiB",
+            "host RSS GiB"]
     rows = []
     for r in results:
         if r.error is not None:
             rows.append([r.label, r.optimizer, "FAILED: " + r.error.splitlines()[0][:60]]
                         + [""] * (len(head) - 3))
             continue
+        evicted = [_fmt(r.extra.get("evictions_per_step"), ".1f")] if evicting else []
         rows.append([r.label, r.optimizer, _fmt(r.step_ms, ".3f"), _fmt(r.back_to_back_ms, ".3f"),
                      _fmt(r.lookups_per_s, ".3e"),
                      _fmt(r.speedup_vs_peer, ".2f"), _fmt(r.x_floor, ".2f"),
-                     _fmt(r.unique_keys_per_step, ".0f"), _fmt(r.new_keys_per_step, ".1f"),
+                     _fmt(r.unique_keys_per_step, ".0f"), _fmt(r.new_keys_per_step, ".1f"), *evicted,
                      _gib(r.peak_device_bytes), _gib(r.host_rss_bytes)])
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
               for i in range(len(head))]
