@@ -4,6 +4,7 @@ deferred one). No profiler, so no per-call overhead beyond two clock reads; the 
 compilations, graph captures) fall out of the median.
 
     PYTHONPATH=. python3 scripts/host_time.py [groups_bench.py's arguments]
+    PYTHONPATH=. python3 scripts/host_time.py scripts/insertion_profile.py [its arguments]
 """
 
 from __future__ import annotations
@@ -51,5 +52,8 @@ if __name__ == "__main__":
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
     atexit.register(report)
-    sys.argv = ["groups_bench.py", *sys.argv[1:]]
-    runpy.run_path("scripts/groups_bench.py", run_name="__main__")
+    args = sys.argv[1:]
+    script = args.pop(0) if args and args[0].endswith(".py") else "scripts/groups_bench.py"
+    sys.argv = [script, *args]
+    sys.path.insert(0, "scripts")
+    runpy.run_path(script, run_name="__main__")

@@ -1,8 +1,9 @@
 """Where a training step makes the host wait for the device: a step of tests/gpu/test_cuda_syncs.py's
-bounded (or cache) scenario under torch's sync debug mode, the Python stack of each synchronizing call
-printed (the warning is shown where the call returns).
+bounded (or cache) scenario, or of unbounded tables trained from scratch (``scratch``: every step
+inserts keys first seen, the index and the row store grow), under torch's sync debug mode, the Python
+stack of each synchronizing call printed (the warning is shown where the call returns).
 
-    python3 scripts/sync_trace.py [bounded|cache] [plain|pipelined]
+    python3 scripts/sync_trace.py [bounded|cache|scratch] [plain|pipelined]
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def scenario(kind: str):
     if kind == "bounded":
         tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], max_capacity=128) for i in range(3)]
         storage = te.StorageConfig(bucket_width=8)
+    elif kind == "scratch":  # small first allocations: the index and the store grow every few steps
+        tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
+        storage = te.StorageConfig(bucket_width=8, segment_rows=1024)
     else:
         tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
         storage = te.StorageConfig(hbm_budget=3 * 128 * 16 * 4 * 3, backing=te.storage.HostMemory(),
@@ -30,7 +34,7 @@ def scenario(kind: str):
     kjts = []
     for _ in range(17):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
-        ids = torch.randint(0, 640, (int(lengths.sum()),), generator=gen)
+        ids = torch.randint(0, 1 << 40 if kind == "scratch" else 640, (int(lengths.sum()),), generator=gen)
         kjts.append(te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(dev))
     return ebc, kjts
 
