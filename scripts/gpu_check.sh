@@ -3,7 +3,8 @@
 # CUDA present, then `tieredemb bench hbm`, `bench cache` and `bench ssd` on the GPU. Logs and the
 # bench reports go under $OUT (./gpu_out when unset); the bench tables are printed again at the end.
 # The cache benches run only while the script's 10-minute deadline leaves them time (each gets
-# CACHE_TIMEOUT or what is left); --cache-only runs them alone. The hbm bench includes --pipeline.
+# CACHE_TIMEOUT or what is left); --cache-only runs them alone. The hbm bench includes --pipeline and
+# --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
 #                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
@@ -188,7 +189,10 @@ fi
 
 if [ "$run_bench" = 1 ] && [ "$run_hbm" = 1 ]; then
     echo "== bench hbm (scale $scale)"
+    # with the bounded tables of DynamicEmb's case (10k misses and evictions a table a step); 30 warmup
+    # steps fill them (the timed steps evict)
     timeout "$BENCH_TIMEOUT" "${bench[@]}" hbm --device cuda --pipeline --scale "$scale" --steps "$steps" \
+        --capacity "$(python3 -c "print(max(64, round(400000 * $scale)))")" --warmup 30 \
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
     [ "$bench_rc" = 0 ] || status=1
