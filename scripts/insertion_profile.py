@@ -39,18 +39,13 @@ def profiled(on: bool, steps: int):
     if not on:
         yield
         return
-    from profile_step import SYNC_EVENTS, gpu_busy_ms, print_gaps, print_top_gpu
+    from profile_step import gpu_busy_ms, print_summary
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
     print(f"GPU busy {gpu_busy_ms(prof.events()) / steps:.3f} ms a step")
-    for e in prof.key_averages():
-        if e.key in SYNC_EVENTS:
-            ms = e.self_cpu_time_total / 1e3 / steps
-            print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
-    print_gaps(prof.events(), steps, top=6)
-    print_top_gpu(prof.key_averages(), steps, top=14)
+    print_summary(prof, steps)
 
 
 @contextlib.contextmanager

@@ -177,6 +177,17 @@ def print_gaps(events, steps: int, top: int = 12) -> None:
         print(f"    {name:56s} {count / steps:6.1f} {us / 1e3 / steps:8.3f}")
 
 
+def print_summary(prof, steps: int) -> None:
+    """A profiled loop of ``steps`` steps, a step: its host syncs, the GPU's idle gaps and its top
+    kernels (after the caller's first line)."""
+    for e in prof.key_averages():
+        if e.key in SYNC_EVENTS:
+            ms = e.self_cpu_time_total / 1e3 / steps
+            print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
+    print_gaps(prof.events(), steps, top=6)
+    print_top_gpu(prof.key_averages(), steps, top=14)
+
+
 def python_profile(step, args) -> None:
     """Where the training thread's Python time goes (syncs show as time in item/tolist)."""
     import cProfile

@@ -613,12 +613,7 @@ def compare_rows(optimizer: str, snap: RowSnapshot, peer_rows: list[torch.Tensor
         ours_idle = initial[t][idle] if snap.preinserted else torch.zeros_like(ours)
         if not torch.equal(peer, initial[t][idle]) or not torch.equal(ours, ours_idle):
             check.problems.append(f"table {t}: untouched rows are not their initial rows / zeros")
-    if check.rows_trained and check.max_moved == 0.0:
-        check.problems.append("no trained row moved from its initial value: the comparison proves nothing")
-    if not check.rows_trained:
-        check.problems.append("no trained row was compared")
-    check.passed = not check.problems
-    return check
+    return _concluded(check, "trained")
 
 
 def compare_bounded(optimizer: str, snap: RowSnapshot, reference: RowSnapshot,
@@ -656,10 +651,16 @@ def compare_bounded(optimizer: str, snap: RowSnapshot, reference: RowSnapshot,
         if found.any():
             _compare_trained(check, t, snap.weights[t][found], reference.weights[t][found],
                              initial[t][found], None)
+    return _concluded(check, "stored")
+
+
+def _concluded(check: HbmRowCheck, rows: str) -> HbmRowCheck:
+    """``check`` passed or not; a check that compared no ``rows`` row, or none that moved from its
+    initial value, proves nothing and fails."""
     if check.rows_trained and check.max_moved == 0.0:
-        check.problems.append("no stored row moved from its initial value: the comparison proves nothing")
+        check.problems.append(f"no {rows} row moved from its initial value: the comparison proves nothing")
     if not check.rows_trained:
-        check.problems.append("no stored row was compared")
+        check.problems.append(f"no {rows} row was compared")
     check.passed = not check.problems
     return check
 
