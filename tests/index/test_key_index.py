@@ -132,6 +132,54 @@ def test_growth_keeps_every_key_and_value() -> None:
     assert bool((slots >= 0).all()) and torch.equal(index.keys[slots], keys)
 
 
+def _buckets_by_hand(index: KeyIndex) -> list[list[tuple[int, int, int, int] | None]]:
+    """Per bucket of ``index``, its ways in order: (key, value, score, locks) or None."""
+    rows = zip(index.keys.tolist(), index.values.tolist(), index.scores.tolist(), index.locks.tolist())
+    ways = [None if k == RESERVED_KEY else (k, v, s, lk) for k, v, s, lk in rows]
+    return [ways[b * index.width : (b + 1) * index.width] for b in range(index.num_buckets)]
+
+
+def test_a_rehash_splits_each_bucket_in_order() -> None:
+    """``_grow`` of three regions, one doubling, one staying, one growing 4x, with holes left by
+    erased keys and locked keys: each new bucket holds, in order, the keys of its parent bucket
+    (in their old order) that hash to it, with their values, scores and locks, then empty ways
+    (written here one bucket at a time from the old layout); every key is found again."""
+    from tieredemb.index import Region
+
+    regions = [Region("lru", None, 16), Region("lfu", 32), Region("lru", None, 8)]
+    index = KeyIndex(4, regions=regions)
+    rng = random.Random(5)
+    keys = torch.tensor(rng.sample(range(-(10**12), 10**12), 36))
+    tables = torch.tensor([i % 3 for i in range(36)])
+    res = index.find_or_insert(keys, 1, torch.arange(1, 37), lock=True, tables=tables)
+    placed = res.slots >= 0
+    index.assign(res.slots[placed], keys[placed] + 7)
+    index.unlock(keys[placed][::2], tables[placed][::2])
+    index.erase(keys[placed][1::5], tables[placed][1::5])  # holes inside buckets
+    before, old_nb, old_start = _buckets_by_hand(index), index.region_buckets, index.region_start
+    generation = index.generation
+
+    new_nb = [old_nb[0] * 2, old_nb[1], old_nb[2] * 4]
+    index._grow(new_nb)
+
+    assert index.region_buckets == new_nb and index.generation == generation + 1
+    want: list[list] = [[] for _ in range(sum(new_nb))]
+    for r in range(3):
+        for b in range(old_nb[r]):
+            for way in before[old_start[r] + b]:
+                if way is not None:
+                    child = int(bucket_of(torch.tensor([way[0]]), new_nb[r])[0])
+                    want[index.region_start[r] + child].append(way)
+    want = [ways + [None] * (index.width - len(ways)) for ways in want]
+    assert _buckets_by_hand(index) == want
+    still = index.find(keys, tables) >= 0
+    assert int(still.sum()) == int(placed.sum()) - len(keys[placed][1::5])
+    assert int(index.values[index.find(keys[still], tables[still])].sub(keys[still] + 7).abs().sum()) == 0
+    with pytest.raises(ValueError, match="power-of-two"):
+        index._grow([new_nb[0] * 3, new_nb[1], new_nb[2]])
+    assert index.region_buckets == new_nb and _buckets_by_hand(index) == want
+
+
 def test_erase_find_and_reserved_key() -> None:
     index = KeyIndex(4, "lfu", torch.device("cpu"))
     index.find_or_insert(torch.tensor([5, -5, 2**62]), step=1, counts=torch.tensor([3, 1, 1]))

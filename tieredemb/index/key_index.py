@@ -588,20 +588,40 @@ class KeyIndex:
         return True
 
     def _grow(self, region_buckets: list[int]) -> None:
-        """Rehash into ``region_buckets`` (each a power-of-two multiple of the old: every old bucket
-        splits cleanly)."""
+        """Rehash into ``region_buckets`` (each a power-of-two multiple ``f`` of the old: old bucket
+        ``b`` of a region splits into its ``f`` children ``b*f .. b*f+f-1``, the multiplicative bucket
+        of a key taking its high bits). Each key keeps its order within its bucket: its way in its
+        child is the number of keys before it in the old bucket that go to the same child; an empty
+        old slot goes to a free way of the first child. So every old slot has its own new one and the
+        move is one scatter of the old arrays, with no sort and no host read. The other ways of the
+        children stay empty."""
+        factors = [new // old for new, old in zip(region_buckets, self.region_buckets)]
+        if any(f < 1 or f & (f - 1) or f * old != new
+               for f, old, new in zip(factors, self.region_buckets, region_buckets)):
+            raise ValueError(f"a rehash takes each region to a power-of-two multiple of its buckets: "
+                             f"{self.region_buckets} -> {region_buckets}")
         self.generation += 1  # slots found before now are stale
-        occupied = (self.keys != RESERVED_KEY).nonzero().squeeze(1)
-        tables = self.region_of_slots(occupied)
-        keys, values = self.keys[occupied], self.values[occupied]
-        scores, locks = self.scores[occupied], self.locks[occupied]
+        w, nb_old = self.width, self.num_buckets
+        old_start, old_nb = self._start_dev, self._nb_dev
+        keys, values, scores, locks = self.keys, self.values, self.scores, self.locks
         self._allocate(region_buckets)
-        bucket = self._bucket(keys, tables)
-        order = torch.argsort(bucket, stable=True)  # keep old relative order within a bucket
-        keys, values, scores, locks, bucket = (t[order] for t in (keys, values, scores, locks, bucket))
-        _, counts = torch.unique_consecutive(bucket, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        way = torch.arange(keys.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
-        slot = bucket * self.width + way
-        self.keys[slot], self.values[slot], self.scores[slot], self.locks[slot] = (
-            keys, values, scores, locks)
+        regions = torch.arange(len(self.regions), device=self.device)
+        region = torch.repeat_interleave(regions, old_nb, output_size=nb_old)  # (B,) of each old bucket
+        bucket = torch.arange(nb_old, device=self.device)
+        # the first child of each old bucket
+        first = self._start_dev[region] + (bucket - old_start[region]) * \
+            device_tensor(factors, torch.int64, self.device)[region]
+        occupied = (keys != RESERVED_KEY).view(nb_old, w)
+        child = self._bucket(keys, region.repeat_interleave(w)).view(nb_old, w) - first[:, None]
+        way = torch.zeros(nb_old, w, dtype=torch.int64, device=self.device)
+        for c in range(max(factors)):  # way in child c: the keys before, in the old bucket, going there
+            going = occupied & (child == c)
+            way += torch.where(going, going.cumsum(1) - 1, 0)
+        firsts = (occupied & (child == 0)).sum(1, keepdim=True)  # ways the first child's keys take
+        way = torch.where(occupied, way, firsts + (~occupied).cumsum(1) - 1)  # an empty slot: after them
+        slot = ((first[:, None] + torch.where(occupied, child, 0)) * w + way).view(-1)
+        full = occupied.view(-1)  # an empty slot gets what a new one holds, whatever it held
+        self.keys[slot] = keys
+        self.values[slot] = torch.where(full, values, -1)
+        self.scores[slot] = torch.where(full, scores, 0)
+        self.locks[slot] = torch.where(full, locks, 0)
