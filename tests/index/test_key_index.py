@@ -139,12 +139,17 @@ def _buckets_by_hand(index: KeyIndex) -> list[list[tuple[int, int, int, int] | N
     return [ways[b * index.width : (b + 1) * index.width] for b in range(index.num_buckets)]
 
 
-def test_a_rehash_splits_each_bucket_in_order() -> None:
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_rehash_splits_each_bucket_in_order(chunk, monkeypatch) -> None:
     """``_grow`` of three regions, one doubling, one staying, one growing 4x, with holes left by
     erased keys and locked keys: each new bucket holds, in order, the keys of its parent bucket
     (in their old order) that hash to it, with their values, scores and locks, then empty ways
-    (written here one bucket at a time from the old layout); every key is found again."""
-    from tieredemb.index import Region
+    (written here one bucket at a time from the old layout); every key is found again. ``chunk``:
+    old buckets moved at a time (3: several parts, across regions)."""
+    from tieredemb.index import Region, key_index
+
+    if chunk is not None:
+        monkeypatch.setattr(key_index, "_REHASH_BUCKETS", chunk)
 
     regions = [Region("lru", None, 16), Region("lfu", 32), Region("lru", None, 8)]
     index = KeyIndex(4, regions=regions)

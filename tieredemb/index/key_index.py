@@ -41,6 +41,7 @@ from tieredemb.init import _shr, splitmix64
 
 _INT64_MAX = 2**63 - 1
 MAX_LOAD = 0.5  # unbounded regions double before inserts would pass this load
+_REHASH_BUCKETS = 1 << 17  # old buckets a rehash moves at a time
 # find_touch(contest=True)'s slot for an absent key of a bounded region whose bucket holds a way
 # locked by an earlier batch: ``complete`` inserts only the absent keys at -1, never those below
 CONTESTED = -2
@@ -606,22 +607,25 @@ class KeyIndex:
         keys, values, scores, locks = self.keys, self.values, self.scores, self.locks
         self._allocate(region_buckets)
         regions = torch.arange(len(self.regions), device=self.device)
-        region = torch.repeat_interleave(regions, old_nb, output_size=nb_old)  # (B,) of each old bucket
-        bucket = torch.arange(nb_old, device=self.device)
-        # the first child of each old bucket
-        first = self._start_dev[region] + (bucket - old_start[region]) * \
-            device_tensor(factors, torch.int64, self.device)[region]
-        occupied = (keys != RESERVED_KEY).view(nb_old, w)
-        child = self._bucket(keys, region.repeat_interleave(w)).view(nb_old, w) - first[:, None]
-        way = torch.zeros(nb_old, w, dtype=torch.int64, device=self.device)
-        for c in range(max(factors)):  # way in child c: the keys before, in the old bucket, going there
-            going = occupied & (child == c)
-            way += torch.where(going, going.cumsum(1) - 1, 0)
-        firsts = (occupied & (child == 0)).sum(1, keepdim=True)  # ways the first child's keys take
-        way = torch.where(occupied, way, firsts + (~occupied).cumsum(1) - 1)  # an empty slot: after them
-        slot = ((first[:, None] + torch.where(occupied, child, 0)) * w + way).view(-1)
-        full = occupied.view(-1)  # an empty slot gets what a new one holds, whatever it held
-        self.keys[slot] = keys
-        self.values[slot] = torch.where(full, values, -1)
-        self.scores[slot] = torch.where(full, scores, 0)
-        self.locks[slot] = torch.where(full, locks, 0)
+        region_of = torch.repeat_interleave(regions, old_nb, output_size=nb_old)  # (B,) of each old bucket
+        factor = device_tensor(factors, torch.int64, self.device)
+        for lo in range(0, nb_old, _REHASH_BUCKETS):  # a bounded working set: ~10 (n, W) tensors
+            hi = min(lo + _REHASH_BUCKETS, nb_old)
+            region = region_of[lo:hi]
+            first = self._start_dev[region] + (  # the first child of each old bucket
+                torch.arange(lo, hi, device=self.device) - old_start[region]) * factor[region]
+            part = slice(lo * w, hi * w)
+            occupied = (keys[part] != RESERVED_KEY).view(hi - lo, w)
+            child = self._bucket(keys[part], region.repeat_interleave(w)).view(hi - lo, w) - first[:, None]
+            way = torch.zeros(hi - lo, w, dtype=torch.int64, device=self.device)
+            for c in range(max(factors)):  # way in child c: the keys before, in the old bucket, going there
+                going = occupied & (child == c)
+                way += torch.where(going, going.cumsum(1) - 1, 0)
+            firsts = (occupied & (child == 0)).sum(1, keepdim=True)  # ways the first child's keys take
+            way = torch.where(occupied, way, firsts + (~occupied).cumsum(1) - 1)  # an empty slot: after them
+            slot = ((first[:, None] + torch.where(occupied, child, 0)) * w + way).view(-1)
+            full = occupied.view(-1)  # an empty slot gets what a new one holds, whatever it held
+            self.keys[slot] = keys[part]
+            self.values[slot] = torch.where(full, values[part], -1)
+            self.scores[slot] = torch.where(full, scores[part], 0)
+            self.locks[slot] = torch.where(full, locks[part], 0)
