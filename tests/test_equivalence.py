@@ -38,6 +38,7 @@ from tests.conftest import (
     sorted_export,
     weighted_loss,
 )
+from tieredemb.modules.table import TableGroup
 
 STEPS = 20
 SCHEDULES = ["prefetch", "pipelined", "deferred"]  # besides "plain": see train_side_by_side
@@ -267,6 +268,38 @@ def test_thousands_of_keys_grow_the_table_and_match_reference(optimizer, storage
     assert collection.storage_mode == "hbm_direct"
     train_side_by_side(collection, reference, steps, gen)
     assert_tables_match_reference(collection, reference, "after growth")
+
+
+@pytest.mark.parametrize("schedule", ["plain", *SCHEDULES])
+def test_pairs_whose_bucket_was_full_keep_the_rows_they_trained(schedule, monkeypatch):
+    """Unbounded tables insert a batch's misses on the device, new rows from a pool
+    (``TableGroup._inserted``); a pair whose bucket is full all the same (one-slot buckets at load
+    up to 0.5: many are) has its row for the batch and is inserted with it before the index is used
+    again (``place_overflow``), under every prefetch schedule. Rows and outputs equal a dense
+    table's at every step; the full buckets happened (counted as they are placed)."""
+    full = []
+    place = TableGroup.place_overflow
+
+    def counting(group):
+        regions = len(group.configs)
+        for batch in group._overflow:
+            if batch.ready is not None:
+                batch.ready.synchronize()
+            full.append(sum(batch.counts.tolist()[regions : 2 * regions]))
+        place(group)
+
+    monkeypatch.setattr(TableGroup, "place_overflow", counting)
+    gen = torch.Generator().manual_seed(7)
+    pool = list(range(1000, 1600))
+    tables = [te.TableConfig("t", 4, ["a", "b"]), te.TableConfig("u", 4, ["c"], pooling="mean")]
+    steps = [random_batch(gen, {"a": pool, "b": pool[:200], "c": pool}, batch_size=64, max_bag=5)
+             for _ in range(4)]
+    scenario = Scenario(tables, {"t": pool, "u": pool}, {}, steps, seed=3)
+    collection, reference = build_pair(te.EmbeddingBagCollection, scenario, "adam",
+                                       storage=te.StorageConfig(bucket_width=1, segment_rows=64))
+    train_side_by_side(collection, reference, steps, gen, schedule)
+    assert_tables_match_reference(collection, reference, "after the steps")
+    assert sum(full) > 0 and len(full) >= 4
 
 
 def test_write_mid_training_resets_state_and_training_continues():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tieredemb.config import RESERVED_KEY
-from tieredemb.index import KeyIndex, bucket_of
+from tieredemb.index import KeyIndex, Region, bucket_of
 
 
 class DictModel:
@@ -130,6 +130,26 @@ def test_growth_keeps_every_key_and_value() -> None:
     assert int(index.locks.sum()) == sum(c.numel() for c in keys.split(333)[::2])
     slots = index.find(keys)
     assert bool((slots >= 0).all()) and torch.equal(index.keys[slots], keys)
+
+
+def test_double_grows_the_regions_named_and_refuses_a_bounded_one() -> None:
+    """``double``: the named unbounded regions twice their buckets, the others as they were, every key
+    found with its value; a bounded region named raises and changes nothing."""
+    index = KeyIndex(4, regions=[Region("lru", None, 8), Region("lru", None, 8), Region("lru", 16, 8)])
+    keys = torch.arange(30) * 7919 - 5
+    tables = torch.arange(30) % 3
+    res = index.find_or_insert(keys, 1, tables=tables)
+    index.assign(res.slots[res.inserted], keys[res.inserted] * 3)
+    stored = res.slots >= 0
+    before = list(index.region_buckets)
+    with pytest.raises(ValueError, match="bounded"):
+        index.double([0, 2])
+    assert index.region_buckets == before and torch.equal(index.find(keys, tables) >= 0, stored)
+    index.double([1])
+    assert index.region_buckets == [before[0], 2 * before[1], before[2]]
+    slots = index.find(keys, tables)
+    assert torch.equal(slots >= 0, stored)
+    assert torch.equal(index.values[slots[stored]], keys[stored] * 3)
 
 
 def _buckets_by_hand(index: KeyIndex) -> list[list[tuple[int, int, int, int] | None]]:

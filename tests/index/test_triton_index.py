@@ -450,17 +450,57 @@ def test_insert_rows_gives_every_miss_a_row(policy, seed):
     assert fresh_total and victims_total and lacking_total  # each kind of row was exercised
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(policy, seed):
+    """``insert_rows`` of unbounded regions (the device insertion of tables that grow) does not grow
+    them: a bucket's misses take its empty ways, by hand from the index before the call; those that
+    find no empty way keep slot -1 and take addresses from the pool's end, the others the pool's
+    next ones; the Triton index equal to the reference in lockstep, the capacity unchanged."""
+    rng = random.Random(seed)
+    width = 4
+    regions = [Region(policy, None, 8), Region(policy, None, 16)]  # 2 and 4 buckets: they fill
+    ref, tri = (cls(width, device=DEVICE, regions=regions, locking=False)
+                for cls in (KeyIndex, TritonKeyIndex))
+    next_address, lacking_total = 0, 0
+    for step in range(1, 6):
+        keys, tables = _pairs(rng, rng.randint(1, 20), 2)
+        counts = torch.ones_like(keys)
+        bucket = ref._bucket(keys, tables)
+        empty_ways = (ref.keys.view(-1, width) == RESERVED_KEY).sum(1)
+        msg = f"step {step}"
+        answers = []
+        for index in (ref, tri):
+            slots, values, _ = index.find_touch(keys, tables, step, counts)
+            misses = int((slots == -1).sum())
+            pool = torch.arange(next_address, next_address + misses, device=DEVICE)
+            answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
+                                                              step, pool)))
+        for got, want in zip(answers[1], answers[0]):
+            assert torch.equal(got, want), msg
+        assert_same_state(tri, ref, msg)
+        assert ref.capacity() == tri.capacity() == 24, msg
+        slots, values, pos, rows, per_region = answers[0]
+        missed = bucket[pos]  # by hand: a bucket's first misses (claim order) fill its empty ways
+        want_lacking = sum(max(0, int((missed == b).sum()) - int(empty_ways[b])) for b in missed.unique())
+        taken, lacking, evicted = (per_region[k].sum().item() for k in range(3))
+        assert (lacking, evicted, taken + lacking) == (want_lacking, 0, pos.numel()), msg
+        assert int((slots[pos] == -1).sum()) == lacking, msg
+        assert sorted(rows[slots[pos] >= 0].tolist()) == list(range(next_address, next_address + taken)), msg
+        assert sorted(rows[slots[pos] == -1].tolist()) == list(range(next_address + taken,
+                                                                     next_address + pos.numel())), msg
+        assert torch.equal(values[pos], rows), msg
+        next_address += pos.numel()
+        lacking_total += lacking
+    assert lacking_total  # some buckets were full
+
+
 @pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])
-def test_insert_rows_refuses_an_unbounded_index_or_a_short_pool(index_class):
-    """Bad calls raise before anything changes: an unbounded region (it would have to grow), a pool
-    with fewer rows than misses."""
+def test_insert_rows_refuses_a_short_pool(index_class):
+    """A pool with fewer rows than misses raises before anything changes."""
     keys = torch.tensor([5, 6, 7], device=DEVICE)
     tables = torch.zeros_like(keys)
     counts = torch.ones_like(keys)
-    unbounded = index_class(4, device=DEVICE)
-    slots, values, _ = unbounded.find_touch(keys, tables, 1, counts)
-    with pytest.raises(ValueError, match="all bounded"):
-        unbounded.insert_rows(keys, tables, counts, slots, values, 3, 1, torch.arange(3, device=DEVICE))
     bounded = index_class(4, device=DEVICE, max_slots=8)
     slots, values, _ = bounded.find_touch(keys, tables, 1, counts)
     before = [t.clone() for t in (bounded.keys, bounded.values, bounded.scores, bounded.locks)]

@@ -335,6 +335,8 @@ class _Collection(nn.Module):
         seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
         for ``_finish_staged`` to take later."""
         step = self._clock + 1
+        for g in self._groups if group is None else [group]:
+            g.place_overflow()  # before a graph is chosen by the index's shape
         slot = self._replay_staged(given, group, step)
         if slot is None:
             with label("## check_batch ##"):

@@ -105,6 +105,24 @@ class LentRows:
 
 
 @dataclass
+class Overflow:
+    """A batch of unbounded tables whose misses were inserted on the device (``TableGroup._inserted``),
+    until ``TableGroup.place_overflow`` has read ``counts``: a pair whose bucket was full has its row
+    in ``values`` and slot -1 in ``slots`` (of the batch's ``keys``, ``tables``, ``occurrences``, int64
+    (u,)); ``counts`` (int64 (3R,), host memory) is ``insert_rows``'s count per region, valid once
+    ``ready`` has passed (None on the CPU)."""
+
+    keys: torch.Tensor
+    tables: torch.Tensor
+    occurrences: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+    step: int | torch.Tensor
+    counts: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+@dataclass
 class IdOrder:
     """The dedup's sort of a batch's ids: ``order`` int64 (n,) the ids grouped by distinct pair (the
     kernels' ``id_order``), ``entries`` int64 (u,) ids per pair. Lets the gradient reduction sum each
@@ -217,9 +235,11 @@ class TableGroup:
         self.lookups = [0] * len(configs)  # ids looked up, per table (known on the host)
         self._pending: list[GroupPrefetch] = []  # batches with deferred insertions, oldest first
         self._holding = 0  # batches placed whose locks of a bounded index are not given back yet
-        # every table bounded: a batch's misses are inserted on the device, rows from a pool, no read
-        self._inserts_rows = all(s is not None for s in index_slots)
+        # every table bounded, or none: a batch's misses are inserted on the device, rows from a
+        # pool, no read
+        self._inserts_rows = len({s is None for s in index_slots}) == 1
         self._lent: list[LentRows] = []  # pools of batches whose unused rows are not back yet
+        self._overflow: list[Overflow] = []  # unbounded: batches whose full buckets are not read yet
         self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows.counts
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
         # the training probes' counts per table, summed (misses, pairs, contested pairs: one add a
@@ -246,6 +266,7 @@ class TableGroup:
         """Resolve one batch's ids (int64 (n,)) of the tables ``tables`` to row addresses.
         ``occurrences``: int64 (n,) how many lookups each entry stands for (a shard owner gets
         each requester's distinct ids with their counts)."""
+        self.place_overflow()
         with label("## dedup ##"):
             unique, utab, inverse, counts, sorted_ids = unique_pairs(ids, tables, len(self.configs),
                                                                      self.kernels, occurrences)
@@ -274,6 +295,7 @@ class TableGroup:
         the device (a captured prefetch; the caller sets the host's in the result). ``id_count``:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
         captured prefetch of a batch shape padded to a bucket)."""
+        self.place_overflow()
         with label("## dedup ##"):
             order, skeys, stables = self.kernels.id_order(ids, tables, len(self.configs), id_count)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
@@ -294,6 +316,7 @@ class TableGroup:
         ``first_table``): this group's pairs probed, their slots and values written into ``out`` at
         their positions. Returns int64 (3R,): misses, pairs and contested pairs per region (the host
         reads them with the index's sizes, for ``finish_prefetch``)."""
+        self.place_overflow()
         return self.index.find_touch(keys, tables, step, counts, count, guard, first_table, out,
                                      contest=self._contest)[2]
 
@@ -365,7 +388,7 @@ class TableGroup:
         waiting, kept_out = sum(info[2 * regions : 3 * regions]), sum(info[3 * regions :])
         misses = sum(info[:regions])
         if self._inserts_rows and misses and not waiting and refused is None:
-            return self._inserted(keys, tables, counts, inverse, step, slots, values, per_region, misses)
+            return self._inserted(keys, tables, counts, inverse, step, slots, values, per_region, info)
         res = self.index.complete(keys, tables, step, counts, True, slots, values, per_region,
                                   info[: 2 * regions], given_order=True)  # claim in the dedup's order
         addresses = self._place_new(keys, tables, res)  # -1 where not placed
@@ -396,34 +419,73 @@ class TableGroup:
 
     def _inserted(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor,
                   step: int | torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-                  per_region: torch.Tensor, misses: int) -> GroupPrefetch:
-        """``_placed`` of a group whose tables are all bounded, with ``misses`` pairs at slot -1 and
-        none held back: inserted on the device (``insert_rows``), their rows from a pool of as many
-        free rows (the store's next), initialized; no host read. Counters on the device too."""
-        self._take_back()
+                  per_region: torch.Tensor, info: list[int]) -> GroupPrefetch:
+        """``_placed`` of a group whose tables are all bounded or all unbounded, with pairs at slot
+        -1 (``info``: its read) and none held back: inserted on the device (``insert_rows``), their
+        rows from a pool of as many free rows (the store's next), initialized; no host read.
+        Counters on the device too. Unbounded regions grow first as ``complete`` grows them (before
+        their load would pass the limit); a pair whose bucket is full all the same keeps its row
+        from the pool and is inserted by ``place_overflow`` before the index is used again."""
+        regions = len(self.configs)
+        misses = sum(info[:regions])
+        if self.index.bounded:
+            self._take_back()
+        else:
+            self.index.reserve_regions([m + s for m, s in zip(info[:regions], info[regions : 2 * regions])])
         pool = self.store.peek(misses)
         self.store.pop(misses)
         pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
         self._initialize(keys[pos], tables[pos], rows)
         self._count_probe(per_region, None)
+        if not self.index.bounded:  # every row of the pool is a pair's now, none is lent
+            self._overflow.append(Overflow(keys, tables, counts, slots, values, step, *self._to_host(kinds)))
+            none = keys[:0]
+            return GroupPrefetch(keys, tables, inverse, values, none, none, none, self.index.generation, none)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
         self._holding += 1
         pf = GroupPrefetch(keys, tables, inverse, values, keys, tables, slots, self.index.generation,
-                           pos[:0], holds_locks=True, lent=self._lend(pool, kinds))
+                           pos[:0], holds_locks=True, lent=LentRows(pool, *self._to_host(kinds)))
         self._lent.append(pf.lent)
         return pf
 
-    def _lend(self, pool: torch.Tensor, kinds: torch.Tensor) -> LentRows:
-        """``pool``'s record, its counts (``kinds``: int64 (3, R) on the device) copied to the host
-        behind the insertion (a pinned buffer kept from an earlier batch, or a new one)."""
+    def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """``counts`` (int64 (3, R) on the device) copied to the host behind the work queued (a pinned
+        buffer kept from an earlier batch, or a new one) and the event after which the copy holds
+        them (on the CPU: ``counts`` itself, None)."""
         if self.device.type != "cuda":
-            return LentRows(pool, kinds.view(-1), None)
+            return counts.view(-1), None
         host = self._count_buffers.pop() if self._count_buffers else \
-            torch.empty(kinds.numel(), dtype=torch.int64, pin_memory=True)
-        host.copy_(kinds.view(-1), non_blocking=True)
+            torch.empty(counts.numel(), dtype=torch.int64, pin_memory=True)
+        host.copy_(counts.view(-1), non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LentRows(pool, host, ready)
+        return host, ready
+
+    def place_overflow(self) -> None:
+        """Insert the pairs of unbounded tables that the device insertion of earlier batches left
+        without a slot (their bucket was full; rare below the load limit): a region with a full
+        bucket doubles first, as ``complete`` doubles it, and each pair keeps the row its batch
+        trained. Runs first in every verb
+        that reads or changes the index (waiting for those batches' counts if they are not on the
+        host yet), so nothing sees the index without them."""
+        regions = len(self.configs)
+        while self._overflow:
+            batch = self._overflow[0]
+            if batch.ready is not None:
+                batch.ready.synchronize()
+            full = batch.counts.tolist()[regions : 2 * regions]
+            if any(full):
+                self.index.double([r for r, f in enumerate(full) if f])
+                pos = torch.nonzero_static(batch.slots == -1, size=sum(full)).squeeze(1)
+                keys, tables = batch.keys[pos], batch.tables[pos]
+                res = self.index.find_or_insert(keys, batch.step, batch.occurrences[pos], tables=tables,
+                                                given_order=True)
+                if res.inserted_count != sum(full):
+                    raise RuntimeError("internal error: a pair left without a slot was inserted since")
+                self.index.assign(res.slots, batch.values[pos])
+            self._overflow.pop(0)
+            if batch.ready is not None:  # its pinned buffer serves a later batch
+                self._count_buffers.append(batch.counts)
 
     def _take_back(self, wait: bool = False) -> None:
         """Give the store back the rows of lent pools that no table took: the unused ones of each
@@ -623,6 +685,7 @@ class TableGroup:
              cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of ``keys``: the first ``cols`` columns, default the weights; zeros where absent,
         found). Moves no score."""
+        self.place_overflow()
         slots = self.index.find(keys, self._tables_of(table, keys))
         found = slots >= 0
         addresses = torch.where(found, self.index.values[slots.clamp(min=0)], -1)
@@ -630,6 +693,7 @@ class TableGroup:
 
     def write(self, table: int, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert rows; their optimizer state is reset to zero."""
+        self.place_overflow()
         tables = self._tables_of(table, keys)
         res = self.index.find_or_insert(keys, step, tables=tables)
         addresses = self._place_new(keys, tables, res)
@@ -642,6 +706,7 @@ class TableGroup:
         self._count((EVICTIONS, res.evicted_tables, None))
 
     def export(self, table: int) -> TableRows:
+        self.place_overflow()
         keys, addresses, scores = self.index.export(table)
         rows = self.store.gather(addresses)
         return TableRows(keys, rows[:, : self.dim], rows[:, self.dim :], scores)
@@ -650,6 +715,7 @@ class TableGroup:
     def export_chunks(self, table: int, rows: int):
         """Every stored row of ``table`` in chunks of at most ``rows``: (keys, full rows [weights |
         state], scores). Only one chunk of rows is materialized at a time."""
+        self.place_overflow()
         keys, addresses, scores = self.index.export(table)
         for start in range(0, keys.numel(), rows):
             part = slice(start, start + rows)
@@ -659,6 +725,7 @@ class TableGroup:
         """Store whole rows (weights and optimizer state) with their scores, as saved. A bounded
         table smaller than the saved one keeps what its buckets hold (rows past it are dropped,
         as its bound drops rows)."""
+        self.place_overflow()
         if keys.numel() == 0:
             return
         tables = self._tables_of(table, keys)
@@ -672,6 +739,7 @@ class TableGroup:
 
     def delete_rows(self, table: int, keys: torch.Tensor) -> None:
         """Remove rows (absent keys are ignored); their row addresses go back to the store."""
+        self.place_overflow()
         if keys.numel():
             self.store.free(self.index.erase(keys, self._tables_of(table, keys)))
 
@@ -688,9 +756,11 @@ class TableGroup:
             self.admission.find_or_insert(keys, 0, counts, tables=self._tables_of(table, keys))
 
     def is_empty(self) -> bool:
+        self.place_overflow()
         return self.index.size() == 0
 
     def stats(self, table: int) -> TableStats:
+        self.place_overflow()
         unique, hits, misses, conflicts, evictions, not_admitted = self._counts[table].tolist()
         probe_misses, pairs, contested, refused = self._probed[:, table].tolist()
         unique += pairs
@@ -713,6 +783,7 @@ class TableGroup:
     def flush(self) -> None:
         """Nothing to write down (every row already lives in its only tier): the rows lent to
         released batches go back to the store."""
+        self.place_overflow()
         self._take_back(wait=True)
 
     def close(self) -> None:
