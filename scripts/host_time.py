@@ -1,6 +1,6 @@
 """Host time of the prefetch's pieces in scripts/groups_bench.py's loops: each function below wrapped
 with a wall clock, and the median of its last 30 calls printed at exit (the last loop's: the
-deferred one). No profiler, so no per-call overhead beyond two clock reads; the first calls (Triton
+deferred one) and their mean (rare calls: a rehash). No profiler, so no per-call overhead beyond two clock reads; the first calls (Triton
 compilations, graph captures) fall out of the median.
 
     PYTHONPATH=. python3 scripts/host_time.py [groups_bench.py's arguments]
@@ -23,8 +23,9 @@ from tieredemb.storage.row_store import RowStore
 TIMED = {
     _Collection: ("_stage", "_finish_staged", "_run", "_backward", "_release"),
     Layout: ("finish",),
-    TableGroup: ("_placed", "_inserted", "_initialize", "_count_probe", "_take_back", "_lend", "release"),
-    TritonKeyIndex: ("insert_rows",),
+    TableGroup: ("_placed", "_inserted", "_initialize", "_count_probe", "_take_back", "_to_host", "release",
+                 "place_overflow"),
+    TritonKeyIndex: ("insert_rows", "reserve_regions", "_grow"),
     RowStore: ("peek", "_add_segment"),
 }
 seconds: dict[str, list[float]] = {}
@@ -44,7 +45,7 @@ def report() -> None:
     for name, runs in seconds.items():
         last = sorted(runs[-30:])
         print(f"  {name:16s} {len(runs):5d} calls, median of the last {len(last)}: "
-              f"{1e3 * last[len(last) // 2]:.3f} ms")
+              f"{1e3 * last[len(last) // 2]:.3f} ms, mean {1e3 * sum(last) / len(last):.3f} ms")
 
 
 if __name__ == "__main__":
