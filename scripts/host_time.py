@@ -1,7 +1,7 @@
 """Host time of the prefetch's pieces in scripts/groups_bench.py's loops: each function below wrapped
-with a wall clock, and the median of its last 30 calls printed at exit (the last loop's: the
-deferred one) and their mean (rare calls: a rehash). No profiler, so no per-call overhead beyond two clock reads; the first calls (Triton
-compilations, graph captures) fall out of the median.
+with a wall clock, and the median and the mean of its last 30 calls printed at exit (the last loop's:
+the deferred one; the mean for rare calls such as a rehash). No profiler, so no per-call overhead
+beyond two clock reads; the first calls (Triton compilations, graph captures) fall out of the median.
 
     PYTHONPATH=. python3 scripts/host_time.py [groups_bench.py's arguments]
     PYTHONPATH=. python3 scripts/host_time.py scripts/insertion_profile.py [its arguments]

@@ -25,6 +25,7 @@ from tests.conftest import (
     random_upstream,
     sorted_export,
 )
+from tieredemb.modules.table import TableGroup
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
@@ -100,15 +101,15 @@ def _batch(gen: torch.Generator, step: int) -> Batch:
 
 def train_side_by_side(module: type, optimizer: str, kernels: str, device: torch.device,
                        tables: list[te.TableConfig] | None = None, steps: int = STEPS,
-                       batches=_batch) -> tuple[object, object]:
+                       batches=_batch, **kwargs) -> tuple[object, object]:
     """Train ``module`` on ``device`` with ``kernels`` and on CPU with kernels="torch"; compare.
-    Returns both collections (device one first)."""
+    ``kwargs``: more arguments of both collections. Returns both collections (device one first)."""
     tables = make_tables() if tables is None else tables
     pooled = module is te.EmbeddingBagCollection
     want = module(tables, optimizer=make_optimizer(optimizer), device="cpu", kernels="torch",
-                  seed=SEED)
+                  seed=SEED, **kwargs)
     got = module(tables, optimizer=make_optimizer(optimizer), device=device, kernels=kernels,
-                 seed=SEED)
+                 seed=SEED, **kwargs)
     assert kernels in getattr(got.kernels, "name", type(got.kernels).__name__).lower(), (
         f"kernels={kernels!r} gave {got.kernels!r}")
     gen = torch.Generator().manual_seed(1000 + OPTIMIZERS.index(optimizer))
@@ -165,3 +166,33 @@ def test_bounded_table_evicts_like_cpu(kernels: str) -> None:
     got.flush()
     capped = next(g for g in got._groups if "capped" in g.names)
     assert capped.store.rows_in_use() == capped.index.size()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_full_buckets_of_unbounded_tables_like_cpu(kernels: str, monkeypatch) -> None:
+    """One-slot buckets: unbounded tables inserting on the device find buckets full below load 0.5
+    most steps; the pairs keep the rows their batch trained (``TableGroup.place_overflow``, whose
+    counts come back through pinned memory and an event on CUDA), and the rows, states and scores
+    equal the CPU's."""
+    full = []
+    place = TableGroup.place_overflow
+
+    def counting(group):
+        if group.device.type == "cuda":
+            regions = len(group.configs)
+            for batch in group._overflow:
+                batch.ready.synchronize()
+                full.append(sum(batch.counts.tolist()[regions : 2 * regions]))
+        place(group)
+
+    monkeypatch.setattr(TableGroup, "place_overflow", counting)
+    tables = [te.TableConfig(name="u", embedding_dim=8, feature_names=["x"]),
+              te.TableConfig(name="v", embedding_dim=8, feature_names=["user_id"], pooling="mean")]
+    pools = {"x": list(range(1000, 1400)), "user_id": RAW_KEYS + list(range(60))}
+
+    def batches(gen: torch.Generator, step: int) -> Batch:
+        return random_batch(gen, pools, batch_size=16, max_bag=6, weighted=step % 2 == 0)
+
+    train_side_by_side(te.EmbeddingBagCollection, "adam", kernels, torch.device("cuda"), tables=tables,
+                       batches=batches, storage=te.StorageConfig(bucket_width=1, segment_rows=64))
+    assert sum(full) > 0, "no bucket was ever full: test too easy"

@@ -240,7 +240,7 @@ class TableGroup:
         self._inserts_rows = len({s is None for s in index_slots}) == 1
         self._lent: list[LentRows] = []  # pools of batches whose unused rows are not back yet
         self._overflow: list[Overflow] = []  # unbounded: batches whose full buckets are not read yet
-        self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows.counts
+        self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows/Overflow.counts
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
         # the training probes' counts per table, summed (misses, pairs, contested pairs: one add a
         # batch; then the pairs refused admission); ``stats`` adds them to the columns they make
@@ -465,9 +465,8 @@ class TableGroup:
         """Insert the pairs of unbounded tables that the device insertion of earlier batches left
         without a slot (their bucket was full; rare below the load limit): a region with a full
         bucket doubles first, as ``complete`` doubles it, and each pair keeps the row its batch
-        trained. Runs first in every verb
-        that reads or changes the index (waiting for those batches' counts if they are not on the
-        host yet), so nothing sees the index without them."""
+        trained. Runs first in every verb that reads or changes the index (waiting for those
+        batches' counts if they are not on the host yet), so nothing sees the index without them."""
         regions = len(self.configs)
         while self._overflow:
             batch = self._overflow[0]
