@@ -387,6 +387,24 @@ def test_host_store_writes_keys_left_out_by_a_full_bucket():
         assert store.size(t) == want[t].size()
 
 
+def _insert_rows_in_lockstep(ref: KeyIndex, tri: TritonKeyIndex, keys, tables, counts, step: int,
+                             next_address: int, msg: str):
+    """``find_touch`` then ``insert_rows`` (the pool: the next addresses from ``next_address``) on
+    both indexes: the same answers and state. Returns the reference's (slots, values, positions,
+    rows, counts per region)."""
+    answers = []
+    for index in (ref, tri):
+        slots, values, _ = index.find_touch(keys, tables, step, counts)
+        misses = int((slots == -1).sum())
+        pool = torch.arange(next_address, next_address + misses, device=DEVICE)
+        answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
+                                                          step, pool)))
+    for got, want in zip(answers[1], answers[0]):
+        assert torch.equal(got, want), msg
+    assert_same_state(tri, ref, msg)
+    return answers[0]
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "mixed"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_insert_rows_gives_every_miss_a_row(policy, seed):
@@ -408,17 +426,8 @@ def test_insert_rows_gives_every_miss_a_row(policy, seed):
         counts = torch.tensor([rng.randint(1, 3) for _ in range(keys.numel())], dtype=torch.int64,
                               device=DEVICE)
         msg = f"step {step}"
-        answers = []
-        for index in (ref, tri):
-            slots, values, _ = index.find_touch(keys, tables, step, counts)
-            misses = int((slots == -1).sum())
-            pool = torch.arange(next_address, next_address + misses, device=DEVICE)
-            answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
-                                                              step, pool)))
-        for got, want in zip(answers[1], answers[0]):
-            assert torch.equal(got, want), msg
-        assert_same_state(tri, ref, msg)
-        slots, values, pos, rows, per_region = answers[0]
+        slots, values, pos, rows, per_region = _insert_rows_in_lockstep(ref, tri, keys, tables, counts, step,
+                                                                        next_address, msg)
         res = twin.find_or_insert(keys, step, counts, lock=True, tables=tables, given_order=True)
         assert torch.equal(res.slots, slots), msg
         fresh = res.inserted & (res.values < 0)
@@ -469,18 +478,9 @@ def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(p
         bucket = ref._bucket(keys, tables)
         empty_ways = (ref.keys.view(-1, width) == RESERVED_KEY).sum(1)
         msg = f"step {step}"
-        answers = []
-        for index in (ref, tri):
-            slots, values, _ = index.find_touch(keys, tables, step, counts)
-            misses = int((slots == -1).sum())
-            pool = torch.arange(next_address, next_address + misses, device=DEVICE)
-            answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
-                                                              step, pool)))
-        for got, want in zip(answers[1], answers[0]):
-            assert torch.equal(got, want), msg
-        assert_same_state(tri, ref, msg)
+        slots, values, pos, rows, per_region = _insert_rows_in_lockstep(ref, tri, keys, tables, counts, step,
+                                                                        next_address, msg)
         assert ref.capacity() == tri.capacity() == 24, msg
-        slots, values, pos, rows, per_region = answers[0]
         missed = bucket[pos]  # by hand: a bucket's first misses (claim order) fill its empty ways
         want_lacking = sum(max(0, int((missed == b).sum()) - int(empty_ways[b])) for b in missed.unique())
         taken, lacking, evicted = (per_region[k].sum().item() for k in range(3))
