@@ -78,17 +78,17 @@ def train_both(module, optimizer, monkeypatch, batches, pooling="sum", dims=(16,
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("module", [te.EmbeddingBagCollection, te.EmbeddingCollection], ids=["ebc", "ec"])
 def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimizer, monkeypatch):
+    """The probe reads the index's tables through a device table of their addresses, so its graph
+    outlives a rehash: one capture for the one shape, every step but the first replayed."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 17, (3 * 256,), generator=gen)  # one shape throughout
     # ~2000 ids a table and step from ever more keys: past the index's first 8192 slots a table
-    # (a rehash, which the captured probe must follow)
+    # (rehashes, which the captured probe must follow)
     batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
     _, captured = train_both(module, optimizer, monkeypatch, batches)
-    group = captured._groups[0]
-    assert group.index.generation > 0, "the index never grew: the test misses the recapture"
+    assert captured._groups[0].index.generation >= 2, "the index grew less than twice: the test misses it"
     stages = captured._captured
-    assert stages.captures >= 2, stages.captures  # once, and again after each rehash
-    assert stages.replays >= 4, stages.replays  # every step but the first of each index generation
+    assert (stages.captures, stages.replays) == (1, 9), (stages.captures, stages.replays)
 
 
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])

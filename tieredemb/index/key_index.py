@@ -201,6 +201,12 @@ class KeyIndex:
         return nb * self.width
 
     @property
+    def capture_key(self) -> int:
+        """What a CUDA graph of ``find_touch`` depends on besides its inputs: a graph captured at
+        another value reads tables that are gone. Here the rehashes so far (they replace them)."""
+        return self.generation
+
+    @property
     def sizes_on_device(self) -> torch.Tensor:
         """int64 (R,) keys stored per region, on the index device (read it with other values)."""
         return self._sizes
@@ -596,23 +602,47 @@ class KeyIndex:
         return True
 
     def _grow(self, region_buckets: list[int]) -> None:
-        """Rehash into ``region_buckets`` (each a power-of-two multiple ``f`` of the old: old bucket
-        ``b`` of a region splits into its ``f`` children ``b*f .. b*f+f-1``, the multiplicative bucket
-        of a key taking its high bits). Each key keeps its order within its bucket: its way in its
-        child is the number of keys before it in the old bucket that go to the same child; an empty
-        old slot goes to a free way of the first child. So every old slot has its own new one and the
-        move is one scatter of the old arrays, with no sort and no host read. The other ways of the
-        children stay empty."""
+        """Rehash into ``region_buckets`` (each a power-of-two multiple ``f`` of the old). A region
+        that keeps its buckets is copied as it is (the regions before and after the growing ones
+        move as blocks); in a growing one, old bucket ``b`` splits into its ``f`` children ``b*f ..
+        b*f+f-1`` (the multiplicative bucket of a key taking its high bits), and each key keeps its
+        order within its bucket: its way in its child is the number of keys before it in the old
+        bucket that go to the same child; an empty old slot goes to a free way of the first child. So
+        every old slot has its own new one and the move is one scatter of the old arrays, with no
+        sort and no host read. The other ways of the children stay empty."""
         factors = [new // old for new, old in zip(region_buckets, self.region_buckets)]
         if any(f < 1 or f & (f - 1) or f * old != new
                for f, old, new in zip(factors, self.region_buckets, region_buckets)):
             raise ValueError(f"a rehash takes each region to a power-of-two multiple of its buckets: "
                              f"{self.region_buckets} -> {region_buckets}")
         self.generation += 1  # slots found before now are stale
-        w, nb_old = self.width, self.num_buckets
+        w, old_first, old_buckets = self.width, self.region_start, self.region_buckets
         old_start, old_nb = self._start_dev, self._nb_dev
-        keys, values, scores, locks = self.keys, self.values, self.scores, self.locks
+        old = self.keys, self.values, self.scores, self.locks
         self._allocate(region_buckets)
+        growing, r = [], 0
+        while r < len(factors):  # runs of regions that grow or not, in region order
+            end = r + 1
+            while end < len(factors) and (factors[end] > 1) == (factors[r] > 1):
+                end += 1
+            lo, hi = old_first[r], old_first[end - 1] + old_buckets[end - 1]  # their old buckets
+            if factors[r] > 1:
+                growing.append((lo, hi))
+            else:  # one copy per array: each slot stays in its way, its bucket shifted
+                at = self.region_start[r] * w
+                for new, was in zip((self.keys, self.values, self.scores, self.locks), old):
+                    new[at : at + (hi - lo) * w].copy_(was[lo * w : hi * w])
+            r = end
+        if growing:
+            self._split(old, old_start, old_nb, sum(old_buckets), factors, growing)
+
+    def _split(self, old: tuple[torch.Tensor, ...], old_start: torch.Tensor, old_nb: torch.Tensor,
+               nb_old: int, factors: list[int], runs: list[tuple[int, int]]) -> None:
+        """``_grow``'s scatter of the old buckets ``lo .. hi`` of each of ``runs`` (growing regions)
+        into their children; ``old``: the old keys, values, scores and locks, whose regions started
+        at ``old_start`` with ``old_nb`` buckets (``nb_old`` in all)."""
+        w = self.width
+        keys, values, scores, locks = old
         regions = torch.arange(len(self.regions), device=self.device)
         region_of = torch.repeat_interleave(regions, old_nb, output_size=nb_old)  # (B,) of each old bucket
         factor = device_tensor(factors, torch.int64, self.device)
@@ -620,8 +650,9 @@ class KeyIndex:
         # sums of at most W: exact in float32 and in TF32): torch's cumsum along the 32 ways of 128k
         # buckets took ~0.7 ms on an H200 (its scan is made for long rows)
         before = torch.ones(w, w, device=self.device).triu(1)
-        for lo in range(0, nb_old, _REHASH_BUCKETS):  # a bounded working set: ~10 (n, W) tensors
-            hi = min(lo + _REHASH_BUCKETS, nb_old)
+        parts = [(lo, min(lo + _REHASH_BUCKETS, end)) for start, end in runs
+                 for lo in range(start, end, _REHASH_BUCKETS)]
+        for lo, hi in parts:  # a bounded working set: ~10 (n, W) tensors
             region = region_of[lo:hi]
             first = self._start_dev[region] + (  # the first child of each old bucket
                 torch.arange(lo, hi, device=self.device) - old_start[region]) * factor[region]

@@ -7,10 +7,12 @@ nothing on the host and their shapes follow from the batch's shape alone, so for
 before they are captured once (``torch.cuda.CUDAGraph``, over static input buffers) and replayed:
 three copies into the static inputs, one replay.
 
-A graph bakes in every pointer it reads: the index's tables (a rehash replaces them, so the index's
-``generation`` is part of the key) and its static inputs and outputs. A replay's outputs are the
-batch's tensors until its release, so each captured shape has a few slots (one batch in flight on
-each); a shape whose slots are all in flight runs eagerly, as does a shape seen for the first time.
+A graph bakes in every pointer it reads: its static inputs and outputs, and the index's tables
+unless it reads them through a device table of their addresses that a rehash rewrites in place (the
+Triton probe does; the torch one does not, so the key holds the index's ``capture_key``: 0, or its
+rehashes so far). A replay's outputs are the batch's tensors until its release, so each captured
+shape has a few slots (one batch in flight on each); a shape whose slots are all in flight runs
+eagerly, as does a shape seen for the first time.
 A batch whose id count changes every step is padded to a bucket by the caller (an input may fill only
 the front of its static buffer: ``lengths``). ``TIEREDEMB_CAPTURE=0`` turns capture off; a capture
 that fails turns it off for the object, with a warning.

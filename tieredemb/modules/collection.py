@@ -446,7 +446,7 @@ class _Collection(nn.Module):
         n = given.values.numel()
         if self._captured is None or n == 0:
             return None
-        indexes = tuple(g.index.generation for g in (self._groups if group is None else [group]))
+        indexes = tuple(g.index.capture_key for g in (self._groups if group is None else [group]))
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
         inputs = (given.values, given.per_feature, given.weights, step)
         capture = self._on_forward_thread()

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tieredemb.config import RESERVED_KEY
-from tieredemb.index.key_index import Claim, KeyIndex
+from tieredemb.index.key_index import Claim, KeyIndex, device_tensor
 from tieredemb.ops.triton.hashing import bucket_of as _bucket_of
 from tieredemb.ops.triton.hashing import buckets
 from tieredemb.ops.triton.launch import fast_launch
@@ -78,6 +78,21 @@ def _probe_at(table_keys, k, base, in_range, width, RESERVED: tl.constexpr, BLOC
     return tl.where(in_range & (first < BLOCK_W), base + first, -1)
 
 
+@triton.jit
+def _index_arrays(arrays):
+    """The index's tables where a rehash left them, from the int64 addresses at ``arrays`` (``
+    TritonKeyIndex._arrays``): keys, values, scores, locks, each bucket's evictable flag, each
+    region's first bucket and bucket count; then the bucket count."""
+    keys = tl.load(arrays).to(tl.pointer_type(tl.int64))
+    values = tl.load(arrays + 1).to(tl.pointer_type(tl.int64))
+    scores = tl.load(arrays + 2).to(tl.pointer_type(tl.int64))
+    locks = tl.load(arrays + 3).to(tl.pointer_type(tl.int32))
+    evictable = tl.load(arrays + 4).to(tl.pointer_type(tl.int1))
+    start = tl.load(arrays + 5).to(tl.pointer_type(tl.int64))
+    buckets = tl.load(arrays + 6).to(tl.pointer_type(tl.int64))
+    return keys, values, scores, locks, evictable, start, buckets, tl.load(arrays + 7)
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["n", "num_buckets"])
 def _find_kernel(
@@ -93,11 +108,10 @@ def _find_kernel(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["n", "num_buckets", "step", "first_table"])
+@triton.jit(do_not_specialize=["n", "step", "first_table"])
 def _find_touch_kernel(
-    keys, tables, counts, region_start, region_buckets, region_lfu, table_keys, table_values,
-    table_scores, table_locks, bucket_evictable, out_slots, out_values, per_region, valid, guard, n,
-    num_buckets, width, step, step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr,
+    keys, tables, counts, region_lfu, arrays, out_slots, out_values, per_region, valid, guard, n,
+    width, step, step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr,
     POLICY: tl.constexpr, BINS: tl.constexpr, GUARD: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, LOCK: tl.constexpr, STEP_PTR: tl.constexpr,
     RANGE: tl.constexpr, CONTEST: tl.constexpr,
@@ -111,7 +125,8 @@ def _find_touch_kernel(
     # step_ptr (a captured probe); RANGE: only the keys of tables first_table .. first_table +
     # regions - 1 are this index's; CONTEST: an absent key whose bucket is evictable and holds a
     # locked way gets slot -2 (contested), and the keys found are not locked here (``_lock_kernel``
-    # does it after, so that no program sees another's locks of this batch)
+    # does it after, so that no program sees another's locks of this batch); arrays: the index's
+    # tables and bucket count (``_index_arrays``)
     if STEP_PTR:
         step = tl.load(step_ptr)
     bins = tl.arange(0, BINS)
@@ -127,6 +142,8 @@ def _find_touch_kernel(
     if RANGE:
         t = tl.load(tables + i, mask=in_range, other=first_table - 1)
         in_range = in_range & (t >= first_table) & (t < first_table + regions)
+    (table_keys, table_values, table_scores, table_locks, bucket_evictable, region_start, region_buckets,
+     num_buckets) = _index_arrays(arrays)
     k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
                               REGIONS, BLOCK_K, first_table)
     slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)
@@ -168,10 +185,11 @@ def _find_touch_kernel(
 
 @fast_launch
 @triton.jit(do_not_specialize=["n", "first_table"])
-def _lock_kernel(slots, tables, table_locks, valid, guard, n, first_table, regions, GUARD: tl.constexpr,
+def _lock_kernel(slots, tables, arrays, valid, guard, n, first_table, regions, GUARD: tl.constexpr,
                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, RANGE: tl.constexpr):
     # find_touch's locks of the keys found (slots >= 0, distinct), after a probe that contested:
     # the same keys as there (valid, RANGE), nothing unless guard is all zero
+    table_locks = tl.load(arrays + 3).to(tl.pointer_type(tl.int32))
     real = tl.minimum(n, tl.load(valid))
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < real
@@ -361,6 +379,8 @@ def _upsert_kernel(
 class TritonKeyIndex(KeyIndex):
     """``KeyIndex`` with Triton ``find`` and ``_insert``; identical results. Same arguments."""
 
+    _arrays: torch.Tensor | None = None  # int64 (8,) on the device: see ``_allocate``
+
     def find(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
         """keys: int64 (n,) -> slots: int64 (n,), -1 where absent. Scores and locks unchanged."""
         n = keys.numel()
@@ -394,6 +414,24 @@ class TritonKeyIndex(KeyIndex):
         # find_touch's defaults, device constants: every key valid, guard 0
         self._unguarded = torch.tensor([_INT64_MAX, 0], dtype=torch.int64, device=self.device)
 
+    def _allocate(self, region_buckets: list[int]) -> None:
+        super()._allocate(region_buckets)
+        # where find_touch's kernels find the tables: their addresses and the bucket count in one
+        # device tensor that a rehash rewrites in place, so that a CUDA graph of the probe outlives it
+        arrays = (self.keys, self.values, self.scores, self.locks, self.bucket_evictable, self._start_dev,
+                  self._nb_dev)
+        addresses = device_tensor([t.data_ptr() for t in arrays] + [self.num_buckets], torch.int64,
+                                  self.device)
+        if self._arrays is None:
+            self._arrays = addresses
+        else:
+            self._arrays.copy_(addresses)
+
+    @property
+    def capture_key(self) -> int:
+        """Always 0: ``find_touch`` reads the tables through ``_arrays``, which stays put."""
+        return 0
+
     def _bucket(self, keys: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
         one = len(self.regions) == 1
         return buckets(keys, None if one else tables, self._start_dev, self._nb_dev, self.num_buckets)
@@ -425,9 +463,8 @@ class TritonKeyIndex(KeyIndex):
         on_device = isinstance(step, torch.Tensor)
         block_g = triton.next_power_of_2(guard.numel())
         _find_touch_kernel[(programs,)](
-            keys, tables, counts.contiguous(), self._start_dev, self._nb_dev, self._lfu, self.keys,
-            self.values, self.scores, self.locks, self.bucket_evictable, slots, values, partial, valid, guard,
-            n, self.num_buckets, self.width, 0 if on_device else step, step if on_device else valid,
+            keys, tables, counts.contiguous(), self._lfu, self._arrays, slots, values, partial, valid, guard,
+            n, self.width, 0 if on_device else step, step if on_device else valid,
             first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy,
             BINS=bins, GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w,
             LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest,
@@ -436,7 +473,7 @@ class TritonKeyIndex(KeyIndex):
         if contest:
             block = 1024
             _lock_kernel[(triton.cdiv(n, block),)](
-                slots, tables, self.locks, valid, guard, n, first_table or 0, regions, GUARD=guard.numel(),
+                slots, tables, self._arrays, valid, guard, n, first_table or 0, regions, GUARD=guard.numel(),
                 BLOCK_G=block_g, BLOCK_K=block, RANGE=first_table is not None, num_warps=4,
             )
         return slots, values, partial[:, :regions].sum(dim=2).view(-1)
