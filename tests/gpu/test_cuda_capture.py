@@ -94,14 +94,15 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
 def test_captured_prefetch_of_two_table_groups(optimizer, monkeypatch):
     """Tables of two dims (two groups) staged together (one dedup, a probe per group): the captured
-    prefetch trains as the eager one, through the growth of both groups' indexes, and replays."""
+    prefetch trains as the eager one, through the growth of both groups' indexes, and replays every
+    step but the first."""
     gen = torch.Generator().manual_seed(2)
     lengths = torch.randint(0, 17, (3 * 256,), generator=gen)
     batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
     _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, dims=(16, 32, 16))
     assert len(captured._groups) == 2
     assert all(g.index.generation > 0 for g in captured._groups), "an index never grew"
-    assert captured._captured.captures >= 2 and captured._captured.replays >= 4
+    assert (captured._captured.captures, captured._captured.replays) == (1, 9)
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
