@@ -388,17 +388,18 @@ def test_host_store_writes_keys_left_out_by_a_full_bucket():
 
 
 def _insert_rows_in_lockstep(ref: KeyIndex, tri: TritonKeyIndex, keys, tables, counts, step: int,
-                             next_address: int, msg: str):
-    """``find_touch`` then ``insert_rows`` (the pool: the next addresses from ``next_address``) on
-    both indexes: the same answers and state. Returns the reference's (slots, values, positions,
-    rows, counts per region)."""
+                             next_address: int, msg: str, own_rows: torch.Tensor | None = None):
+    """``find_touch`` then ``insert_rows`` (the pool: the next addresses from ``next_address``, or
+    each pair's ``own_rows``) on both indexes: the same answers and state. Returns the reference's
+    (slots, values, positions, rows, counts per region)."""
     answers = []
     for index in (ref, tri):
         slots, values, _ = index.find_touch(keys, tables, step, counts)
         misses = int((slots == -1).sum())
-        pool = torch.arange(next_address, next_address + misses, device=DEVICE)
+        pool = own_rows if own_rows is not None else torch.arange(next_address, next_address + misses,
+                                                                  device=DEVICE)
         answers.append((slots, values, *index.insert_rows(keys, tables, counts, slots, values, misses,
-                                                          step, pool)))
+                                                          step, pool, own_rows=own_rows is not None)))
     for got, want in zip(answers[1], answers[0]):
         assert torch.equal(got, want), msg
     assert_same_state(tri, ref, msg)
@@ -493,6 +494,45 @@ def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(p
         next_address += pos.numel()
         lacking_total += lacking
     assert lacking_total  # some buckets were full
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_insert_rows_with_own_rows(policy):
+    """``insert_rows(own_rows=True)`` (``place_overflow``: pairs trained before they had a slot):
+    each miss takes its own row, placed or not, found pairs keep theirs; a bucket's misses past its
+    empty ways stay at slot -1; the Triton index equal to the reference in lockstep. Refused for an
+    index that evicts and for a pool that is not one row a pair, changing nothing."""
+    rng = random.Random(3)
+    width = 4
+    regions = [Region(policy, None, 8), Region(policy, None, 16)]
+    ref, tri = (cls(width, device=DEVICE, regions=regions, locking=False)
+                for cls in (KeyIndex, TritonKeyIndex))
+    lacking_total = 0
+    for step in range(1, 6):
+        keys, tables = _pairs(rng, rng.randint(1, 20), 2)
+        counts = torch.ones_like(keys)
+        own = torch.tensor(rng.sample(range(1000, 2000), keys.numel()), device=DEVICE)
+        before = ref.find(keys, tables)
+        stored = torch.where(before >= 0, ref.values[before.clamp(min=0)], -1)
+        slots, values, pos, rows, per_region = _insert_rows_in_lockstep(ref, tri, keys, tables, counts, step,
+                                                                        0, f"step {step}", own)
+        miss = before < 0
+        assert torch.equal(values, torch.where(miss, own, stored)) and torch.equal(rows, own[pos])
+        placed = miss & (slots >= 0)
+        assert torch.equal(ref.values[slots[placed]], own[placed])
+        lacking = int(per_region[1].sum())
+        assert int((slots[miss] == -1).sum()) == lacking and int(per_region[0].sum()) == int(placed.sum())
+        lacking_total += lacking
+    assert lacking_total  # some buckets were full
+    bounded = KeyIndex(4, device=DEVICE, max_slots=8)
+    keys = torch.tensor([5, 6, 7], device=DEVICE)
+    for index, pool in ((bounded, keys), (ref, keys[:2])):
+        slots, values = torch.full_like(keys, -1), torch.full_like(keys, -1)
+        state = [t.clone() for t in (index.keys, index.values, index.scores)]
+        with pytest.raises(ValueError, match="own rows need one row for each of the 3 pairs"):
+            index.insert_rows(keys, torch.zeros_like(keys), torch.ones_like(keys), slots, values, 3, 9, pool,
+                              own_rows=True)
+        assert all(torch.equal(a, b) for a, b in zip((index.keys, index.values, index.scores), state))
 
 
 @pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])

@@ -466,7 +466,8 @@ class KeyIndex:
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    pool: torch.Tensor, own_rows: bool = False,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``complete``'s insertion, with rows, reading nothing on the host: ``keys``, ``tables``,
         ``counts`` (int64 (u,)) a batch's distinct pairs after ``find_touch``, whose ``slots`` and
         ``values`` (int64 (u,)) are written in place; ``misses``: the pairs at slot -1 (the host's
@@ -482,8 +483,10 @@ class KeyIndex:
         Returns the positions int64 (misses,) of the inserted pairs in the order they claimed ways,
         their rows int64 (misses,), and int64 (3, R) on the index device: per region, the pool's
         addresses taken from its start (empty slots, counted in the sizes), the pairs left without a
-        way (addresses from the pool's end) and the victims evicted."""
-        self._check_insert_rows(pool, misses)
+        way (addresses from the pool's end) and the victims evicted. ``own_rows`` (an index that
+        never evicts): ``pool`` (int64 (u,)) holds each pair's own row, which it takes instead (pairs
+        trained before they had a slot)."""
+        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None)
         pos = torch.nonzero_static(slots == -1, size=misses).squeeze(1)
         per_region = torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -492,9 +495,9 @@ class KeyIndex:
         pos, slot = pos[claim.order], claim.slots[claim.order]  # claim order from here
         fresh, unplaced = (slot >= 0) & ~claim.victim, slot < 0
         taken = torch.stack([fresh, unplaced]).to(torch.int64).cumsum(1)
-        rows = torch.where(claim.victim, claim.old_values,
-                           torch.where(fresh, pool[(taken[0] - 1).clamp(min=0)],
-                                       pool[(misses - taken[1]).clamp(max=misses - 1)]))
+        rows = pool[pos] if own_rows else torch.where(
+            claim.victim, claim.old_values, torch.where(fresh, pool[(taken[0] - 1).clamp(min=0)],
+                                                        pool[(misses - taken[1]).clamp(max=misses - 1)]))
         self.values[slot[fresh]] = rows[fresh]
         self._touch(slot.clamp(min=0), slot >= 0, tables[pos], step, counts[pos])
         slots[pos], values[pos] = slot, rows
@@ -503,10 +506,13 @@ class KeyIndex:
         self._sizes += per_region[0]
         return pos, rows, per_region
 
-    @staticmethod
-    def _check_insert_rows(pool: torch.Tensor, misses: int) -> None:
-        if pool.numel() < misses:
+    def _check_insert_rows(self, pool: torch.Tensor, misses: int, pairs: int | None) -> None:
+        """``pairs``: the pairs given, when ``pool`` holds their own rows."""
+        if pairs is None and pool.numel() < misses:
             raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
+        if pairs is not None and (pool.numel() != pairs or self.bounded):
+            raise ValueError(f"insert_rows: own rows need one row for each of the {pairs} pairs (got "
+                             f"{pool.numel()}) and an index that never evicts (bounded: {self.bounded})")
 
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
         """Ways of each bucket in claim order: empty by way, then evictable by (score, way)."""

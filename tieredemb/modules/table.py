@@ -464,27 +464,30 @@ class TableGroup:
     def place_overflow(self) -> None:
         """Insert the pairs of unbounded tables that the device insertion of earlier batches left
         without a slot (their bucket was full; rare below the load limit): a region with a full
-        bucket doubles first, as ``complete`` doubles it, and each pair keeps the row its batch
-        trained. Runs first in every verb that reads or changes the index (waiting for those
+        bucket doubles first, as ``complete`` doubles it, and each pair takes the row its batch
+        trained (``insert_rows`` with its own rows; a pair whose bucket is full again comes round
+        once more). Runs first in every verb that reads or changes the index (waiting for those
         batches' counts if they are not on the host yet), so nothing sees the index without them."""
         regions = len(self.configs)
         while self._overflow:
-            batch = self._overflow[0]
+            batch = self._overflow.pop(0)
             if batch.ready is not None:
                 batch.ready.synchronize()
             full = batch.counts.tolist()[regions : 2 * regions]
-            if any(full):
-                self.index.double([r for r, f in enumerate(full) if f])
-                pos = torch.nonzero_static(batch.slots == -1, size=sum(full)).squeeze(1)
-                keys, tables = batch.keys[pos], batch.tables[pos]
-                res = self.index.find_or_insert(keys, batch.step, batch.occurrences[pos], tables=tables,
-                                                given_order=True)
-                if res.inserted_count != sum(full):
-                    raise RuntimeError("internal error: a pair left without a slot was inserted since")
-                self.index.assign(res.slots, batch.values[pos])
-            self._overflow.pop(0)
             if batch.ready is not None:  # its pinned buffer serves a later batch
                 self._count_buffers.append(batch.counts)
+            if not any(full):
+                continue
+            self.index.double([r for r, f in enumerate(full) if f])
+            n = sum(full)
+            pos = torch.nonzero_static(batch.slots == -1, size=n).squeeze(1)
+            keys, tables = batch.keys[pos], batch.tables[pos]
+            occurrences, rows = batch.occurrences[pos], batch.values[pos]
+            slots, values = torch.full_like(pos, -1), rows.clone()
+            kinds = self.index.insert_rows(keys, tables, occurrences, slots, values, n, batch.step, rows,
+                                           own_rows=True)[2]
+            self._overflow.append(Overflow(keys, tables, occurrences, slots, values, batch.step,
+                                           *self._to_host(kinds)))
 
     def _take_back(self, wait: bool = False) -> None:
         """Give the store back the rows of lent pools that no table took: the unused ones of each

@@ -288,7 +288,7 @@ def _insert_kernel(
 def _give_kernel(
     order, slots, victim, old_values, taken, pool, tables, counts, region_lfu, table_values, table_scores,
     values, rows, per_region, n, step, step_ptr, regions, POLICY: tl.constexpr, BINS: tl.constexpr,
-    BLOCK: tl.constexpr, STEP_PTR: tl.constexpr,
+    BLOCK: tl.constexpr, STEP_PTR: tl.constexpr, OWN: tl.constexpr,
 ):
     # ``insert_rows`` after the insert kernel, by claim position p < n (the pair order[p], whose slot
     # the insert kernel wrote in slots, -1 where none): its row (the victim's, the pool's next from
@@ -296,7 +296,8 @@ def _give_kernel(
     # index's value of an empty way taken and the new slots' scores; per_region int64 (3, regions)
     # += taken from the start, from the end, victims (atomics of one program's histograms). taken:
     # int32 (2, n) the running count of both kinds, row 1's after row 0's (one scan of 2n: a scan by
-    # rows of two rows is one slow block a row)
+    # rows of two rows is one slow block a row); OWN: pool[order[p]] is the pair's own row, which it
+    # takes (no victims: an index that never evicts)
     if STEP_PTR:
         step = tl.load(step_ptr)
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -309,9 +310,12 @@ def _give_kernel(
     lacking = in_range & (slot < 0)
     start = tl.load(taken + p, mask=fresh, other=1) - 1
     end = n - (tl.load(taken + n + p, mask=lacking, other=1) - tl.load(taken + n - 1))
-    row = tl.load(old_values + p, mask=in_range & evicts, other=-1)
-    row = tl.where(fresh, tl.load(pool + start, mask=fresh, other=-1), row)
-    row = tl.where(lacking, tl.load(pool + end, mask=lacking, other=-1), row)
+    if OWN:
+        row = tl.load(pool + idx, mask=in_range, other=-1)
+    else:
+        row = tl.load(old_values + p, mask=in_range & evicts, other=-1)
+        row = tl.where(fresh, tl.load(pool + start, mask=fresh, other=-1), row)
+        row = tl.where(lacking, tl.load(pool + end, mask=lacking, other=-1), row)
     tl.store(table_values + slot, row, mask=fresh)
     r = tl.load(tables + idx, mask=in_range, other=0)
     lru = tl.zeros([BLOCK], dtype=tl.int64) + step
@@ -551,11 +555,12 @@ class TritonKeyIndex(KeyIndex):
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    pool: torch.Tensor, own_rows: bool = False,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
         by the bucket of the misses, the others after them; the insert kernel runs over the first
         ``misses`` positions, the give kernel after the running counts of the kinds."""
-        self._check_insert_rows(pool, misses)
+        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None)
         regions = len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -579,7 +584,8 @@ class TritonKeyIndex(KeyIndex):
             self.scores, values, rows, per_region, misses, 0 if on_device else step,
             step if on_device else order, regions,
             POLICY=self._policy,
-            BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, num_warps=4,
+            BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, OWN=own_rows,
+            num_warps=4,
         )
         self._sizes += per_region[0]
         return order[:misses], rows, per_region
