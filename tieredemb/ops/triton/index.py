@@ -80,8 +80,8 @@ def _probe_at(table_keys, k, base, in_range, width, RESERVED: tl.constexpr, BLOC
 
 @triton.jit
 def _index_arrays(arrays):
-    """The index's tables where a rehash left them, from the int64 addresses at ``arrays`` (``
-    TritonKeyIndex._arrays``): keys, values, scores, locks, each bucket's evictable flag, each
+    """The index's tables where the last rehash left them, from the int64 addresses at ``arrays``
+    (``TritonKeyIndex._arrays``): keys, values, scores, locks, each bucket's evictable flag, each
     region's first bucket and bucket count; then the bucket count."""
     keys = tl.load(arrays).to(tl.pointer_type(tl.int64))
     values = tl.load(arrays + 1).to(tl.pointer_type(tl.int64))
