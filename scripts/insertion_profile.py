@@ -4,8 +4,8 @@ trained from scratch (``--capacity 0``: first touches, growth). Prints the step 
 insertion path the steps took: the device insertion of bounded tables (``_inserted``, no read) or the
 host one (``KeyIndex.complete``, a read), with the contested pairs.
 
-    python scripts/insertion_profile.py [--capacity 400000] [--scale 1] [--steps 40] [--optimizer adam]
-                                        [--profile | --python]
+    python scripts/insertion_profile.py [--capacity 400000] [--init-capacity N] [--scale 1]
+                                        [--steps 40] [--optimizer adam] [--profile | --python]
 
 The second half of the steps is timed (--profile: under the torch profiler, with GPU busy time, host
 syncs, idle gaps and the top kernels a step; --python: under cProfile, the functions with the most
@@ -88,6 +88,7 @@ def looper(ebc: te.EmbeddingBagCollection, grad: torch.Tensor, dev: torch.device
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--capacity", type=int, default=400_000, help="max_capacity a table; 0: unbounded")
+    p.add_argument("--init-capacity", type=int, default=None, help="init_capacity a table")
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--optimizer", default="adam")
@@ -117,7 +118,8 @@ def main() -> None:
     TableGroup._placed, TableGroup._inserted = counting_placed, counting_inserted
     for pipelined in (False, True):
         paths.clear()
-        configs = [dataclasses.replace(c, max_capacity=args.capacity or None) for c in shape.table_configs()]
+        configs = [dataclasses.replace(c, max_capacity=args.capacity or None,
+                                       init_capacity=args.init_capacity) for c in shape.table_configs()]
         ebc = te.EmbeddingBagCollection(configs, optimizer=OPTIMIZERS[args.optimizer][0](), device=dev)
         todo = [batches.batch(i).kjt for i in range(args.steps)]
         half = args.steps // 2  # the second half timed

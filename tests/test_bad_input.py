@@ -259,6 +259,17 @@ def test_unknown_pooling_and_eviction():
         te.TableConfig("t", 4, ["x"], eviction="random")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(init_capacity=0), "init_capacity must be None or an int >= 1"),
+    (dict(init_capacity=2.5), "init_capacity must be None or an int >= 1"),
+    (dict(init_capacity=101, max_capacity=100), "init_capacity 101 is more than its max_capacity 100"),
+    (dict(init_capacity=11, num_embeddings=10), "init_capacity 11 is more than its num_embeddings 10"),
+])
+def test_bad_init_capacity(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        te.TableConfig("t", 4, ["x"], **kwargs)
+
+
 def test_bad_admission_threshold():
     with pytest.raises(ValueError):
         te.FrequencyAdmission(0)

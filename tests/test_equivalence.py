@@ -9,6 +9,7 @@ and across the features of a shared table, features in any order).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -268,6 +269,41 @@ def test_thousands_of_keys_grow_the_table_and_match_reference(optimizer, storage
     assert collection.storage_mode == "hbm_direct"
     train_side_by_side(collection, reference, steps, gen)
     assert_tables_match_reference(collection, reference, "after growth")
+
+
+@pytest.mark.parametrize("mode", ["hbm_direct", "hybrid"])
+def test_init_capacity_allocates_up_front_and_trains_as_the_reference(mode):
+    """``init_capacity``: the rows and an index for them exist before the first batch, and ~5k new
+    keys (more than the 4096 an index without it starts with) go in without a rehash; the tables
+    train as a dense reference does. The same tables without it rehash on these batches."""
+    gen = torch.Generator().manual_seed(11)
+    pool = list(range(10**12, 10**12 + 9000))
+    tables = [te.TableConfig("grow", 4, ["a", "b"], init_capacity=7000),
+              te.TableConfig("held", 8, ["c"], max_capacity=1000, init_capacity=100, eviction="lfu")]
+    steps = [random_batch(gen, {"a": pool, "b": pool[:3000], "c": pool[:600]}, batch_size=256, max_bag=8)
+             for _ in range(4)]
+    scenario = Scenario(tables, {"grow": pool, "held": pool[:600]}, {}, steps, seed=5)
+    storage = te.StorageConfig(segment_rows=512)
+    if mode == "hybrid":  # half the budget each: 2048 rows of "grow" on the device, the rest up front
+        storage = te.StorageConfig(segment_rows=512, hbm_budget=2 * 2048 * 4 * 4, caching=False)
+    collection, reference = build_pair(te.EmbeddingBagCollection, scenario, "sgd", storage=storage)
+    assert collection.storage_mode == mode
+    group = collection._groups[0]  # "grow" alone ("held" has another dim)
+    assert group.store.rows_allocated() == 7168 and group.store.rows_in_use() == 0
+    assert collection._groups[1].store.rows_allocated() == 512  # a segment: the bounded table's 100
+    if mode == "hybrid":
+        assert group.store.rows_by_placement() == {"device": 2048, "host": 7168 - 2048}
+    train_side_by_side(collection, reference, steps, gen)
+    assert_tables_match_reference(collection, reference, "after the steps")
+    assert len({k for b in steps for f in "ab" for bag in b.bags[f] for k in bag}) > 4096
+    assert group.index.generation == 0  # no rehash
+    assert group.store.rows_allocated() == 7168  # nor a segment more
+
+    plain = [dataclasses.replace(t, init_capacity=None) for t in tables]
+    without = te.EmbeddingBagCollection(plain, optimizer=make_optimizer("sgd"), storage=storage)
+    for batch in steps:
+        without(batch.kjt()).values().sum().backward()
+    assert without._groups[0].index.generation > 0
 
 
 @pytest.mark.parametrize("schedule", ["plain", *SCHEDULES])

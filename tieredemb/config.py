@@ -48,6 +48,11 @@ class TableConfig:
         admission: ``FrequencyAdmission(k)`` or ``None`` (every key is stored on first use).
         max_capacity: rows the table may hold in all tiers (per shard); ``None``: unbounded. A bounded
             table holds ``max_capacity`` rounded up to whole index buckets.
+        init_capacity: rows allocated up front (per shard), so that a table trained from scratch does
+            not grow on its way there: its index sized to hold them under its load limit and, where
+            the rows live on the device (``hbm_direct``, ``hybrid``), the rows themselves. An
+            unbounded table still grows past it by doubling. ``None``: start small (at most 65,536
+            rows of index) and grow as keys arrive. At most ``max_capacity`` and ``num_embeddings``.
 
     Example::
 
@@ -63,6 +68,7 @@ class TableConfig:
     eviction: str = "lru"
     admission: FrequencyAdmission | None = None
     max_capacity: int | None = None
+    init_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -85,11 +91,21 @@ class TableConfig:
             raise ValueError(f"{where}: pooling must be one of {_POOLINGS}, got {self.pooling!r}")
         if self.eviction not in _EVICTIONS:
             raise ValueError(f"{where}: eviction must be one of {_EVICTIONS}, got {self.eviction!r}")
+        self._check_capacities(where)
+        self._check_policies(where)
+
+    def _check_capacities(self, where: str) -> None:
         if self.max_capacity is not None and (
             not isinstance(self.max_capacity, int) or self.max_capacity < 1
         ):
             raise ValueError(f"{where}: max_capacity must be None or an int >= 1")
-        self._check_policies(where)
+        if self.init_capacity is not None:
+            if not isinstance(self.init_capacity, int) or self.init_capacity < 1:
+                raise ValueError(f"{where}: init_capacity must be None or an int >= 1")
+            if self.bounded_rows is not None and self.init_capacity > self.bounded_rows:
+                bound = "max_capacity" if self.max_capacity is not None else "num_embeddings"
+                raise ValueError(f"{where}: init_capacity {self.init_capacity} is more than its "
+                                 f"{bound} {self.bounded_rows}")
 
     def _check_policies(self, where: str) -> None:
         from tieredemb.init import Initializer, Uniform

@@ -140,12 +140,16 @@ def test_floor_bytes_follow_the_formula(report: dict) -> None:
 def test_bounded_tables_are_held_to_the_reference_kernels(tmp_path) -> None:
     """``--capacity``: ours again with every table bounded (no row stored first, so misses and
     evictions every step), plain and under TrainPipeline, and the torch kernels' run of the same
-    bounded tables as the reference; each bounded run's counters and rows checked against it."""
-    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
-               "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64",
-               "--out", str(tmp_path)])
+    bounded tables as the reference; each bounded run's counters and rows checked against it. Every
+    table with ``init_capacity`` 32 (rows allocated up front)."""
+    args = ["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+            "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64",
+            "--out", str(tmp_path)]
+    assert main([*args, "--init-capacity", "0"]) == 2 and not list(tmp_path.iterdir())
+    rc = main([*args, "--init-capacity", "32"])
     data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
     assert rc == 0 and data["ok"] is True and data["options"]["capacity"] == 64
+    assert data["options"]["init_capacity"] == 32
     labels = [(r["configuration"], r["label"]) for r in data["results"]]
     assert labels == [("ours", "ours (torch kernels)"), ("ours", "ours (torch kernels, TrainPipeline)"),
                       ("ours", "ours (torch kernels, max_capacity 64)"),

@@ -270,15 +270,15 @@ def test_find_touch_contests_the_misses_of_buckets_an_earlier_batch_holds(guarde
     found are locked as usual, and this call's own locks contest nothing, whatever order the kernel's
     programs run in (a batch of several programs). Both indexes against the definition, computed in
     plain Python from the index's state before the call; the unbounded region contests nothing."""
-    regions = [Region("lru", 4096, 16), Region("lru", None, 4096)]
+    regions = [Region("lru", 2048, 16), Region("lru", None, 2048)]
     ref, tri = (cls(4, device=DEVICE, regions=regions) for cls in (KeyIndex, TritonKeyIndex))
     rng = random.Random(7)
-    keys = torch.tensor(rng.sample(range(-(2**40), 2**40), 4000), dtype=torch.int64, device=DEVICE)
-    tables = torch.tensor([rng.randrange(2) for _ in range(4000)], dtype=torch.int64, device=DEVICE)
+    keys = torch.tensor(rng.sample(range(-(2**40), 2**40), 2400), dtype=torch.int64, device=DEVICE)
+    tables = torch.tensor([rng.randrange(2) for _ in range(2400)], dtype=torch.int64, device=DEVICE)
     for index in (ref, tri):
-        index.find_or_insert(keys[:2000], 1, tables=tables[:2000])
-        index.find_or_insert(keys[:2000:5], 2, lock=True, tables=tables[:2000:5])  # in flight
-    batch, btables = keys[1000:3500], tables[1000:3500]  # 1000 stored, 1500 new: three programs
+        index.find_or_insert(keys[:1200], 1, tables=tables[:1200])
+        index.find_or_insert(keys[:1200:5], 2, lock=True, tables=tables[:1200:5])  # in flight
+    batch, btables = keys[600:2100], tables[600:2100]  # 600 stored, 900 new: two programs
     stored = {(int(k), int(t)): s for s, (k, t) in enumerate(zip(ref.keys.tolist(), ref.region_of_slots(
         torch.arange(ref.keys.numel(), device=DEVICE)).tolist())) if k != RESERVED_KEY}
     bucket = ref._bucket(batch, btables).tolist()

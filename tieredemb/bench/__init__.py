@@ -2,7 +2,7 @@
 
     tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
                         [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
-                        [--pipeline] [--capacity N]
+                        [--pipeline] [--capacity N] [--no-preinsert] [--init-capacity N]
                         [--out DIR]
 
 prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="also each 'ours' with every table bounded to this max_capacity (no row "
                           "stored first: misses and evictions every step), checked against the torch "
                           "kernels' run of the same bounded tables")
+    hbm.add_argument("--init-capacity", type=int, default=None,
+                     help="each table's init_capacity: rows and index allocated up front (with "
+                          "--no-preinsert, a table that grows without rehashing up to it)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
                                  "footprint over host memory, vs all in HBM (DESIGN section 7)"),
@@ -209,7 +212,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
         options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
                              optimizers=_split(args.optimizers), kernels=_split(args.kernels),
                              steps=args.steps, warmup=args.warmup, seed=args.seed,
-                             preinsert=args.preinsert, pipeline=args.pipeline, capacity=args.capacity)
+                             preinsert=args.preinsert, pipeline=args.pipeline, capacity=args.capacity,
+                             init_capacity=args.init_capacity)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2

@@ -101,6 +101,7 @@ class HbmOptions:
     preinsert: bool = True  # every row stored before timing, as the peer's dense tables are
     pipeline: bool = False  # each "ours" also under te.TrainPipeline
     capacity: int | None = None  # each "ours" also with tables of this max_capacity (bounded)
+    init_capacity: int | None = None  # each table's init_capacity (at most its max_capacity)
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -110,6 +111,10 @@ class HbmOptions:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
             raise ValueError(f"capacity must be None or an int >= 1, got {self.capacity!r}")
+        if self.init_capacity is not None and (not isinstance(self.init_capacity, int)
+                                               or not 1 <= self.init_capacity <= self.shape.rows):
+            raise ValueError(f"init_capacity must be None or an int in [1, {self.shape.rows}] (the "
+                             f"tables' rows), got {self.init_capacity!r}")
 
 
 @dataclass
@@ -270,7 +275,10 @@ def run_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches
 
 def _build_ours(opts: HbmOptions, optimizer: str, kernels: str,
                 capacity: int | None) -> te.EmbeddingBagCollection:
-    configs = [dataclasses.replace(c, max_capacity=capacity) for c in opts.shape.table_configs()]
+    init = opts.init_capacity if capacity is None or opts.init_capacity is None else \
+        min(opts.init_capacity, capacity)
+    configs = [dataclasses.replace(c, max_capacity=capacity, init_capacity=init)
+               for c in opts.shape.table_configs()]
     ebc = te.EmbeddingBagCollection(configs, optimizer=OPTIMIZERS[optimizer][0](),
                                     device=opts.device, seed=opts.seed, kernels=kernels)
     if opts.preinsert and capacity is None:  # a bounded table starts empty: its steps insert and evict
@@ -803,6 +811,7 @@ class HbmBench:
             "lookups_per_step": opts.shape.lookups,
             "options": {"device": str(opts.device), "optimizers": opts.optimizers,
                         "kernels": opts.kernels, "pipeline": opts.pipeline, "capacity": opts.capacity,
+                        "preinsert": opts.preinsert, "init_capacity": opts.init_capacity,
                         "steps": opts.steps,
                         "warmup": opts.warmup,
                         "seed": opts.seed,

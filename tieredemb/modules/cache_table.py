@@ -79,6 +79,7 @@ class CacheGroup(TableGroup):
     """
 
     _contest = False  # the staged probe only counts: the insertion probes again, after the fetch
+    _rows_up_front = False  # the cache holds what the budget gives it; the rows live below
 
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,

@@ -14,12 +14,13 @@ a scratch row for the batch from the same RowStore; it is freed when the batch i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import CONTESTED, InsertResult, Region, region_counts
+from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, Region, region_counts
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -160,6 +161,14 @@ UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
 REFUSED = -3  # the slot of a pair an admission policy keeps out (below -1: ``complete`` leaves it out)
 
 
+def _initial_slots(config: TableConfig) -> int:
+    """Slots an unbounded table's index region starts with: its ``init_capacity`` under the load
+    limit, else twice its bound, at most 131,072 (it doubles as keys arrive)."""
+    if config.init_capacity is not None:
+        return math.ceil(config.init_capacity / MAX_LOAD)
+    return 2 * min(config.bounded_rows or 4096, 1 << 16)
+
+
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
                  occurrences: torch.Tensor | None = None):
     """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
@@ -194,6 +203,7 @@ class TableGroup:
     """
 
     _contest = True  # the staged probe marks the contested pairs (``find_touch``)
+    _rows_up_front = True  # the tables' ``init_capacity`` rows allocated by the constructor
 
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
                  device: torch.device, kernels: TorchKernels, bucket_width: int, segment_rows: int,
@@ -210,14 +220,15 @@ class TableGroup:
         # locks shield the rows of batches in flight from eviction: an index that never evicts keeps
         # none, and its batches' release has nothing to do (no lock, no device work)
         self.index = kernels.index_class(bucket_width, device=device, regions=[
-            Region(c.eviction, slots, 2 * min(c.bounded_rows or 4096, 1 << 16))
-            for c, slots in zip(configs, index_slots)],
+            Region(c.eviction, slots, _initial_slots(c)) for c, slots in zip(configs, index_slots)],
             locking=any(slots is not None for slots in index_slots))
         bounded = [s if s is not None else c.bounded_rows for c, s in zip(configs, index_slots)]
         if all(b is not None for b in bounded):  # a group that can never fill a whole segment
             segment_rows = min(segment_rows, max(1, sum(bounded)))
         device_segments = None if device_rows is None else max(1, device_rows // segment_rows)
         self.store = RowStore(self.width, segment_rows, device, device_segments=device_segments)
+        if self._rows_up_front:
+            self.store.reserve(sum(c.init_capacity or 0 for c in configs))
         self.admission = None
         if any(c.admission is not None for c in configs):
             self.admission = kernels.index_class(bucket_width, device=device, regions=[
