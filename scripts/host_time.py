@@ -17,16 +17,18 @@ import time
 from tieredemb.modules.batch import Layout
 from tieredemb.modules.collection import _Collection
 from tieredemb.modules.table import TableGroup
+from tieredemb.ops.triton.embedding import TritonKernels
 from tieredemb.ops.triton.index import TritonKeyIndex
 from tieredemb.storage.row_store import RowStore
 
 TIMED = {
     _Collection: ("_stage", "_finish_staged", "_run", "_backward", "_release"),
     Layout: ("finish",),
-    TableGroup: ("_placed", "_inserted", "_initialize", "_count_probe", "_take_back", "_to_host", "release",
-                 "place_overflow"),
-    TritonKeyIndex: ("insert_rows", "reserve_regions", "_grow"),
-    RowStore: ("peek", "_add_segment"),
+    TableGroup: ("_placed", "_inserted", "_initialize", "_initial_weights", "_count_probe", "_take_back",
+                 "_to_host", "release", "place_overflow"),
+    TritonKeyIndex: ("insert_rows", "_launch_insert", "reserve_regions", "_grow"),
+    TritonKernels: ("scatter",),
+    RowStore: ("peek", "_add_segment", "pointer_table"),
 }
 seconds: dict[str, list[float]] = {}
 
