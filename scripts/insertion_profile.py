@@ -132,9 +132,12 @@ def main() -> None:
             sync(dev)
         ms = (time.perf_counter() - t0) / (args.steps - half) * 1e3
         stats = ebc.stats().values()
+        graphs = getattr(ebc._groups[0], "_insert_graphs", None)  # None: eager (or an older package)
+        replayed = "" if graphs is None else \
+            f"; insertion graphs: {graphs.captures} captured, {graphs.replays} replayed"
         print(f"{'pipelined' if pipelined else 'plain'}: {ms:.3f} ms a step; {dict(paths)}; misses "
               f"{sum(s.misses for s in stats)}, evictions {sum(s.evictions for s in stats)}, "
-              f"conflict misses {sum(s.conflict_misses for s in stats)}", flush=True)
+              f"conflict misses {sum(s.conflict_misses for s in stats)}{replayed}", flush=True)
         del ebc
 
 

@@ -496,6 +496,49 @@ def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(p
     assert lacking_total  # some buckets were full
 
 
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
+def test_padded_insert_rows_is_the_insert_rows_of_its_misses(bounded):
+    """``insert_rows(padded=True)`` (what ``TableGroup`` captures in a CUDA graph): the pairs past
+    the batch's marked found (slot 0), ``misses`` a bound of the misses and the pool as long with
+    garbage past them, the step on the device; the same slots, values, rows, counts and index as the
+    plain call on a twin index, and rows -1 past the misses. Evictions (bounded) and full buckets
+    (unbounded) included."""
+    rng = random.Random(5)
+    width = 4
+    regions = ([Region("lru", 3 * width, 8), Region("lfu", 3 * width, 8)] if bounded
+               else [Region("lru", None, 8), Region("lfu", None, 16)])
+    plain, padded = (TritonKeyIndex(width, device=DEVICE, regions=regions, locking=bounded) for _ in range(2))
+    kinds = torch.zeros(3, dtype=torch.int64)
+    for step in range(1, 8):
+        keys, tables = _pairs(rng, rng.randint(1, 24), 2)
+        counts = torch.tensor([rng.randint(1, 3) for _ in range(keys.numel())], device=DEVICE)
+        u, extra, msg = keys.numel(), rng.randint(0, 9), f"step {step}"
+        slots, values, _ = plain.find_touch(keys, tables, step, counts)
+        misses = int((slots == -1).sum())
+        pool = torch.arange(100 * step, 100 * step + misses, device=DEVICE)
+        want = plain.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
+
+        def pad(t: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+            return torch.cat([t, torch.full((n,), fill, dtype=t.dtype, device=DEVICE)])
+
+        pslots, pvalues, _ = padded.find_touch(keys, tables, step, counts)
+        pslots, pvalues = pad(pslots, extra, 0), pad(pvalues, extra, 77)
+        bound = min(misses + rng.randint(0, 5), u + extra)  # as padded_size: misses <= bound <= pairs
+        pos, rows, per_region = padded.insert_rows(
+            pad(keys, extra, 3), pad(tables, extra, 1), pad(counts, extra, 1), pslots, pvalues, bound,
+            torch.tensor(step, device=DEVICE), pad(pool, bound - misses, -7), padded=True)
+        assert torch.equal(pslots[:u], slots) and torch.equal(pvalues[:u], values), msg
+        assert torch.equal(pos[:misses], want[0]) and torch.equal(rows[:misses], want[1]), msg
+        assert bool((rows[misses:] == -1).all()) and torch.equal(per_region, want[2]), msg
+        assert torch.equal(pvalues[u:], torch.full((extra,), 77, device=DEVICE)), msg  # not touched
+        assert_same_state(padded, plain, msg)
+        kinds += want[2].sum(1).cpu()
+        if bounded and step % 2 == 0:  # batches go: their locks with them
+            for index in (plain, padded):
+                index.unlock(keys, tables)
+    assert bool((kinds[:2] > 0).all()) and (kinds[2] > 0 or not bounded), kinds  # rows of each kind
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_insert_rows_with_own_rows(policy):
     """``insert_rows(own_rows=True)`` (``place_overflow``: pairs trained before they had a slot):

@@ -49,6 +49,13 @@ def capture_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get(ENV, "1") != "0"
 
 
+def padded_size(n: int) -> int:
+    """What a padded capture holds for a batch of n (ids, pairs, misses): n rounded up to a sixteenth
+    of the power of two below it (at most 1/16 of the padded work spent on padding)."""
+    step = 1 << max(0, n.bit_length() - 5)
+    return -(-n // step) * step
+
+
 @dataclass
 class Slot:
     """One captured graph, its static inputs and outputs, and whether a batch holds them."""
@@ -67,8 +74,9 @@ class CapturedStages:
     The inputs have ``dtypes``."""
 
     def __init__(self, device: torch.device, dtypes: tuple[torch.dtype, ...], per_key: int = 2,
-                 max_slots: int = 4, after: int = 1) -> None:
+                 max_slots: int = 4, after: int = 1, what: str = "the prefetch") -> None:
         self.device = device
+        self.what = what  # what the graphs run, for the warning of a failed capture
         self.dtypes = dtypes
         self.per_key = per_key
         self.max_slots = max_slots
@@ -103,8 +111,8 @@ class CapturedStages:
                 slot = self._capture(key, fn, inputs, lengths)
             except Exception as e:  # noqa: BLE001 (any capture failure: the eager path still works)
                 self.failed = f"{type(e).__name__}: {e}"
-                warnings.warn(f"tieredemb: capturing the prefetch in a CUDA graph failed ({self.failed}); "
-                              "this collection prefetches eagerly from now on", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"tieredemb: capturing {self.what} in a CUDA graph failed ({self.failed}); "
+                              "it runs eagerly from now on", RuntimeWarning, stacklevel=3)
                 return None
             with self._lock:
                 free = [s for s in self._slots if not s.busy]
@@ -198,4 +206,4 @@ class CapturedStages:
                 hand_back(device, pool)
 
 
-__all__ = ["CapturedStages", "Slot", "capture_enabled"]
+__all__ = ["CapturedStages", "Slot", "capture_enabled", "padded_size"]

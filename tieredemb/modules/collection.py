@@ -41,6 +41,7 @@ from tieredemb.modules.batch import (
 )
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
+from tieredemb.modules.capture import padded_size as _bucket
 from tieredemb.modules.table import (
     GroupPrefetch,
     IdOrder,
@@ -246,6 +247,9 @@ class _Collection(nn.Module):
         self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
                                                        torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
+        if self._captured is not None:  # and the insertion of misses, by the thread that may capture
+            for group in self._groups:
+                group.may_capture = self._on_forward_thread
         # a staged prefetch that found every key looks the batch up right after its read, so that the
         # host's work until the backward runs beside that kernel; its output stands only if no row
         # changed before the forward (``_rows_changed``: backward updates, writes, restores). Once an
@@ -935,13 +939,6 @@ class _Collection(nn.Module):
 
 
 _PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
-
-
-def _bucket(n: int) -> int:
-    """The ids a padded capture holds for a batch of n: n rounded up to a sixteenth of the power of
-    two below it (at most 1/16 of the pre-read work spent on padding)."""
-    step = 1 << max(0, n.bit_length() - 5)
-    return -(-n // step) * step
 
 
 def _trimmed(outputs: tuple, n: int, step: int) -> tuple:

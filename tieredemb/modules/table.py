@@ -15,12 +15,14 @@ a scratch row for the batch from the same RowStore; it is freed when the batch i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, Region, region_counts
+from tieredemb.modules.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -252,6 +254,10 @@ class TableGroup:
         self._lent: list[LentRows] = []  # pools of batches whose unused rows are not back yet
         self._overflow: list[Overflow] = []  # unbounded: batches whose full buckets are not read yet
         self._count_buffers: list[torch.Tensor] = []  # pinned host buffers for LentRows/Overflow.counts
+        # the insertion's CUDA graphs (``_insert_graph``); ``may_capture``, set by the collection on
+        # CUDA with Triton's kernels: whether the calling thread may capture one (None: never replay)
+        self._insert_graphs: CapturedStages | None = None
+        self.may_capture: Callable[[], bool] | None = None
         self._counts = torch.zeros(len(configs), 6, dtype=torch.int64, device=device)
         # the training probes' counts per table, summed (misses, pairs, contested pairs: one add a
         # batch; then the pairs refused admission); ``stats`` adds them to the columns they make
@@ -445,8 +451,7 @@ class TableGroup:
             self.index.reserve_regions([m + s for m, s in zip(info[:regions], info[regions : 2 * regions])])
         pool = self.store.peek(misses)
         self.store.pop(misses)
-        pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
-        self._initialize(keys[pos], tables[pos], rows)
+        kinds = self._insert_rows(keys, tables, counts, slots, values, misses, step, pool)
         self._count_probe(per_region, None)
         if not self.index.bounded:  # every row of the pool is a pair's now, none is lent
             self._overflow.append(Overflow(keys, tables, counts, slots, values, step, *self._to_host(kinds)))
@@ -455,9 +460,63 @@ class TableGroup:
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
         self._holding += 1
         pf = GroupPrefetch(keys, tables, inverse, values, keys, tables, slots, self.index.generation,
-                           pos[:0], holds_locks=True, lent=LentRows(pool, *self._to_host(kinds)))
+                           keys[:0], holds_locks=True, lent=LentRows(pool, *self._to_host(kinds)))
         self._lent.append(pf.lent)
         return pf
+
+    def _insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
+                     pool: torch.Tensor) -> torch.Tensor:
+        """``index.insert_rows`` and the new rows' initial values; its counts per region. Replayed
+        from a CUDA graph of the batch's padded sizes where one is captured (``_insert_graph``);
+        ``slots`` and ``values`` are written in place either way."""
+        slot = self._insert_graph(keys, tables, counts, slots, values, misses, step, pool)
+        if slot is None:
+            pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
+            self._initialize(keys[pos], tables[pos], rows)
+            return kinds
+        graph_slots, graph_values, kinds = slot.outputs
+        u = keys.numel()
+        slots.copy_(graph_slots[:u])
+        values.copy_(graph_values[:u])
+        kinds = kinds.clone()
+        self._insert_graphs.release(slot, None)
+        return kinds
+
+    def _insert_graph(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                      slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
+                      pool: torch.Tensor) -> Slot | None:
+        """The insertion replayed from a CUDA graph (``CapturedStages``; the slot held, None where it
+        runs eagerly): the batch's u pairs padded to a bucket (``padded_size``) and its misses to a
+        power of two, the pairs past u marked found, the misses counted on the device. A graph bakes
+        in the index's
+        tables (its key holds the rehashes so far) and the row store's segment table (its address).
+        Only on the thread that may capture (``may_capture``, the collection's forward thread: a
+        capture must not meet another thread's device-wide wait) and with one built-in initializer
+        (several take a host read to split the keys)."""
+        if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
+                type(self._inits[0][0]).__module__ != "tieredemb.init":
+            return None
+        if self._insert_graphs is None:
+            dtypes = (keys.dtype, tables.dtype, counts.dtype, slots.dtype, values.dtype, pool.dtype,
+                      torch.int64, torch.int64)
+            self._insert_graphs = CapturedStages(self.device, dtypes, max_slots=8, what="the insertion")
+        u = keys.numel()
+        # the misses padded to a power of two: their count drifts from step to step (a table from
+        # scratch finds fewer new keys each step), and each new bound is an eager run and a capture
+        pairs = padded_size(u)
+        bound = min(pairs, 1 << (misses - 1).bit_length())
+        key = (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr())
+
+        def insert(keys, tables, counts, slots, values, pool, step, u):
+            slots.masked_fill_(torch.arange(pairs, device=self.device) >= u, 0)  # not a miss
+            pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, bound, step, pool,
+                                                      padded=True)
+            self._initialize(keys[pos], tables[pos], rows)
+            return slots, values, kinds
+
+        return self._insert_graphs.acquire(key, insert, keys, tables, counts, slots, values, pool, step, u,
+                                           lengths=(pairs,) * 5 + (bound,), capture=self.may_capture())
 
     def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``counts`` (int64 (3, R) on the device) copied to the host behind the work queued (a pinned

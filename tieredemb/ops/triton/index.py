@@ -225,15 +225,17 @@ def _insert_kernel(
     # writing slots[order[p]] where the key got a way. By position: ev_flag (int8) 1 where a victim
     # was evicted, its ev_keys, ev_values, ev_scores. ROWS (``insert_rows``): no ev_keys, ev_scores;
     # taken int32 (2, n): 1 where the key took an empty way (row 0), got no way (row 1), else 0; and
-    # every position written (ev_flag and taken need no zeros first)
+    # every position written (ev_flag and taken need no zeros first), a position past the misses
+    # (bucket num_buckets: a padded insertion's grid) with zeros
     p = tl.program_id(0).to(tl.int64)
     b = tl.load(sorted_bucket + p).to(tl.int64)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1).to(tl.int64)
     if ROWS:  # past the first ``width`` of its run: no way for it, and no head writes its flags
+        pad = b >= num_buckets
         past = tl.load(sorted_bucket + p - width, mask=p >= width, other=-1).to(tl.int64) == b
-        tl.store(ev_flag + p, 0, mask=past)
-        tl.store(taken + p, 0, mask=past)
-        tl.store(taken + n + p, 1, mask=past)
+        tl.store(ev_flag + p, 0, mask=past | pad)
+        tl.store(taken + p, 0, mask=past | pad)
+        tl.store(taken + n + p, (~pad).to(tl.int32), mask=past | pad)
     if (b < num_buckets) & (prev != b):
         ways = tl.arange(0, BLOCK_W)
         wmask = ways < width
@@ -287,8 +289,8 @@ def _insert_kernel(
 @triton.jit(do_not_specialize=["n", "step"])
 def _give_kernel(
     order, slots, victim, old_values, taken, pool, tables, counts, region_lfu, table_values, table_scores,
-    values, rows, per_region, n, step, step_ptr, regions, POLICY: tl.constexpr, BINS: tl.constexpr,
-    BLOCK: tl.constexpr, STEP_PTR: tl.constexpr, OWN: tl.constexpr,
+    values, rows, per_region, n, step, step_ptr, regions, n_ptr, POLICY: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr, STEP_PTR: tl.constexpr, OWN: tl.constexpr, N_PTR: tl.constexpr,
 ):
     # ``insert_rows`` after the insert kernel, by claim position p < n (the pair order[p], whose slot
     # the insert kernel wrote in slots, -1 where none): its row (the victim's, the pool's next from
@@ -297,11 +299,15 @@ def _give_kernel(
     # += taken from the start, from the end, victims (atomics of one program's histograms). taken:
     # int32 (2, n) the running count of both kinds, row 1's after row 0's (one scan of 2n: a scan by
     # rows of two rows is one slow block a row); OWN: pool[order[p]] is the pair's own row, which it
-    # takes (no victims: an index that never evicts)
+    # takes (no victims: an index that never evicts). N_PTR: a padded insertion, the misses are the
+    # first int64 () at n_ptr of the n positions (rows -1 past them)
     if STEP_PTR:
         step = tl.load(step_ptr)
+    real = n
+    if N_PTR:
+        real = tl.load(n_ptr)
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = p < n
+    in_range = p < real
     idx = tl.load(order + p, mask=in_range, other=0)
     slot = tl.load(slots + idx, mask=in_range, other=-1)
     evicts = tl.load(victim + p, mask=in_range, other=0) != 0
@@ -309,7 +315,7 @@ def _give_kernel(
     fresh = placed & ~evicts
     lacking = in_range & (slot < 0)
     start = tl.load(taken + p, mask=fresh, other=1) - 1
-    end = n - (tl.load(taken + n + p, mask=lacking, other=1) - tl.load(taken + n - 1))
+    end = real - (tl.load(taken + n + p, mask=lacking, other=1) - tl.load(taken + n - 1))
     if OWN:
         row = tl.load(pool + idx, mask=in_range, other=-1)
     else:
@@ -327,7 +333,7 @@ def _give_kernel(
             score = tl.where(tl.load(region_lfu + r, mask=placed, other=0) != 0, score, lru)
     tl.store(table_scores + slot, score, mask=placed)
     tl.store(values + idx, row, mask=in_range)
-    tl.store(rows + p, row, mask=in_range)
+    tl.store(rows + p, row, mask=p < n)
     bins = tl.arange(0, BINS)
     spare = BINS - 1
     for_region = bins < regions
@@ -555,11 +561,13 @@ class TritonKeyIndex(KeyIndex):
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                    pool: torch.Tensor, own_rows: bool = False,
+                    pool: torch.Tensor, own_rows: bool = False, padded: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
         by the bucket of the misses, the others after them; the insert kernel runs over the first
-        ``misses`` positions, the give kernel after the running counts of the kinds."""
+        ``misses`` positions, the give kernel after the running counts of the kinds. ``padded``:
+        ``misses`` is a bound of them (a CUDA graph's, ``TableGroup``), their number counted on the
+        device; the results past it are as a position that is no miss (rows -1)."""
         self._check_insert_rows(pool, misses, keys.numel() if own_rows else None)
         regions = len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
@@ -579,12 +587,14 @@ class TritonKeyIndex(KeyIndex):
         taken = taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(misses, dtype=torch.int64, device=self.device)
         on_device = isinstance(step, torch.Tensor)
+        real = (sorted_bucket[:misses] < self.num_buckets).sum() if padded else order
         _give_kernel[(triton.cdiv(misses, block),)](
             order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
             self.scores, values, rows, per_region, misses, 0 if on_device else step,
-            step if on_device else order, regions,
+            step if on_device else order, regions, real,
             POLICY=self._policy,
             BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, OWN=own_rows,
+            N_PTR=padded,
             num_warps=4,
         )
         self._sizes += per_region[0]
