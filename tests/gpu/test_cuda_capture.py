@@ -339,7 +339,7 @@ def test_a_capture_that_fails_leaves_the_eager_path_working():
         return x + int(x.sum())  # a host read: not allowed while capturing
 
     x = torch.arange(8, device=DEV)
-    with pytest.warns(RuntimeWarning, match="prefetches eagerly"):
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
         assert stages.acquire(("k",), reads, x) is None
     assert stages.failed is not None and stages.captures == 0
     assert stages.acquire(("k",), lambda t: t + 1, x) is None  # no second try
