@@ -50,8 +50,8 @@ def capture_enabled(device: torch.device) -> bool:
 
 
 def padded_size(n: int) -> int:
-    """What a padded capture holds for a batch of n (ids, pairs, misses): n rounded up to a sixteenth
-    of the power of two below it (at most 1/16 of the padded work spent on padding)."""
+    """What a padded capture holds for a batch of n ids (or pairs): n rounded up to a sixteenth of
+    the power of two below it (at most 1/16 of the padded work spent on padding)."""
     step = 1 << max(0, n.bit_length() - 5)
     return -(-n // step) * step
 

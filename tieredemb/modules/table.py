@@ -489,11 +489,10 @@ class TableGroup:
         """The insertion replayed from a CUDA graph (``CapturedStages``; the slot held, None where it
         runs eagerly): the batch's u pairs padded to a bucket (``padded_size``) and its misses to a
         power of two, the pairs past u marked found, the misses counted on the device. A graph bakes
-        in the index's
-        tables (its key holds the rehashes so far) and the row store's segment table (its address).
-        Only on the thread that may capture (``may_capture``, the collection's forward thread: a
-        capture must not meet another thread's device-wide wait) and with one built-in initializer
-        (several take a host read to split the keys)."""
+        in the index's tables (its key holds the rehashes so far) and the row store's segment table
+        (its address). Only on the thread that may capture (``may_capture``, the collection's forward
+        thread: a capture must not meet another thread's device-wide wait), with the step an int
+        and one built-in initializer (several take a host read to split the keys)."""
         if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
                 type(self._inits[0][0]).__module__ != "tieredemb.init":
             return None

@@ -587,6 +587,7 @@ class TritonKeyIndex(KeyIndex):
         taken = taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(misses, dtype=torch.int64, device=self.device)
         on_device = isinstance(step, torch.Tensor)
+        # padded: the misses' count on the device (else a pointer the kernel never reads)
         real = (sorted_bucket[:misses] < self.num_buckets).sum() if padded else order
         _give_kernel[(triton.cdiv(misses, block),)](
             order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
