@@ -505,6 +505,8 @@ class TableGroup:
         # scratch finds fewer new keys each step), and each new bound is an eager run and a capture
         pairs = padded_size(u)
         bound = min(pairs, 1 << (misses - 1).bit_length())
+        # the segment table taken on the stream the graph replays on: it waits there for a stash's
+        # copy (a wait captured in the graph would invalidate the capture)
         key = (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr())
 
         def insert(keys, tables, counts, slots, values, pool, step, u):

@@ -258,8 +258,11 @@ class RowStore:
 
     def _await_copy(self, host: bool) -> None:
         """Order what comes next after the last stash/restore copy: the current stream waits for it,
-        and with ``host`` (the CPU is about to touch host rows) the host does."""
-        if self.ready is None:
+        and with ``host`` (the CPU is about to touch host rows) the host does. Not inside a CUDA
+        graph's capture: a captured wait for an event recorded outside it invalidates the capture, and
+        the stream the graph is replayed on waits instead (the caller takes ``pointer_table`` on it
+        first, as ``TableGroup._insert_graph`` does for its key)."""
+        if self.ready is None or (not host and torch.cuda.is_current_stream_capturing()):
             return
         if host:
             self.ready.synchronize()
