@@ -12,7 +12,9 @@ order (``Overlapped``; ``deferred`` is TrainPipeline's inline prefetch).
                                     [--set NAME=INT ...] [--overlap forward|backward|deferred|deferred-side]
 
 Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after;
-``--set NAME=INT`` sets a tuning constant of ``tieredemb.ops.triton.embedding`` first.
+``--set NAME=INT`` sets a tuning constant of ``tieredemb.ops.triton.embedding`` first (``index.NAME=INT``:
+of ``tieredemb.ops.triton.index``); ``--find TILE:WARPS,...`` times the index's ``find_touch`` on the
+step's keys with each ``_FIND_TILE`` and ``_FIND_WARPS`` (the kernel's GPU time, torch profiler).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 import tieredemb as te
 import tieredemb.ops.triton.embedding as E
+import tieredemb.ops.triton.index as I
 from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, synchronize, time_ms, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 
@@ -34,6 +37,21 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a 
 def timed(fn, repeats: int) -> float:
     """Median ms of ``repeats`` calls, each with the queue drained before and after."""
     return statistics.median(time_ms(fn, DEVICE) for _ in range(repeats))
+
+
+def kernel_ms(fn, repeats: int, kernel: str) -> float:
+    """Median GPU time (ms) of the kernel named ``kernel`` over ``repeats`` calls of ``fn`` (torch
+    profiler): the kernel alone, whatever its launch costs the host."""
+    if DEVICE.type != "cuda":
+        return timed(fn, repeats)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        sync()
+    times = [e.device_time for e in prof.events() if e.name == kernel]
+    return statistics.median(times) / 1e3
 
 
 def sync() -> None:
@@ -48,7 +66,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="GPU time of each kernel in 10 steps")
     p.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                   help="a constant of tieredemb.ops.triton.embedding, set before anything runs")
+                   help="a constant of tieredemb.ops.triton.embedding (index.NAME: of ...index), set "
+                        "before anything runs")
+    p.add_argument("--find", default=None, metavar="TILE:WARPS,...",
+                   help="time find_touch on the step's keys with each _FIND_TILE and _FIND_WARPS")
     p.add_argument("--no-early-lookup", action="store_true",
                    help="the forward looks its rows up itself, not the prefetch right after its read")
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
@@ -62,11 +83,17 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def set_constants(assignments: list[str]) -> None:
+    """NAME=INT: a constant of tieredemb.ops.triton.embedding; index.NAME=INT: of ...index."""
+    for assignment in assignments:
+        name, value = assignment.split("=")
+        module, name = (I, name[len("index."):]) if name.startswith("index.") else (E, name)
+        setattr(module, name, int(value))
+
+
 def main() -> None:
     args = parse_args()
-    for assignment in args.set:
-        name, value = assignment.split("=")
-        setattr(E, name, int(value))
+    set_constants(args.set)
     torch.autograd.set_multithreading_enabled(False)
     dev = DEVICE
     shape = HbmShape().scaled(args.scale)
@@ -78,6 +105,8 @@ def main() -> None:
     grad = upstream_grad(shape, dev, 0)
     kernels = ebc.kernels
     captured = capture(kernels, ("gather_pool", "reduce_update", "id_order", "sorted_runs_padded"))
+    index = ebc._groups[0].index
+    found = capture(index, ("find_touch",))
     kjts = [batches.batch(i).kjt for i in range(args.steps * 2 + 5)]
 
     def step(kjt):
@@ -114,6 +143,8 @@ def main() -> None:
         rows.extend(table_order_rows(kernels, call, shape.num_tables, args.repeats))
     if args.profile:
         profile(step, kjts[5:15])
+    if args.find:
+        rows.extend(find_rows(index, found["find_touch"], args.find, args.repeats))
     a, k = captured["sorted_runs_padded"]
     ids = a[0][torch.randperm(a[0].numel(), device=dev)]
     rows.append(("sort (int64 keys, stable)", "", timed(lambda: torch.sort(ids, stable=True), args.repeats),
@@ -199,6 +230,21 @@ def capture(kernels, names) -> dict[str, tuple]:
         if hasattr(kernels, name):  # (an older package may lack one)
             setattr(kernels, name, wrap(name, getattr(kernels, name)))
     return captured
+
+
+def find_rows(index, call: tuple, combos: str, repeats: int) -> list[tuple]:
+    """``find_touch`` on the step's keys (touching them again changes nothing but their scores) with
+    each TILE:WARPS of ``combos``, then the module's values back. The kernel's GPU time."""
+    a, k = call
+    rows = []
+    saved = I._FIND_TILE, I._FIND_WARPS
+    for combo in combos.split(","):
+        I._FIND_TILE, I._FIND_WARPS = map(int, combo.split(":"))
+        index.find_touch(*a, **k)  # compiled
+        rows.append(("find_touch", combo, kernel_ms(lambda: index.find_touch(*a, **k), repeats,
+                                                          "_find_touch_kernel"), None))
+    I._FIND_TILE, I._FIND_WARPS = saved
+    return rows
 
 
 def table_order_rows(kernels, call, num_tables: int, repeats: int) -> list[tuple]:

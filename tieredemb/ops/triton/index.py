@@ -33,6 +33,7 @@ from tieredemb.ops.triton.launch import fast_launch
 
 _INT64_MAX = 2**63 - 1
 _FIND_TILE = 4096  # key x way elements of one find program
+_FIND_WARPS = 4  # warps of one find program
 # insert kernel warps: most programs are not a bucket's head and return at once; a head's work is a few
 # (width x width) tiles. H200, the cache's shape (10 x 300k slots, 45k keys evicting, scripts/index_bench.py):
 # width 32: 0.037 ms with 1 warp, 0.085 with 4, 0.117 with 8; width 16: 0.033 / 0.057 / 0.100
@@ -415,7 +416,7 @@ class TritonKeyIndex(KeyIndex):
             REGIONS=regions,
             BLOCK_K=block_k,
             BLOCK_W=block_w,
-            num_warps=4,
+            num_warps=_FIND_WARPS,
         )
         return out
 
@@ -478,7 +479,7 @@ class TritonKeyIndex(KeyIndex):
             first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy,
             BINS=bins, GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w,
             LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest,
-            num_warps=4,
+            num_warps=_FIND_WARPS,
         )
         if contest:
             block = 1024
@@ -507,7 +508,7 @@ class TritonKeyIndex(KeyIndex):
             keys, keys if tables is None else tables.contiguous(), self._start_dev, self._nb_dev, self.keys,
             self.values, self.scores, pool.contiguous(), counters, self._sizes, out, n, self.num_buckets,
             self.width, step, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
-            BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, num_warps=4,
+            BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, num_warps=_FIND_WARPS,
         )
         return out, counters
 
