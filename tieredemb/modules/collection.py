@@ -50,7 +50,7 @@ from tieredemb.modules.table import (
     TableRows,
     unique_pairs,
 )
-from tieredemb.ops import select_kernels
+from tieredemb.ops import resolve_device, select_kernels
 from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -211,7 +211,7 @@ class _Collection(nn.Module):
             # races the forward's and backward's exchanges on one group (each group's collectives
             # keep one order on every rank). Every process of the default group takes part here.
             self._input_group = dist.new_group(dist.get_process_group_ranks(process_group))
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = resolve_device(device)
         self.table_configs = tables
         self.optimizer = optimizer
         self.storage = storage

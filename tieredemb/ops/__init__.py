@@ -9,6 +9,17 @@ import torch
 from tieredemb.ops.reference import TorchKernels
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``torch.device(device)`` (the CPU for None); a CUDA device without an index gets the current
+    one's, as its tensors report it. ``torch.cuda.current_stream`` and its like then take it as it
+    is, where for a bare "cuda" they look the current device up (several microseconds of Python a
+    call, and the training step makes several)."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def select_kernels(kind: str, device: torch.device):
     """``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when it imports, else torch)."""
     if kind not in ("auto", "torch", "triton"):
@@ -29,4 +40,4 @@ def select_kernels(kind: str, device: torch.device):
     return TritonKernels()
 
 
-__all__ = ["TorchKernels", "select_kernels"]
+__all__ = ["TorchKernels", "resolve_device", "select_kernels"]

@@ -21,6 +21,7 @@ from torch import nn
 
 from tieredemb.jagged import KeyedJaggedTensor
 from tieredemb.modules.collection import _Collection
+from tieredemb.ops import resolve_device
 from tieredemb.pipeline.stash import Stash
 from tieredemb.profiling import label
 
@@ -142,7 +143,7 @@ class TrainPipeline:
         self._model = model
         self._optimizer = optimizer
         self._autograd_threads = autograd_threads
-        self.device = torch.device(device) if device is not None else _default_device(model)
+        self.device = resolve_device(device) if device is not None else _default_device(model)
         self._collections = [(m, _features(m)) for m in model.modules() if isinstance(m, _Collection)]
         self._stash = (Stash([c for c, _ in self._collections], stash, model)
                        if stash is not None else None)
