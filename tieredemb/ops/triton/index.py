@@ -32,8 +32,10 @@ from tieredemb.ops.triton.hashing import buckets
 from tieredemb.ops.triton.launch import fast_launch
 
 _INT64_MAX = 2**63 - 1
-_FIND_TILE = 4096  # key x way elements of one find program
-_FIND_WARPS = 4  # warps of one find program
+# key x way elements and warps of one find program: 4096 / (4 x 32 threads) gives a thread the 32 ways
+# of one key at the default bucket width; on the H200 any other share cost 1.3-4x (docs/kernels.md)
+_FIND_TILE = 4096
+_FIND_WARPS = 4
 # insert kernel warps: most programs are not a bucket's head and return at once; a head's work is a few
 # (width x width) tiles. H200, the cache's shape (10 x 300k slots, 45k keys evicting, scripts/index_bench.py):
 # width 32: 0.037 ms with 1 warp, 0.085 with 4, 0.117 with 8; width 16: 0.033 / 0.057 / 0.100
