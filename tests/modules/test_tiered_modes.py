@@ -94,10 +94,11 @@ def trains_alike(ebc: te.EmbeddingBagCollection, ref: te.EmbeddingBagCollection,
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("admission", [None, 2])
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission, pipelined) -> None:
+@pytest.mark.parametrize("backing", ["dict", "host"])  # host memory: inserted on the device (no admission)
+def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission, pipelined, backing) -> None:
     width = 4
     row_bytes = (DIM + optimizer.state_width(DIM)) * 4
-    store = DictStore()
+    store = DictStore() if backing == "dict" else te.storage.HostMemory(segment_rows=64)
     storage = te.StorageConfig(hbm_budget=cache_buckets * width * row_bytes, backing=store,
                                bucket_width=width, segment_rows=16)
     cached = make(storage, eviction, admission, optimizer)
@@ -109,7 +110,7 @@ def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission,
     if cache_buckets == 1:
         assert stats.evictions > 0  # the small caches really evicted
     cached.flush()
-    backend = store.opened["t"]
+    backend = cached._groups[0].below.table(0)
     assert backend.size() == want_keys.numel()
     fetched = backend.get(want_keys)
     assert bool(fetched.found.all())
@@ -234,12 +235,26 @@ def test_bounded_tables_in_cache_mode_match_hbm_direct(backing, eviction, admiss
     cached.close()
 
 
-def test_conflict_misses_and_shared_scratch_rows() -> None:
+@pytest.mark.parametrize("backing", ["dict", "host"])
+def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
     """One bucket of two ways and batches of many keys: most keys are conflict misses, trained in
-    scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row."""
+    scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row. Over
+    host memory the first batch is inserted on the device, and its conflict misses are found owed
+    only when the host reads its counts (at the next prefetch)."""
+    from tieredemb.modules.cache_table import CacheGroup
+
+    on_device = []
+    insert = CacheGroup._insert_on_device
+
+    def spy(self, *args):
+        pf = insert(self, *args)
+        on_device.append(pf)
+        return pf
+
+    monkeypatch.setattr(CacheGroup, "_insert_on_device", spy)
     optimizer = te.optim.SGD(lr=0.5)
     row_bytes = DIM * 4
-    store = DictStore()
+    store = DictStore() if backing == "dict" else te.storage.HostMemory(segment_rows=8)
     storage = te.StorageConfig(hbm_budget=2 * row_bytes, backing=store, bucket_width=2, segment_rows=8)
     cached = make(storage, "lru", None, optimizer)
     plain = make(None, "lru", None, optimizer)
@@ -249,6 +264,10 @@ def test_conflict_misses_and_shared_scratch_rows() -> None:
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert cached.stats()["t"].conflict_misses > 0
+    if backing == "host":  # the device insertion's conflict misses were owed, then shared
+        assert on_device and on_device[0].write_back.numel() == 3
+    else:
+        assert not on_device
     torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
 
 

@@ -316,17 +316,21 @@ class KeyIndex:
         """The insert of a store that never evicts (every region unbounded and LRU), in one call:
         ``keys`` (distinct pairs) found keep their value, absent ones are stored, each taking an
         address of ``pool`` (int64, at least n) as its value; every key's score becomes ``step``,
-        locks do not change. Returns int64 (n,) each key's value (-1: left out, nothing stored) and
-        int64 (2,) on the index device: addresses taken (``pool[:taken]``, which key got which is
-        not specified) and keys left out. The reference grows the index as it inserts and leaves
+        locks do not change. ``RESERVED_KEY`` entries are padding: value -1, nothing stored, not
+        counted. Returns int64 (n,) each key's value (-1: left out, nothing stored) and int64 (2,)
+        on the index device: addresses taken (``pool[:taken]``, which key got which is not
+        specified) and keys left out. The reference grows the index as it inserts and leaves
         nothing out; the Triton index leaves out the keys whose bucket is full (the caller grows
         the index and upserts them again)."""
         self._check_upsert()
-        res = self.find_or_insert(keys, step, tables=tables, given_order=True)
+        values = torch.full_like(keys, -1)
+        real = (keys != RESERVED_KEY).nonzero().squeeze(1)
+        res = self.find_or_insert(keys[real], step, tables=None if tables is None else tables[real],
+                                  given_order=True)
         new = res.inserted.nonzero().squeeze(1)
-        values = res.values.clone()
-        values[new] = pool[: new.numel()]
-        self.assign(res.slots[new], values[new])
+        values[real] = res.values
+        values[real[new]] = pool[: new.numel()]
+        self.assign(res.slots[new], pool[: new.numel()])
         return values, torch.tensor([new.numel(), 0], dtype=torch.int64, device=self.device)
 
     def _check_upsert(self) -> None:
@@ -466,7 +470,7 @@ class KeyIndex:
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                    pool: torch.Tensor, own_rows: bool = False,
+                    pool: torch.Tensor, own_rows: bool = False, evicted: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``complete``'s insertion, with rows, reading nothing on the host: ``keys``, ``tables``,
         ``counts`` (int64 (u,)) a batch's distinct pairs after ``find_touch``, whose ``slots`` and
@@ -485,8 +489,10 @@ class KeyIndex:
         addresses taken from its start (empty slots, counted in the sizes), the pairs left without a
         way (addresses from the pool's end) and the victims evicted. ``own_rows`` (an index that
         never evicts): ``pool`` (int64 (u,)) holds each pair's own row, which it takes instead (pairs
-        trained before they had a slot)."""
-        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None)
+        trained before they had a slot). ``evicted`` (int64 (misses,)): written with the key each
+        inserted pair evicted, in the claim order (``RESERVED_KEY`` where none; the victim's table is
+        the pair's), for a caller that keeps the victims' rows (a cache writing them down)."""
+        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None, evicted)
         pos = torch.nonzero_static(slots == -1, size=misses).squeeze(1)
         per_region = torch.zeros(3, len(self.regions), dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -501,13 +507,18 @@ class KeyIndex:
         self.values[slot[fresh]] = rows[fresh]
         self._touch(slot.clamp(min=0), slot >= 0, tables[pos], step, counts[pos])
         slots[pos], values[pos] = slot, rows
+        if evicted is not None:
+            evicted.copy_(torch.where(claim.victim, claim.old_keys, RESERVED_KEY))
         for k, mask in enumerate((fresh, unplaced, claim.victim)):
             per_region[k] = region_counts(tables[pos], mask, len(self.regions))
         self._sizes += per_region[0]
         return pos, rows, per_region
 
-    def _check_insert_rows(self, pool: torch.Tensor, misses: int, pairs: int | None) -> None:
+    def _check_insert_rows(self, pool: torch.Tensor, misses: int, pairs: int | None,
+                           evicted: torch.Tensor | None = None) -> None:
         """``pairs``: the pairs given, when ``pool`` holds their own rows."""
+        if evicted is not None and evicted.shape != (misses,):
+            raise ValueError(f"insert_rows: evicted must be int64 ({misses},), got {tuple(evicted.shape)}")
         if pairs is None and pool.numel() < misses:
             raise ValueError(f"insert_rows: a pool of {pool.numel()} rows for {misses} misses")
         if pairs is not None and (pool.numel() != pairs or self.bounded):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tieredemb.config import TableConfig
+from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.index.key_index import CONTESTED, Region
 from tieredemb.modules.table import (
     CONFLICTS,
@@ -36,6 +36,7 @@ from tieredemb.modules.table import (
     NOT_ADMITTED,
     UNIQUE,
     GroupPrefetch,
+    LentRows,
     StagedPrefetch,
     TableGroup,
     TableRows,
@@ -96,6 +97,8 @@ class CacheGroup(TableGroup):
         self._probe_only = torch.ones(1, dtype=torch.int64, device=device)  # find_touch's guard: no change
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
+        # batches inserted on the device (``_insert_on_device``) whose counts the host has not read
+        self._inserting: list[CachePrefetch] = []
         # rows written down but not yet confirmed taken by the backing store, in order
         self._unwritten: list[_Pending] = []
         self._write_error: Exception | None = None
@@ -148,6 +151,8 @@ class CacheGroup(TableGroup):
                step: int, slots: torch.Tensor, per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
         """The training prefetch after the probe (``slots``, ``per_region``) and its host read
         (``info``: misses per region, then the index's sizes): pads, fetch, insert, write-down."""
+        if self._inserts_on_device():
+            return self._insert_on_device(unique, utab, inverse, counts, step, slots, per_region, info)
         dev, regions = self.device, len(self.configs)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         missing, misses, n_pad = slots < 0, per_region[:regions], 0
@@ -227,6 +232,79 @@ class CacheGroup(TableGroup):
             pf.deferred = (deferring, step, counts[deferring])
             self._pending.append(pf)
         return pf
+
+    def _inserts_on_device(self) -> bool:
+        """Whether this batch's insertion runs on the device without a host read: every pair gets a
+        cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
+        batch is still owed (``in_flight``), and the backing store takes padded write-downs on this
+        device (host memory: ``GroupStore.padded_writes``)."""
+        return self.can_stage() and not self._owing and self.below.padded_writes and \
+            self.backend_device == self.device
+
+    def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
+                          counts: torch.Tensor, step: int, slots: torch.Tensor, per_region: torch.Tensor,
+                          info: list[int]) -> CachePrefetch:
+        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert
+        (``insert_rows``): the misses (``info``'s count of ``slots`` -1) fetched, the pairs found locked
+        and touched, the misses inserted in the dedup's order, each taking a victim's row or one of
+        a pool of as many free rows (from its end: a scratch row, where its bucket had no free way).
+        The victims (padded to the misses: ``RESERVED_KEY`` where a pair evicted none) go down to the
+        backing store before the fetched rows overwrite their rows. How many of the pool's rows
+        were taken, and which pairs got none (conflict misses, owed to the store at release), the
+        host learns later (``_owe_conflicts``)."""
+        regions = len(self.configs)
+        misses = sum(info[:regions])
+        miss = torch.nonzero_static(slots < 0, size=misses).squeeze(1)
+        with label("## cache.fetch ##"):
+            fetched = self._fetch(unique[miss], utab[miss])
+        with label("## cache.insert ##"):
+            slots, values, _ = self.index.find_touch(unique, utab, step, counts)  # lock, touch the found
+            pool = self.store.peek(misses)
+            self.store.pop(misses)
+            evicted = torch.empty(misses, dtype=torch.int64, device=self.device)
+            pos, rows, kinds = self.index.insert_rows(unique, utab, counts, slots, values, misses, step, pool,
+                                                      evicted=evicted)
+        with label("## cache.write_down ##"):
+            self._write_down(evicted, utab[pos], torch.where(evicted != RESERVED_KEY, rows, -1))
+        self.kernels.scatter(self.store, values[miss], fetched.rows)
+        pairs, missed = per_region[regions : 2 * regions], per_region[:regions]
+        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - missed, missed], dim=1)
+        self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
+        empty = unique[:0]
+        pf = CachePrefetch(unique, utab, inverse, values, unique, utab, slots, self.index.generation, empty,
+                           write_back=empty, write_back_tables=empty,
+                           lent=LentRows(pool, *self._to_host(kinds)))
+        self._inserting.append(pf)
+        return pf
+
+    def place_overflow(self) -> None:
+        """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
+        before anything reads the index, the scratch pads or the free rows."""
+        super().place_overflow()
+        self._owe_conflicts()
+
+    def _owe_conflicts(self) -> None:
+        """Read the counts of the batches inserted on the device, oldest first (waiting for them; by
+        the next prefetch they are long done): the pool rows a batch did not take go back to the
+        store; its conflict misses' scratch rows become owed to the backing store as an earlier
+        path's are (``in_flight``: shared by later batches, written down at the last release)."""
+        regions = len(self.configs)
+        while self._inserting:
+            pf = self._inserting.pop(0)
+            lent, pf.lent = pf.lent, None
+            if lent.ready is not None:
+                lent.ready.synchronize()
+            counts = lent.counts.tolist()
+            if lent.ready is not None:  # its pinned buffer serves a later batch
+                self._count_buffers.append(lent.counts)
+            taken, lacking = sum(counts[:regions]), sum(counts[regions : 2 * regions])
+            self.store.free(lent.pool[taken : lent.pool.numel() - lacking])
+            if lacking:
+                conflict = torch.nonzero_static(pf.locked_slots < 0, size=lacking).squeeze(1)
+                keys, tables = pf.unique_keys[conflict], pf.unique_tables[conflict]
+                self._register_owed(keys, tables, pf.addresses[conflict])
+                pf.write_back, pf.write_back_tables = keys, tables
+                self._owing += 1
 
     def _fetched_rows_of(self, n: int, miss: torch.Tensor) -> torch.Tensor:
         """int64 (n,): the row of each position in the fetch of ``miss`` (its positions), -1 elsewhere."""
@@ -450,7 +528,7 @@ class CacheGroup(TableGroup):
 
     def _taken(self, pending: _Pending) -> None:
         self._unwritten.remove(pending)
-        self._moved[1].index_add_(0, pending.tables, torch.ones_like(pending.tables))
+        self._moved[1].index_add_(0, pending.tables, (pending.keys != RESERVED_KEY).to(torch.int64))
 
     def _settle(self) -> None:
         """Wait for the write-downs on the I/O worker; keep the ones that failed (or were refused
@@ -496,6 +574,7 @@ class CacheGroup(TableGroup):
         """Unlock the batch's slots; write down the scratch rows no later batch still shares; drop
         the private ones; then the later batches' deferred insertions (after the write-downs: a
         key they evict must not be written back after its delete)."""
+        self._owe_conflicts()  # a batch inserted on the device: its conflict misses are owed
         bound = getattr(pf, "bound", None)
         if bound is not None and not self.bound.unlock_slots(bound.locked_slots, bound.generation):
             self.bound.unlock(bound.locked, bound.locked_tables)
@@ -516,6 +595,7 @@ class CacheGroup(TableGroup):
     # ------------------------------------------------------------------------------ row access
     def read(self, table: int, keys: torch.Tensor,
              cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.place_overflow()
         cols = self.dim if cols is None else cols
         tables = self._tables_of(table, keys)
         addresses, found = self._locate(keys, tables)
@@ -529,6 +609,7 @@ class CacheGroup(TableGroup):
     def write(self, table: int, keys: torch.Tensor, weights: torch.Tensor, step: int) -> None:
         """Upsert through the cache: rows land in the cache (victims written down), or straight
         in the backend where the bucket has no room."""
+        self.place_overflow()
         tables = self._tables_of(table, keys)
         rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
         rows[:, : self.dim] = weights
@@ -551,6 +632,7 @@ class CacheGroup(TableGroup):
 
     def flush(self) -> None:
         """Write every cached row down (the backends alone then hold the tables) and flush them."""
+        self.place_overflow()
         self._drain()
         for t in range(len(self.configs)):
             keys, addresses, _ = self.index.export(t)

@@ -14,6 +14,7 @@ With ``capacity`` the index is bounded and evicts the least recently used row of
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,21 @@ class _PinnedRowStore(RowStore):
         super()._add_segment()
         self.segments[-1] = self.segments[-1].pin_memory()
         self._pointers = None
+
+
+@dataclass(eq=False)
+class _Upsert:
+    """A ``set_distinct`` done on the device whose outcome the host has not read yet: ``counts``
+    (int64, host memory once ``ready`` has passed; ``ready`` None on the CPU): the pool's rows
+    taken, the keys left out (their bucket was full), then the index's sizes per region."""
+
+    keys: torch.Tensor
+    rows: torch.Tensor
+    tables: torch.Tensor | None
+    addresses: torch.Tensor  # each key's row (-1: left out, or padding)
+    pool: torch.Tensor  # the free rows lent to the upsert; those past the taken ones go back
+    counts: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +114,11 @@ class HostMemoryBackend(Backend):
             self._store = store_cls(width, segment_rows, _CPU)
         self._store.reserve(reserve_rows)
         self._step = 0  # LRU clock: one tick per call
+        # upserts on the device not yet read back (``set_distinct``), in order; the index's sizes
+        # per region as last read (None: read them when needed)
+        self._upserts: list[_Upsert] = []
+        self._sizes_read: list[int] | None = [0] * tables
+        self._count_buffers: list[torch.Tensor] = []  # pinned buffers of settled upserts, reused
 
     # The kernels reach pinned host rows in address order: random 512 B rows move at ~28 GB/s in key
     # order and ~51 GB/s sorted by address, the pinned copy's 55 (H200, scripts/uva_bench.py).
@@ -131,6 +152,7 @@ class HostMemoryBackend(Backend):
         """keys int64 (n,) -> rows float32 (n, W) (zeros where absent), found bool (n,), on
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
         keys, tables = self._keys(keys, tables)
+        self._settle()
         slots = self._index.find(keys, tables)  # (n,) -1 where absent
         found = slots >= 0
         addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
@@ -155,28 +177,65 @@ class HostMemoryBackend(Backend):
     def set_distinct(self, keys: torch.Tensor, rows: torch.Tensor,
                      tables: torch.Tensor | None = None) -> None:
         """``set`` of keys the caller knows are distinct (distinct pairs with ``tables``) and valid,
-        on ``self.device``: the write-down path of a cache, without the checks. Unbounded: one
-        ``upsert`` (new keys take the store's next free rows) and one host read."""
+        on ``self.device``: the write-down path of a cache, without the checks. ``RESERVED_KEY``
+        entries are padding (nothing stored): a cache writes down its victims without counting
+        them. Unbounded: one ``upsert`` on the device (new keys take rows of a pool of n free ones)
+        and no host read: how many rows it took, and the keys it left out because their bucket was
+        full, are read back at the next call that needs the index (``_settle``)."""
         self._step += 1
         rows = rows.to(device=self.device, dtype=torch.float32)
         if self.capacity is not None:
+            self._settle()
             self._insert_rows(keys, rows, tables)
             return
         n = keys.numel()
         if n == 0:
             return
-        addresses, counts = self._index.upsert(keys, tables, self._store.peek(n), self._step)
-        taken, left_out, *sizes = torch.cat([counts, self._index.sizes_on_device]).tolist()
-        self._store.pop(taken)
+        # under the load limit even if every key is new (the sizes read are at most one call old)
+        if self._sizes_read is None:
+            self._settle()
+            self._sizes_read = self._index.sizes_on_device.tolist()
+        pending = sum(u.keys.numel() for u in self._upserts) + n
+        self._index.reserve_regions([s + pending for s in self._sizes_read])
+        pool = self._store.peek(n)
+        self._store.pop(n)
+        addresses, counts = self._index.upsert(keys, tables, pool, self._step)
         self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
-        if left_out:  # its bucket was full: the index grows as the keys go in
-            out = (addresses < 0).nonzero().squeeze(1)
-            self._insert_rows(keys[out], rows[out], None if tables is None else tables[out])
-        self._index.reserve_regions(sizes)  # the next call starts under the load limit
+        host, ready = self._to_host(torch.cat([counts, self._index.sizes_on_device]))
+        self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready))
+
+    def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """``counts`` copied to a pinned buffer behind the work queued, and the event after which
+        it holds them (on the CPU: ``counts`` itself, None)."""
+        if self.device.type != "cuda":
+            return counts, None
+        host = self._count_buffers.pop() if self._count_buffers else \
+            torch.empty(counts.numel(), dtype=torch.int64, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _settle(self) -> None:
+        """Read back the upserts done on the device, in order (waiting for them): the pool rows
+        they did not take go back to the store; keys left out go in now, the index growing."""
+        while self._upserts:
+            u = self._upserts.pop(0)
+            if u.ready is not None:
+                u.ready.synchronize()
+            taken, left_out, *sizes = u.counts.tolist()
+            if u.ready is not None:
+                self._count_buffers.append(u.counts)
+            self._store.free(u.pool[taken:])
+            self._sizes_read = sizes
+            if left_out:  # their bucket was full: the index grows as they go in
+                out = ((u.addresses < 0) & (u.keys != RESERVED_KEY)).nonzero().squeeze(1)
+                self._insert_rows(u.keys[out], u.rows[out], None if u.tables is None else u.tables[out])
 
     def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
         """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
         (a key whose bucket has no room in this call, more new keys than ways, is skipped)."""
+        self._sizes_read = None
         res = self._index.find_or_insert(keys, self._step, tables=tables, given_order=True)
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
             addresses = res.values.clone()
@@ -198,6 +257,8 @@ class HostMemoryBackend(Backend):
         keys, tables = self._keys(keys, tables)
         if keys.numel() == 0:
             return
+        self._settle()
+        self._sizes_read = None
         last = last_of_duplicates(keys, tables)
         self._store.free(self._index.erase(keys[last], None if tables is None else tables[last]))
 
@@ -207,6 +268,7 @@ class HostMemoryBackend(Backend):
         The keys are a snapshot taken at the first chunk; rows are read as each chunk is yielded.
         Do not ``set`` or ``delete`` while scanning (a freed row may be reused).
         """
+        self._settle()
         keys, addresses, _ = self._index.export(table)
         order = torch.argsort(keys)
         keys, addresses = keys[order], addresses[order]
@@ -215,9 +277,12 @@ class HostMemoryBackend(Backend):
             yield keys[part].clone(), self._gather(addresses[part])
 
     def size(self, table: int | None = None) -> int:
+        self._settle()
         return self._index.size(table)
 
     def close(self) -> None:
+        self._upserts.clear()
+        self._sizes_read = [0] * len(self._regions)
         self._index = KeyIndex(self._index.width, device=self.device, regions=self._regions)
         self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0)
 
@@ -264,6 +329,7 @@ class HostMemoryGroup(GroupStore):
     the caller's thread and stream."""
 
     io_bound = False
+    padded_writes = True
 
     def __init__(self, rows: HostMemoryBackend) -> None:
         self.rows = rows

@@ -221,15 +221,16 @@ def _unlock_kernel(slots, table_locks, n, BLOCK: tl.constexpr):
 def _insert_kernel(
     keys, order, sorted_bucket, slots, table_keys, table_values, table_scores, table_locks, bucket_evictable,
     ev_flag, ev_keys, ev_values, ev_scores, taken, n, num_buckets, width, RESERVED: tl.constexpr,
-    BLOCK_W: tl.constexpr, LOCK: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr, LOCK: tl.constexpr, ROWS: tl.constexpr, EV_KEYS: tl.constexpr,
 ):
     # grid: (n,) over the keys to insert: keys[order[p]] at position p of their (bucket, key) order
     # (sorted_bucket: int64 or int32, their buckets); the head of each bucket's run inserts the run,
     # writing slots[order[p]] where the key got a way. By position: ev_flag (int8) 1 where a victim
-    # was evicted, its ev_keys, ev_values, ev_scores. ROWS (``insert_rows``): no ev_keys, ev_scores;
-    # taken int32 (2, n): 1 where the key took an empty way (row 0), got no way (row 1), else 0; and
-    # every position written (ev_flag and taken need no zeros first), a position past the misses
-    # (bucket num_buckets: a padded insertion's grid) with zeros
+    # was evicted, its ev_keys, ev_values, ev_scores. ROWS (``insert_rows``): no ev_scores, ev_keys
+    # only with EV_KEYS (RESERVED where no victim: the caller fills them first); taken int32 (2, n):
+    # 1 where the key took an empty way (row 0), got no way (row 1), else 0; and every position
+    # written (ev_flag and taken need no zeros first), a position past the misses (bucket
+    # num_buckets: a padded insertion's grid) with zeros
     p = tl.program_id(0).to(tl.int64)
     b = tl.load(sorted_bucket + p).to(tl.int64)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1).to(tl.int64)
@@ -278,6 +279,8 @@ def _insert_kernel(
         if ROWS:
             tl.store(taken + pos, (got & ~victim).to(tl.int32), mask=in_run)
             tl.store(taken + n + pos, (~got).to(tl.int32), mask=in_run)
+            if EV_KEYS:
+                tl.store(ev_keys + pos, old_key, mask=victim)
         else:
             tl.store(ev_keys + pos, old_key, mask=victim)
             tl.store(ev_scores + pos, old_score, mask=victim)
@@ -360,14 +363,14 @@ def _upsert_kernel(
     # claims an empty way of its bucket by compare-and-swap (racing keys of the bucket take
     # different ways) and the next pool address (one atomic per program on counters[0], then the
     # program's prefix sum); no empty way: value -1, counted in counters[1]. Scores = step for all;
-    # sizes (R,) += the keys placed per region.
+    # sizes (R,) += the keys placed per region. A RESERVED key is padding: value -1, nothing stored.
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
     k, r, base = _bucket_base(keys, tables, region_start, region_buckets, i, in_range, num_buckets, width,
                               REGIONS, BLOCK_K)
-    slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)
+    slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)  # never finds RESERVED
     found = slot >= 0
-    todo = in_range & ~found
+    todo = in_range & ~found & (k != RESERVED)
     placed = tl.full([BLOCK_K], -1, tl.int64)
     for w in tl.static_range(BLOCK_W):
         trying = todo & (placed < 0) & (w < width)
@@ -495,7 +498,7 @@ class TritonKeyIndex(KeyIndex):
                step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's ``upsert`` in one kernel, reading nothing on the host. Racing absent keys
         of a bucket take its empty ways, and the pool's addresses, in no fixed order; a key whose
-        bucket has no empty way is left out (-1) instead of growing the index."""
+        bucket has no empty way is left out (-1, counted) instead of growing the index."""
         self._check_upsert()
         n = keys.numel()
         out = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -555,23 +558,26 @@ class TritonKeyIndex(KeyIndex):
         return torch.int32 if self.num_buckets < 2**31 - 1 else torch.int64
 
     def _launch_insert(self, keys: torch.Tensor, order: torch.Tensor, sorted_bucket: torch.Tensor,
-                       slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool) -> None:
+                       slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool,
+                       evicted_keys: bool = False) -> None:
         _insert_kernel[(n,)](
             keys, order, sorted_bucket, slots, self.keys, self.values, self.scores, self.locks,
             self.bucket_evictable, *out, n, self.num_buckets, self.width, RESERVED=RESERVED_KEY,
-            BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, ROWS=rows, num_warps=_INSERT_WARPS,
+            BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, ROWS=rows, EV_KEYS=evicted_keys,
+            num_warps=_INSERT_WARPS,
         )
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
                     pool: torch.Tensor, own_rows: bool = False, padded: bool = False,
+                    evicted: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
         by the bucket of the misses, the others after them; the insert kernel runs over the first
         ``misses`` positions, the give kernel after the running counts of the kinds. ``padded``:
         ``misses`` is a bound of them (a CUDA graph's, ``TableGroup``), their number counted on the
         device; the results past it are as a position that is no miss (rows -1)."""
-        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None)
+        self._check_insert_rows(pool, misses, keys.numel() if own_rows else None, evicted)
         regions = len(self.regions)
         per_region = torch.zeros(3, regions, dtype=torch.int64, device=self.device)
         if misses == 0:
@@ -585,8 +591,10 @@ class TritonKeyIndex(KeyIndex):
         victim = torch.empty(misses, dtype=torch.int8, device=self.device)
         old_values = torch.empty(misses, dtype=torch.int64, device=self.device)
         taken = torch.empty(2, misses, dtype=torch.int32, device=self.device)
-        self._launch_insert(keys, order, sorted_bucket, slots, victim, old_values, old_values, old_values,
-                            taken, n=misses, rows=True)
+        if evicted is not None:
+            evicted.fill_(RESERVED_KEY)
+        self._launch_insert(keys, order, sorted_bucket, slots, victim, old_values if evicted is None else evicted,
+                            old_values, old_values, taken, n=misses, rows=True, evicted_keys=evicted is not None)
         taken = taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(misses, dtype=torch.int64, device=self.device)
         on_device = isinstance(step, torch.Tensor)
