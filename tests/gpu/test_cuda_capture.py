@@ -151,6 +151,55 @@ def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
     assert captured._groups[0].index.generation == 0 or bounded, "the index grew: init_capacity too small"
 
 
+@pytest.mark.parametrize("loop", ["plain", "pipelined"])
+def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
+    """Cache mode over host memory, a quarter of the keys on the device: misses and evictions every
+    step, inserted on the device (``CacheGroup._insert_on_device``: the insertion, the victims'
+    write-down and the misses' fetch replayed from CUDA graphs of padded sizes, the padding made
+    coarse so that most of a graph is padding) train as the same collection run eagerly, bit for
+    bit; after flush the host store holds the same rows."""
+    import tieredemb.modules.cache_table as cache_module
+
+    monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 4096) * 4096 + 4096)  # noqa: E731
+    optimizer = te.optim.Adam(lr=0.01)
+
+    def make_tables(capture: bool):
+        monkeypatch.setenv("TIEREDEMB_CAPTURE", "1" if capture else "0")
+        tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], num_embeddings=3000 * 7919) for i in range(3)]
+        budget = 3 * 768 * (16 + optimizer.state_width(16)) * 4
+        storage = te.StorageConfig(hbm_budget=budget, backing=te.storage.HostMemory())
+        collection = te.EmbeddingBagCollection(tables, optimizer=optimizer, device=DEV, seed=3,
+                                               storage=storage)
+        assert collection.storage_mode == "cache"
+        return collection
+
+    eager, captured = make_tables(False), make_tables(True)
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 9, (3 * 256,), generator=gen)
+    batches = [batch(gen, lengths, 3000) for i in range(10)]
+    upstream = torch.randn(8192, 48, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    with torch.autograd.set_multithreading_enabled(False):
+        if loop == "plain":
+            outputs = [(step(captured, kjt, upstream), step(eager, kjt, upstream)) for kjt in batches]
+        else:
+            eager_loop, captured_loop = pipelined(eager, upstream), pipelined(captured, upstream)
+            outputs = [(captured_loop(kjt), eager_loop(kjt)) for kjt in [*batches, None]][1:]
+    for i, (got, want) in enumerate(outputs):
+        assert torch.equal(got, want), f"step {i}: outputs differ"
+    assert_same_tables(eager, captured)
+    graphs = captured._groups[0]._insert_graphs
+    assert graphs is not None and graphs.failed is None, graphs.failed
+    assert graphs.captures >= 1 and graphs.replays >= 4, (graphs.captures, graphs.replays)
+    stats = captured.stats()["t0"]
+    assert stats.misses > 0 and stats.evictions > 0, stats
+    for collection in (eager, captured):
+        collection.flush()
+    for t in range(3):
+        keys, rows = (b.rows.scan(1 << 20, t) for b in (eager._groups[0].below, captured._groups[0].below))
+        (k1, r1), (k2, r2) = next(keys), next(rows)
+        assert torch.equal(k1, k2) and torch.equal(r1, r2), f"t{t}: the host stores differ"
+
+
 def pipelined(collection, upstream: torch.Tensor):
     """TrainPipeline's order by hand (forward i, ``prefetch_deferred`` of i+1, backward i): a
     function of the next batch returning the output of the one before (None: the last one's)."""

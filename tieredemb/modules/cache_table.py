@@ -23,12 +23,14 @@ raises ``BackendError`` chained to the store's exception, before anything change
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.index.key_index import CONTESTED, Region
+from tieredemb.modules.capture import CapturedStages, padded_size
 from tieredemb.modules.table import (
     CONFLICTS,
     EVICTIONS,
@@ -244,31 +246,48 @@ class CacheGroup(TableGroup):
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, per_region: torch.Tensor,
                           info: list[int]) -> CachePrefetch:
-        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert
-        (``insert_rows``): the misses (``info``'s count of ``slots`` -1) fetched, the pairs found locked
-        and touched, the misses inserted in the dedup's order, each taking a victim's row or one of
-        a pool of as many free rows (from its end: a scratch row, where its bucket had no free way).
-        The victims (padded to the misses: ``RESERVED_KEY`` where a pair evicted none) go down to the
-        backing store before the fetched rows overwrite their rows. How many of the pool's rows
-        were taken, and which pairs got none (conflict misses, owed to the store at release), the
-        host learns later (``_owe_conflicts``)."""
-        regions = len(self.configs)
+        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: the
+        pairs found locked and touched, the misses (``info``'s count of ``slots`` -1) inserted in the
+        dedup's order (``insert_rows``), each taking a victim's row or one of a pool of as many free
+        rows (from its end: a scratch row, where its bucket had no free way); the victims (padded to
+        the misses: ``RESERVED_KEY`` where a pair evicted none) written down to the host store, then
+        the misses' rows fetched from it (initial rows where it has none) into their rows. Replayed
+        from a CUDA graph where one is captured (``_device_insert``). How many of the pool's rows were
+        taken, and which pairs got none (conflict misses, owed to the store at release), the host
+        learns later (``_owe_conflicts``)."""
+        regions, below = len(self.configs), self.below
         misses = sum(info[:regions])
-        miss = torch.nonzero_static(slots < 0, size=misses).squeeze(1)
-        with label("## cache.fetch ##"):
-            fetched = self._fetch(unique[miss], utab[miss])
+        below.settle()  # the fetch sees every row written down before (keys left out go in now)
+        graphs = self._device_graphs_for(step)
+        u = unique.numel()
+        pairs = padded_size(u) if graphs else u
+        bound = min(pairs, 1 << (misses - 1).bit_length()) if graphs and misses else misses
+        pool = self.store.peek(bound)
+        self.store.pop(bound)
+        hpool = below.room_for(bound)
         with label("## cache.insert ##"):
-            slots, values, _ = self.index.find_touch(unique, utab, step, counts)  # lock, touch the found
-            pool = self.store.peek(misses)
-            self.store.pop(misses)
-            evicted = torch.empty(misses, dtype=torch.int64, device=self.device)
-            pos, rows, kinds = self.index.insert_rows(unique, utab, counts, slots, values, misses, step, pool,
-                                                      evicted=evicted)
-        with label("## cache.write_down ##"):
-            self._write_down(evicted, utab[pos], torch.where(evicted != RESERVED_KEY, rows, -1))
-        self.kernels.scatter(self.store, values[miss], fetched.rows)
-        pairs, missed = per_region[regions : 2 * regions], per_region[:regions]
-        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs, pairs - missed, missed], dim=1)
+            slot = None
+            if graphs:
+                key = (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr(),
+                       *below.capture_key())
+
+                def insert(keys, tables, counts, pool, hpool, step, u):
+                    return self._device_insert(keys, tables, counts, pool, hpool, step, u, bound)
+
+                slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, pool, hpool, step, u,
+                                                   lengths=(pairs,) * 3, capture=self.may_capture())
+            if slot is None:
+                out = self._device_insert(unique, utab, counts, pool, hpool, step, None, bound)
+                settled = None
+            else:
+                out = slot.outputs
+                settled = functools.partial(self._insert_graphs.release, slot, None)
+            slots, values, kinds, written = out
+            if slot is not None:  # the batch's own copies: the slot serves the next batch
+                slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
+            below.written(*written, hpool, settled)
+        pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
+        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
         empty = unique[:0]
         pf = CachePrefetch(unique, utab, inverse, values, unique, utab, slots, self.index.generation, empty,
@@ -276,6 +295,48 @@ class CacheGroup(TableGroup):
                            lent=LentRows(pool, *self._to_host(kinds)))
         self._inserting.append(pf)
         return pf
+
+    def _device_graphs_for(self, step: int) -> bool:
+        """Whether the device insertion may replay a CUDA graph (as ``TableGroup._insert_graph``: on
+        the thread that may capture, the step an int, one built-in initializer)."""
+        if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
+                type(self._inits[0][0]).__module__ != "tieredemb.init":
+            return False
+        if self._insert_graphs is None:
+            self._insert_graphs = CapturedStages(self.device, (torch.int64,) * 7, max_slots=8,
+                                                 what="the cache's insertion")
+        return True
+
+    def _device_insert(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                       pool: torch.Tensor, hpool: torch.Tensor, step: int | torch.Tensor,
+                       u: torch.Tensor | None, bound: int):
+        """``_insert_on_device``'s device work: ``keys``, ``tables``, ``counts`` the batch's pairs (the
+        first ``u``, int64 () on the device, of them when padded for a graph; None: all), ``bound``
+        the misses (padded: at least them), ``pool`` and ``hpool`` that many free rows of the cache
+        and of the host store. Returns (slots, values, kinds), each pair's slot (-1: a conflict miss)
+        and row, and ``insert_rows``'s counts; and the host store's upsert (keys, tables, rows, their
+        addresses, its counts) for ``written``."""
+        if u is None:
+            slots, values, _ = self.index.find_touch(keys, tables, step, counts)  # lock, touch the found
+        else:
+            slots, values, _ = self.index.find_touch(keys, tables, step, counts, u)
+            slots.masked_fill_(torch.arange(keys.numel(), device=self.device) >= u, 0)  # padding: no miss
+        evicted = torch.empty(bound, dtype=torch.int64, device=self.device)
+        padded = {} if u is None else {"padded": True}  # (the Triton index's: a graph's)
+        pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, bound, step, pool,
+                                                  evicted=evicted, **padded)
+        # the victims' rows to the host store before the misses' rows take their place
+        vtables, victim = tables[pos], evicted != RESERVED_KEY
+        down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
+        addresses, hcounts = self.below.upsert_rows(evicted, vtables, down, hpool)
+        self._moved[1].index_add_(0, vtables, victim.to(torch.int64))
+        # the misses' rows (-1 past them when padded): the store's where it has them, else initial
+        wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
+        got, found = self.below.find_rows(wanted, vtables)
+        self._moved[0].index_add_(0, vtables, found.to(torch.int64))
+        fill = torch.where(found[:, None], got, self._initial_rows(wanted, vtables))
+        self.kernels.scatter(self.store, rows, fill)
+        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts)
 
     def place_overflow(self) -> None:
         """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
@@ -289,6 +350,8 @@ class CacheGroup(TableGroup):
         store; its conflict misses' scratch rows become owed to the backing store as an earlier
         path's are (``in_flight``: shared by later batches, written down at the last release)."""
         regions = len(self.configs)
+        if self._inserting:
+            self.below.settle()  # the host store's upserts first: they may hold a graph's slot
         while self._inserting:
             pf = self._inserting.pop(0)
             lent, pf.lent = pf.lent, None

@@ -13,7 +13,7 @@ With ``capacity`` the index is bounded and evicts the least recently used row of
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,7 @@ class _Upsert:
     pool: torch.Tensor  # the free rows lent to the upsert; those past the taken ones go back
     counts: torch.Tensor
     ready: torch.cuda.Event | None
+    settled: Callable[[], None] | None = None  # called once read (keys, rows... no longer needed)
 
 
 def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,13 +154,18 @@ class HostMemoryBackend(Backend):
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
         keys, tables = self._keys(keys, tables)
         self._settle()
-        slots = self._index.find(keys, tables)  # (n,) -1 where absent
-        found = slots >= 0
-        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
-        rows = self._gather(addresses)  # address -1 reads zeros
+        rows, found = self.find_rows(keys, tables)
         if self.capacity is not None and bool(found.any()):
             self._touch(keys[found], None if tables is None else tables[found])
         return Fetched(rows, found)
+
+    def find_rows(self, keys: torch.Tensor, tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``get``'s device work alone (keys on ``self.device``; after ``_settle``; no score moves):
+        rows float32 (n, W), zeros where absent (``RESERVED_KEY`` never found), found bool (n,)."""
+        slots = self._index.find(keys, tables)  # (n,) -1 where absent
+        found = slots >= 0
+        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
+        return self._gather(addresses), found  # address -1 reads zeros
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
@@ -191,7 +197,16 @@ class HostMemoryBackend(Backend):
         n = keys.numel()
         if n == 0:
             return
-        # under the load limit even if every key is new (the sizes read are at most one call old)
+        pool = self.room_for(n)
+        addresses, counts = self.upsert_rows(keys, rows, tables, pool)
+        self.upserted(keys, rows, tables, addresses, pool, counts)
+
+    # ``set_distinct`` of an unbounded store in three steps, the middle one device work alone (a cache
+    # replays it in a CUDA graph with its insertion): room, the upsert, its record
+    def room_for(self, n: int) -> torch.Tensor:
+        """Make room for an upsert of n keys: the index grown to stay under its load limit even if
+        every key is new (the sizes read are at most one call old), and a pool of n free rows lent to
+        it (int64 (n,)); the rows it does not take go back when its counts are read."""
         if self._sizes_read is None:
             self._settle()
             self._sizes_read = self._index.sizes_on_device.tolist()
@@ -199,10 +214,24 @@ class HostMemoryBackend(Backend):
         self._index.reserve_regions([s + pending for s in self._sizes_read])
         pool = self._store.peek(n)
         self._store.pop(n)
+        return pool
+
+    def upsert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The upsert on the device (``KeyIndex.upsert``, then the rows written): each key's row
+        address (-1: left out, or padding) and int64 (2 + R,): rows taken from ``pool``, keys left
+        out, the index's sizes."""
         addresses, counts = self._index.upsert(keys, tables, pool, self._step)
         self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
-        host, ready = self._to_host(torch.cat([counts, self._index.sizes_on_device]))
-        self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready))
+        return addresses, torch.cat([counts, self._index.sizes_on_device])
+
+    def upserted(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
+                 addresses: torch.Tensor, pool: torch.Tensor, counts: torch.Tensor,
+                 settled: Callable[[], None] | None = None) -> None:
+        """Record an ``upsert_rows`` for ``_settle``: its counts copied to the host behind it.
+        ``settled``: called once they are read (the tensors given are not needed after it)."""
+        host, ready = self._to_host(counts)
+        self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready, settled))
 
     def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``counts`` copied to a pinned buffer behind the work queued, and the event after which
@@ -231,6 +260,8 @@ class HostMemoryBackend(Backend):
             if left_out:  # their bucket was full: the index grows as they go in
                 out = ((u.addresses < 0) & (u.keys != RESERVED_KEY)).nonzero().squeeze(1)
                 self._insert_rows(u.keys[out], u.rows[out], None if u.tables is None else u.tables[out])
+            if u.settled is not None:
+                u.settled()
 
     def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
         """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
@@ -349,6 +380,29 @@ class HostMemoryGroup(GroupStore):
 
     def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         self.rows.delete(keys, tables)
+
+    # the cache's device insertion (``CacheGroup._insert_on_device``): ``HostMemoryBackend``'s steps
+    def settle(self) -> None:
+        self.rows._settle()
+
+    def room_for(self, n: int) -> torch.Tensor:
+        return self.rows.room_for(n)
+
+    def upsert_rows(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.upsert_rows(keys, rows, tables, pool)
+
+    def written(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
+                counts: torch.Tensor, pool: torch.Tensor, settled: Callable[[], None] | None = None) -> None:
+        self.rows.upserted(keys, rows, tables, addresses, pool, counts, settled)
+
+    def find_rows(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.find_rows(keys, tables)
+
+    def capture_key(self) -> tuple[int, int]:
+        """What a CUDA graph of ``find_rows`` and ``upsert_rows`` bakes in: the index's rehashes and
+        the row segments' table."""
+        return self.rows._index.generation, self.rows._store.pointer_table().data_ptr()
 
     def close(self) -> None:
         self.rows.close()

@@ -593,8 +593,9 @@ class TritonKeyIndex(KeyIndex):
         taken = torch.empty(2, misses, dtype=torch.int32, device=self.device)
         if evicted is not None:
             evicted.fill_(RESERVED_KEY)
-        self._launch_insert(keys, order, sorted_bucket, slots, victim, old_values if evicted is None else evicted,
-                            old_values, old_values, taken, n=misses, rows=True, evicted_keys=evicted is not None)
+        ev_keys = old_values if evicted is None else evicted
+        self._launch_insert(keys, order, sorted_bucket, slots, victim, ev_keys, old_values, old_values, taken,
+                            n=misses, rows=True, evicted_keys=evicted is not None)
         taken = taken.view(-1).cumsum(0, dtype=torch.int32)
         rows = torch.empty(misses, dtype=torch.int64, device=self.device)
         on_device = isinstance(step, torch.Tensor)
