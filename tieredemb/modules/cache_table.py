@@ -276,8 +276,10 @@ class CacheGroup(TableGroup):
 
                 slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, pool, hpool, step, u,
                                                    lengths=(pairs,) * 3, capture=self.may_capture())
-            if slot is None:
-                out = self._device_insert(unique, utab, counts, pool, hpool, step, None, bound)
+            if slot is None:  # eagerly, with the misses' exact count (the pools sized for a graph: cut)
+                self.store.free(pool[misses:])
+                pool = pool[:misses]
+                out = self._device_insert(unique, utab, counts, pool, hpool, step, None, misses)
                 settled = None
             else:
                 out = slot.outputs
