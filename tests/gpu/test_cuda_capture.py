@@ -155,10 +155,11 @@ def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
 def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     """Cache mode over host memory, half the keys on the device (room for the two batches in flight
     of a pipeline: no conflict misses, which the device insertion leaves to the host path while their
-    rows are owed): misses and evictions every step, inserted on the device (``CacheGroup._insert_on_device``: the insertion, the victims'
-    write-down and the misses' fetch replayed from CUDA graphs of padded sizes, the padding made
-    coarse so that most of a graph is padding) train as the same collection run eagerly, bit for
-    bit; after flush the host store holds the same rows."""
+    rows are owed): misses and evictions every step, inserted on the device
+    (``CacheGroup._insert_on_device``: the insertion, the victims' write-down and the misses' fetch
+    replayed from CUDA graphs of padded sizes, the padding made coarse so that most of a graph is
+    padding) train as the same collection run eagerly, bit for bit; after flush the host store
+    holds the same rows."""
     import tieredemb.modules.cache_table as cache_module
 
     monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 4096) * 4096 + 4096)  # noqa: E731

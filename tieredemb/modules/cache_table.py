@@ -327,18 +327,24 @@ class CacheGroup(TableGroup):
         padded = {} if u is None else {"padded": True}  # (the Triton index's: a graph's)
         pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, bound, step, pool,
                                                   evicted=evicted, **padded)
-        # the victims' rows to the host store before the misses' rows take their place
+        # the victims' rows to the host store before the misses' rows take their place, gathered in
+        # the order of their host rows (the order the host's rows are written in fastest)
         vtables, victim = tables[pos], evicted != RESERVED_KEY
-        down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
-        addresses, hcounts = self.below.upsert_rows(evicted, vtables, down, hpool)
+        addresses, hcounts = self.below.upsert_keys(evicted, vtables, hpool)
+        order = self.below.address_order(addresses)
+        addresses = addresses[order]
+        down = self.kernels.gather(self.store, torch.where(victim, rows, -1)[order], self.width)
+        self.below.scatter_in_order(addresses, down)
         self._moved[1].index_add_(0, vtables, victim.to(torch.int64))
-        # the misses' rows (-1 past them when padded): the store's where it has them, else initial
+        # the misses' rows (-1 past them when padded): the store's where it has them, else initial,
+        # read in the order of their host rows and written so
         wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
-        got, found = self.below.find_rows(wanted, vtables)
-        self._moved[0].index_add_(0, vtables, found.to(torch.int64))
-        fill = torch.where(found[:, None], got, self._initial_rows(wanted, vtables))
-        self.kernels.scatter(self.store, rows, fill)
-        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts)
+        fetch, got, found = self.below.find_rows_in_order(wanted, vtables)
+        wanted, ftables = wanted[fetch], vtables[fetch]
+        self._moved[0].index_add_(0, ftables, found.to(torch.int64))
+        fill = torch.where(found[:, None], got, self._initial_rows(wanted, ftables))
+        self.kernels.scatter(self.store, rows[fetch], fill)
+        return slots, values, kinds, (evicted[order], vtables[order], down, addresses, hcounts)
 
     def place_overflow(self) -> None:
         """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),

@@ -126,18 +126,31 @@ class HostMemoryBackend(Backend):
     def _gather(self, addresses: torch.Tensor) -> torch.Tensor:
         if self._kernels is None:
             return self._store.gather(addresses)
-        order = self._address_order(addresses)
-        rows = self._kernels.gather(self._store, addresses[order], self.width, self._uva_programs)
+        order = self.address_order(addresses)
+        rows = self._gather_in_order(addresses[order])
         return torch.empty_like(rows).index_copy_(0, order, rows)
 
     def _scatter(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
         if self._kernels is None:
             self._store.scatter(addresses, rows)
         else:
-            order = self._address_order(addresses)
-            self._kernels.scatter(self._store, addresses[order], rows[order], self._uva_programs)
+            order = self.address_order(addresses)
+            self.scatter_in_order(addresses[order], rows[order])
 
-    def _address_order(self, addresses: torch.Tensor) -> torch.Tensor:
+    def _gather_in_order(self, addresses: torch.Tensor) -> torch.Tensor:
+        """Rows at ``addresses`` (sorted, -1 reads zeros)."""
+        if self._kernels is None:
+            return self._store.gather(addresses)
+        return self._kernels.gather(self._store, addresses, self.width, self._uva_programs)
+
+    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows to ``addresses`` (sorted, -1 writes nothing)."""
+        if self._kernels is None:
+            self._store.scatter(addresses, rows)
+        else:
+            self._kernels.scatter(self._store, addresses, rows, self._uva_programs)
+
+    def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
         """The permutation sorting ``addresses``; on 32 bits while they fit (half the radix passes:
         14 launches instead of 22, 64 us of host time instead of 100 for 45k rows on the H200)."""
         if self._store.rows_allocated() < 2**31:
@@ -166,6 +179,17 @@ class HostMemoryBackend(Backend):
         found = slots >= 0
         addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
         return self._gather(addresses), found  # address -1 reads zeros
+
+    def find_rows_in_order(self, keys: torch.Tensor,
+                           tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``find_rows`` without putting the rows back in the keys' order: (order, the rows of
+        ``keys[order]``, found bool of them), ``order`` the rows' address order. A caller writing the
+        rows to another store in that order saves a copy of them."""
+        slots = self._index.find(keys, tables)
+        found = slots >= 0
+        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
+        order = self.address_order(addresses)
+        return order, self._gather_in_order(addresses[order]), found[order]
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
@@ -198,11 +222,12 @@ class HostMemoryBackend(Backend):
         if n == 0:
             return
         pool = self.room_for(n)
-        addresses, counts = self.upsert_rows(keys, rows, tables, pool)
+        addresses, counts = self.upsert_keys(keys, tables, pool)
+        self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
         self.upserted(keys, rows, tables, addresses, pool, counts)
 
-    # ``set_distinct`` of an unbounded store in three steps, the middle one device work alone (a cache
-    # replays it in a CUDA graph with its insertion): room, the upsert, its record
+    # ``set_distinct`` of an unbounded store in steps, the middle ones device work alone (a cache
+    # replays them in a CUDA graph with its insertion): room, the upsert, the rows written, its record
     def room_for(self, n: int) -> torch.Tensor:
         """Make room for an upsert of n keys: the index grown to stay under its load limit even if
         every key is new (the sizes read are at most one call old), and a pool of n free rows lent to
@@ -216,13 +241,12 @@ class HostMemoryBackend(Backend):
         self._store.pop(n)
         return pool
 
-    def upsert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
+    def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor | None,
                     pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The upsert on the device (``KeyIndex.upsert``, then the rows written): each key's row
-        address (-1: left out, or padding) and int64 (2 + R,): rows taken from ``pool``, keys left
-        out, the index's sizes."""
+        """The upsert's index on the device (``KeyIndex.upsert``; the rows to write follow): each
+        key's row address (-1: left out, or padding) and int64 (2 + R,): rows taken from ``pool``,
+        keys left out, the index's sizes."""
         addresses, counts = self._index.upsert(keys, tables, pool, self._step)
-        self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
         return addresses, torch.cat([counts, self._index.sizes_on_device])
 
     def upserted(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
@@ -388,20 +412,27 @@ class HostMemoryGroup(GroupStore):
     def room_for(self, n: int) -> torch.Tensor:
         return self.rows.room_for(n)
 
-    def upsert_rows(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+    def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor,
                     pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.upsert_rows(keys, rows, tables, pool)
+        return self.rows.upsert_keys(keys, tables, pool)
+
+    def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
+        return self.rows.address_order(addresses)
+
+    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
+        self.rows.scatter_in_order(addresses, rows)
 
     def written(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
                 counts: torch.Tensor, pool: torch.Tensor, settled: Callable[[], None] | None = None) -> None:
         self.rows.upserted(keys, rows, tables, addresses, pool, counts, settled)
 
-    def find_rows(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.find_rows(keys, tables)
+    def find_rows_in_order(self, keys: torch.Tensor,
+                           tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.rows.find_rows_in_order(keys, tables)
 
     def capture_key(self) -> tuple[int, int]:
-        """What a CUDA graph of ``find_rows`` and ``upsert_rows`` bakes in: the index's rehashes and
-        the row segments' table."""
+        """What a CUDA graph of the steps above bakes in: the index's rehashes and the row segments'
+        table."""
         return self.rows._index.generation, self.rows._store.pointer_table().data_ptr()
 
     def close(self) -> None:
