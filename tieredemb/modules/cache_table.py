@@ -12,6 +12,12 @@ forward and backward see row addresses like in ``hbm_direct``:
                                       ─► no way free in the bucket (conflict miss), or not
                                          admitted: a scratch row for the batch
 
+Over host memory (no admission, no bounded table, no scratch row owed) the same happens on the
+device without a host read, in another order (``_insert_on_device``, replayed from a CUDA graph): the
+misses are inserted first (victims' rows reused, a scratch row from a lent pool for a pair without a
+way), the victims written down, then the misses' rows fetched into their new rows; the host learns
+the counts (conflict misses, rows taken) at the next prefetch.
+
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
 the backend (conflict misses; the last batch sharing a row writes it) or dropped (not admitted).
 Evicted rows are always written down: the cache never loses a row. Write-downs to a store doing host

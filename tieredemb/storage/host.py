@@ -167,27 +167,26 @@ class HostMemoryBackend(Backend):
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
         keys, tables = self._keys(keys, tables)
         self._settle()
-        rows, found = self.find_rows(keys, tables)
+        addresses, found = self._addresses(keys, tables)
+        rows = self._gather(addresses)  # address -1 reads zeros
         if self.capacity is not None and bool(found.any()):
             self._touch(keys[found], None if tables is None else tables[found])
         return Fetched(rows, found)
 
-    def find_rows(self, keys: torch.Tensor, tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``get``'s device work alone (keys on ``self.device``; after ``_settle``; no score moves):
-        rows float32 (n, W), zeros where absent (``RESERVED_KEY`` never found), found bool (n,)."""
-        slots = self._index.find(keys, tables)  # (n,) -1 where absent
+    def _addresses(self, keys: torch.Tensor,
+                   tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each key's row address (-1 where absent; ``RESERVED_KEY`` never found) and found bool."""
+        slots = self._index.find(keys, tables)
         found = slots >= 0
-        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
-        return self._gather(addresses), found  # address -1 reads zeros
+        return torch.where(found, self._index.values[slots.clamp(min=0)], -1), found
 
     def find_rows_in_order(self, keys: torch.Tensor,
                            tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``find_rows`` without putting the rows back in the keys' order: (order, the rows of
-        ``keys[order]``, found bool of them), ``order`` the rows' address order. A caller writing the
+        """``get``'s device work alone (keys on ``self.device``, after ``_settle``; no score moves)
+        without putting the rows back in the keys' order: (order, the rows of ``keys[order]``, zeros
+        where absent, found bool of them), ``order`` the rows' address order. A caller writing the
         rows to another store in that order saves a copy of them."""
-        slots = self._index.find(keys, tables)
-        found = slots >= 0
-        addresses = torch.where(found, self._index.values[slots.clamp(min=0)], -1)
+        addresses, found = self._addresses(keys, tables)
         order = self.address_order(addresses)
         return order, self._gather_in_order(addresses[order]), found[order]
 
@@ -252,8 +251,9 @@ class HostMemoryBackend(Backend):
     def upserted(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
                  addresses: torch.Tensor, pool: torch.Tensor, counts: torch.Tensor,
                  settled: Callable[[], None] | None = None) -> None:
-        """Record an ``upsert_rows`` for ``_settle``: its counts copied to the host behind it.
-        ``settled``: called once they are read (the tensors given are not needed after it)."""
+        """Record an ``upsert_keys`` (its rows written) for ``_settle``: its counts copied to the
+        host behind it. ``settled``: called once they are read (the tensors given are not needed
+        after it)."""
         host, ready = self._to_host(counts)
         self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready, settled))
 
