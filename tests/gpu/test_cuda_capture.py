@@ -140,12 +140,7 @@ def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
     # next batch's misses there, and only the forward's thread captures
     with torch.autograd.set_multithreading_enabled(False):
         outputs = [(captured_loop(kjt), eager_loop(kjt)) for kjt in [*batches, None]]
-    for i, (got, want) in enumerate(outputs[1:]):
-        assert torch.equal(got, want), f"step {i}: outputs differ"
-    assert_same_tables(eager, captured)
-    graphs = captured._groups[0]._insert_graphs
-    assert graphs is not None and graphs.failed is None, graphs.failed
-    assert graphs.captures >= 1 and graphs.replays >= 6, (graphs.captures, graphs.replays)
+    assert_insertions_alike(outputs[1:], eager, captured, replays=6)
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and (stats.evictions > 0 or not bounded), stats
     assert captured._groups[0].index.generation == 0 or bounded, "the index grew: init_capacity too small"
@@ -186,12 +181,7 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
         else:
             eager_loop, captured_loop = pipelined(eager, upstream), pipelined(captured, upstream)
             outputs = [(captured_loop(kjt), eager_loop(kjt)) for kjt in [*batches, None]][1:]
-    for i, (got, want) in enumerate(outputs):
-        assert torch.equal(got, want), f"step {i}: outputs differ"
-    assert_same_tables(eager, captured)
-    graphs = captured._groups[0]._insert_graphs
-    assert graphs is not None and graphs.failed is None, graphs.failed
-    assert graphs.captures >= 1 and graphs.replays >= 4, (graphs.captures, graphs.replays)
+    assert_insertions_alike(outputs, eager, captured, replays=4)
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and stats.evictions > 0 and stats.conflict_misses == 0, stats
     for collection in (eager, captured):
@@ -200,6 +190,17 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
         keys, rows = (b.rows.scan(1 << 20, t) for b in (eager._groups[0].below, captured._groups[0].below))
         (k1, r1), (k2, r2) = next(keys), next(rows)
         assert torch.equal(k1, k2) and torch.equal(r1, r2), f"t{t}: the host stores differ"
+
+
+def assert_insertions_alike(outputs, eager, captured, replays: int) -> None:
+    """The same (captured, eager) outputs step by step and the same tables; the first group's
+    insertion graphs captured, replayed at least ``replays`` times and never failed."""
+    for i, (got, want) in enumerate(outputs):
+        assert torch.equal(got, want), f"step {i}: outputs differ"
+    assert_same_tables(eager, captured)
+    graphs = captured._groups[0]._insert_graphs
+    assert graphs is not None and graphs.failed is None, graphs.failed
+    assert graphs.captures >= 1 and graphs.replays >= replays, (graphs.captures, graphs.replays)
 
 
 def pipelined(collection, upstream: torch.Tensor):
