@@ -23,6 +23,7 @@ import torch
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, Region, region_counts
 from tieredemb.modules.capture import CapturedStages, Slot, padded_size
+from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -523,14 +524,7 @@ class TableGroup:
         """``counts`` (int64 (3, R) on the device) copied to the host behind the work queued (a pinned
         buffer kept from an earlier batch, or a new one) and the event after which the copy holds
         them (on the CPU: ``counts`` itself, None)."""
-        if self.device.type != "cuda":
-            return counts.view(-1), None
-        host = self._count_buffers.pop() if self._count_buffers else \
-            torch.empty(counts.numel(), dtype=torch.int64, pin_memory=True)
-        host.copy_(counts.view(-1), non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
+        return to_host_later(counts.view(-1), self._count_buffers)
 
     def place_overflow(self) -> None:
         """Insert the pairs of unbounded tables that the device insertion of earlier batches left

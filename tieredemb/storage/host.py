@@ -20,6 +20,7 @@ import torch
 
 from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.ops import to_host_later
 from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.row_store import RowStore
 
@@ -254,20 +255,8 @@ class HostMemoryBackend(Backend):
         """Record an ``upsert_keys`` (its rows written) for ``_settle``: its counts copied to the
         host behind it. ``settled``: called once they are read (the tensors given are not needed
         after it)."""
-        host, ready = self._to_host(counts)
+        host, ready = to_host_later(counts, self._count_buffers)
         self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready, settled))
-
-    def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """``counts`` copied to a pinned buffer behind the work queued, and the event after which
-        it holds them (on the CPU: ``counts`` itself, None)."""
-        if self.device.type != "cuda":
-            return counts, None
-        host = self._count_buffers.pop() if self._count_buffers else \
-            torch.empty(counts.numel(), dtype=torch.int64, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
 
     def _settle(self) -> None:
         """Read back the upserts done on the device, in order (waiting for them): the pool rows
