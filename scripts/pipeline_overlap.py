@@ -4,6 +4,7 @@ with the prefetch thread, against the same model with every row in HBM.
 
     python3 scripts/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
                                         [--reserve] [--prefill] [--stages] [--autograd-threads]
+                                        [--only LABEL_PART]
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, "
                         "TrainPipeline's default)")
+    p.add_argument("--only", default=None, help="run only the configurations whose label contains this")
     p.add_argument("--stages", action="store_true",
                    help="also profile the pipelined runs: host time per labelled stage")
     args = p.parse_args()
@@ -115,16 +117,18 @@ def main() -> None:
 
     print(f"{shape.num_tables} tables x {shape.rows} rows, batch {shape.batch_size}, MLP {args.layers} x "
           f"{args.hidden}; {torch.cuda.get_device_name()}")
-    dense_only = run("dense model alone (all rows in HBM, plain loop)", ebc(False), batches, args, None)
-    results = {
-        "cache, plain loop": run("cache, plain loop", ebc(True), batches, args, None),
-        "cache, pipeline (prefetch inline)": run("cache, pipeline (prefetch inline)", ebc(True), batches,
-                                                 args, False),
-        "cache, pipeline (prefetch thread)": run("cache, pipeline (prefetch thread)", ebc(True), batches,
-                                                 args, True),
-        "all in HBM, pipeline (prefetch thread)": run("all in HBM, pipeline (prefetch thread)", ebc(False),
-                                                      batches, args, True),
+    runs = {
+        "dense model alone (all rows in HBM, plain loop)": (False, None),
+        "cache, plain loop": (True, None),
+        "cache, pipeline (prefetch inline)": (True, False),
+        "cache, pipeline (prefetch thread)": (True, True),
+        "all in HBM, pipeline (prefetch thread)": (False, True),
     }
+    results = {label: run(label, ebc(cached), batches, args, pipelined)
+               for label, (cached, pipelined) in runs.items() if args.only is None or args.only in label}
+    dense_only = results.pop(next(iter(runs)), None)
+    if dense_only is None:
+        return
     print("ratio to the all-in-HBM plain loop:")
     for k, v in results.items():
         print(f"  {k:46s} {v / dense_only:6.2f}x")

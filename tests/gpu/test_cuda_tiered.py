@@ -126,3 +126,48 @@ def test_pipeline_backward_thread(autograd_threads) -> None:
     main = threading.get_ident()
     assert len(seen) == 3
     assert all((t != main) == autograd_threads for t in seen)
+
+
+@pytest.mark.parametrize("order", ["lagging", "ahead"])
+@pytest.mark.parametrize("mode", ["hbm_direct", "cache_over_host_memory"])
+def test_a_training_stream_behind_keeps_its_batch(mode, order) -> None:
+    """TrainPipeline(prefetch_in_thread=True)'s hazard made certain: the training stream runs far
+    behind the host (a long sleep queued before each backward), and the next batch's prefetch runs
+    on its own stream ordered only after the forward, its host work either after the host has
+    released the batch ("lagging": a prefetch thread slower than the backward's launches) or before
+    the backward ("ahead"). Blocks of the batch's tensors that the host freed must not reach the
+    prefetch stream before the training stream has read them: the rows trained equal a plain CPU
+    loop's. (A scale-0.3 bench crashed on a misaligned address this way, session 24.)"""
+    dev = torch.device("cuda")
+    storage = None if mode == "hbm_direct" else te.StorageConfig(
+        hbm_budget=64 * (DIM + 2 * DIM) * 4, backing=te.storage.HostMemory(segment_rows=64))
+    gpu = build(storage, dev)
+    model = Model(gpu)
+    data = [{"kjt": b["kjt"].to(dev), "grad": b["grad"].to(dev)} for b in batches(12, 64)]
+    main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+
+    def prefetch(i: int, after: torch.cuda.Event | None) -> None:
+        with torch.cuda.stream(side):
+            if after is not None:
+                side.wait_event(after)
+            gpu.prefetch(data[i]["kjt"])
+
+    prefetch(0, None)
+    for i in range(len(data)):
+        main.wait_stream(side)
+        loss = model(data[i])
+        forward_done = main.record_event()
+        if order == "ahead" and i + 1 < len(data):
+            prefetch(i + 1, forward_done)
+        torch.cuda._sleep(50_000_000)  # ~25 ms of the training stream's work ahead of the backward
+        loss.backward()
+        del loss  # the batch's autograd graph, and with it the prefetch's tensors, freed by the host
+        if order == "lagging" and i + 1 < len(data):
+            prefetch(i + 1, forward_done)
+    torch.cuda.synchronize()
+
+    cpu = build(None, torch.device("cpu"))
+    reference = Model(cpu)
+    for b in batches(12, 64):
+        reference(b).backward()
+    torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)

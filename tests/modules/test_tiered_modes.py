@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -269,6 +270,60 @@ def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
     else:
         assert not on_device
     torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
+
+
+class PaddedEagerly:
+    """A stand-in for ``CapturedStages`` on the CPU: what a replayed CUDA graph computes, run eagerly
+    on static inputs of the padded sizes kept per shape (past a batch's own entries they hold what
+    the last batch of that shape left, as a graph's do)."""
+
+    def __init__(self) -> None:
+        self.static: dict[tuple, list] = {}
+        self.calls = 0
+
+    def acquire(self, key, fn, *inputs, lengths=(), capture=True):
+        lengths = tuple(lengths) + (None,) * (len(inputs) - len(lengths))
+        static = self.static.setdefault(key, [
+            torch.zeros((n or t.shape[0], *t.shape[1:]), dtype=t.dtype) if torch.is_tensor(t) else None
+            for t, n in zip(inputs, lengths)])
+        for buffer, t in zip(static, inputs):
+            if buffer is not None:
+                buffer[: t.shape[0]] = t
+        self.calls += 1
+        args = [torch.tensor(t) if isinstance(t, int) else b for t, b in zip(inputs, static)]
+        return SimpleNamespace(outputs=fn(*args))
+
+    def release(self, slot, stream) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cache_insertion_as_its_graph_replays_it(pipelined) -> None:
+    """The cache's insertion over host memory as its CUDA graph replays it (the pairs padded to a
+    bucket, the misses to a power of two, the pool of free rows as long), run eagerly through
+    Triton's interpreter with conflict misses: the same outputs and rows as hbm_direct. Session 24
+    found a replay giving back to the store the scratch rows of its conflict misses (the kernel
+    takes them from the end of the misses, the group looked at the end of the padded pool): other
+    keys then took those rows while they were trained."""
+    pytest.importorskip("triton")
+    row_bytes = DIM * 4
+    storage = te.StorageConfig(hbm_budget=2 * row_bytes, backing=te.storage.HostMemory(segment_rows=8),
+                               bucket_width=2, segment_rows=8)
+    tables = [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1))]
+    cached = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5), storage=storage, seed=3,
+                                       kernels="triton")
+    (group,) = cached._groups
+    group.may_capture, group._insert_graphs = (lambda: True), PaddedEagerly()
+    plain = make(None, "lru", None, te.optim.SGD(lr=0.5))
+    batches = zipf_batches(6, 4, seed=5)  # ~10 misses a batch: padded to 16 rows of the pool
+    got, want = train(cached, batches, pipelined), train(plain, batches, pipelined)
+    assert group._insert_graphs.calls > 0 and cached.stats()["t"].conflict_misses > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
+    # every row of the cache's store is a key's or free, once: none leaked, none freed twice
+    free = group.store.peek(group.store.rows_allocated() - group.store.rows_in_use())
+    assert free.unique().numel() == free.numel() and group.store.rows_in_use() == group.index.size()
 
 
 def test_forwards_without_backward_release_everything() -> None:

@@ -371,11 +371,11 @@ class CacheGroup(TableGroup):
             lent, pf.lent = pf.lent, None
             if lent.ready is not None:
                 lent.ready.synchronize()
-            counts = lent.counts.tolist()
+            unused, scratch = lent.split(regions)
             if lent.ready is not None:  # its pinned buffer serves a later batch
                 self._count_buffers.append(lent.counts)
-            taken, lacking = sum(counts[:regions]), sum(counts[regions : 2 * regions])
-            self.store.free(lent.pool[taken : lent.pool.numel() - lacking])
+            self.store.free(unused)
+            lacking = scratch.numel()
             if lacking:
                 conflict = torch.nonzero_static(pf.locked_slots < 0, size=lacking).squeeze(1)
                 keys, tables = pf.unique_keys[conflict], pf.unique_tables[conflict]

@@ -962,26 +962,27 @@ def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
 
 
 def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
-    """A prefetched batch's tensors may have been allocated on the prefetch stream; forward and
-    backward read them on ``stream``. record_stream keeps the caching allocator from handing their
+    """A prefetched batch's tensors may have been allocated on the prefetch stream; forward, backward
+    and release read them on ``stream``. record_stream keeps the caching allocator from handing their
     blocks to the prefetch stream again before ``stream``'s use is done (the per-batch tensors are
-    small and freed at unpredictable times by autograd, which rules out an event per buffer here)."""
-    tensors = [t for gb in state.batch.groups
-               for t in (gb.ids, gb.tables, gb.lengths, gb.offsets, gb.weights) if t is not None]
-    tensors += [t for pair in state.grad_sources or [] for t in pair if t is not None]
-    if state.looked is not None:
-        tensors.append(state.looked)
-    parts = list(state.groups) + [g.served for g in state.groups if isinstance(g, ShardedPrefetch)]
-    for part in parts:
-        tensors += [getattr(part, f.name) for f in fields(part)
-                    if isinstance(getattr(part, f.name), torch.Tensor)]
-        if getattr(part, "sorted_ids", None) is not None:  # the dedup's sort, read by the backward
-            ids = part.sorted_ids
-            tensors += [t for t in (ids.order, ids.entries, ids.sources, ids.scales, *(ids.plan or ()))
-                        if t is not None]
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(stream)
+    small and freed at unpredictable times by autograd, which rules out an event per buffer here).
+    Every device tensor the batch holds, found by walking it: a list of fields missed the lent pool
+    and the deferred misses, and a prefetch thread behind the backward then reused their blocks (a
+    misaligned address at scale 0.3, session 24). A captured prefetch's outputs are the graph's own
+    (``graph_slot``, released on ``stream``) and are not walked."""
+    seen: set[int] = set()
+    pending: list[object] = [state.batch, state.groups, state.grad_sources, state.looked]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda and id(obj) not in seen:
+                seen.add(id(obj))
+                obj.record_stream(stream)
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, (type, Slot)) and id(obj) not in seen:
+            seen.add(id(obj))
+            pending.extend(getattr(obj, f.name) for f in fields(obj))
 
 
 def _same_batch(a: object, b: object) -> bool:

@@ -97,15 +97,24 @@ class LentRows:
     """A pool of free rows (``pool``: int64 (m,) addresses, popped from the store) that an insertion
     on the device took rows from without telling the host how many: ``counts`` (int64 (3R,), host
     memory: ``insert_rows``'s counts per region, valid once ``ready`` has passed; ``ready`` None on
-    the CPU) says it. Those taken from its start now belong to the table, those from its end are the
-    batch's scratch rows, the ones between were not used: they go back to the store as soon as the
-    counts are read (``pool`` is then the scratch rows, ``counts`` None), the scratch rows once the
-    batch is released."""
+    the CPU) says it. Those taken from its start now belong to the table, the last ones of the
+    misses' part (a pool padded for a CUDA graph is longer: ``insert_rows`` takes a scratch row from
+    the end of the misses it counts, not of the pool) are the batch's scratch rows, the others were
+    not used: they go back to the store as soon as the counts are read (``pool`` is then the scratch
+    rows, ``counts`` None), the scratch rows once the batch is released."""
 
     pool: torch.Tensor
     counts: torch.Tensor | None
     ready: torch.cuda.Event | None
     released: bool = False
+
+    def split(self, regions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows no table took, the batch's scratch rows), from the counts read."""
+        counts = self.counts.tolist()
+        taken, lacking, victims = (sum(counts[k * regions : (k + 1) * regions]) for k in range(3))
+        end = taken + lacking + victims  # the misses: each took a pool row from one end or a victim's
+        unused = torch.cat([self.pool[taken : end - lacking], self.pool[end:]])
+        return unused, self.pool[end - lacking : end]
 
 
 @dataclass
@@ -572,12 +581,8 @@ class TableGroup:
 
     def _trim(self, lent: LentRows) -> None:
         """``lent``'s unused rows back to the store, its pool cut to the batch's scratch rows."""
-        regions = len(self.configs)
-        counts = lent.counts.tolist()
-        taken, lacking = sum(counts[:regions]), sum(counts[regions : 2 * regions])
-        end = lent.pool.numel() - lacking
-        self.store.free(lent.pool[taken:end])
-        lent.pool = lent.pool[end:]
+        unused, lent.pool = lent.split(len(self.configs))
+        self.store.free(unused)
         if lent.ready is not None:  # its pinned buffer serves a later batch
             self._count_buffers.append(lent.counts)
         lent.counts = None
