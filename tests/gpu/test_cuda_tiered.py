@@ -171,3 +171,23 @@ def test_a_training_stream_behind_keeps_its_batch(mode, order) -> None:
     for b in batches(12, 64):
         reference(b).backward()
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
+
+
+def test_a_segment_table_made_on_one_stream_is_whole_on_another() -> None:
+    """``RowStore.pointer_table`` copies a new table to the device on the stream that asks first;
+    another stream handed the same table reads it only after that copy (TrainPipeline's prefetch
+    thread grew the store and read a table the training stream, far behind, had not filled yet: an
+    illegal address at scale 0.3, session 24)."""
+    from tieredemb.storage.row_store import RowStore
+
+    dev = torch.device("cuda")
+    store = RowStore(4, 8, dev)
+    store.allocate(20)  # three segments
+    behind, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(behind):
+        torch.cuda._sleep(100_000_000)  # ~50 ms: the table's copy is queued after it
+        store.pointer_table()
+    with torch.cuda.stream(other):
+        seen = store.pointer_table().clone()
+    other.synchronize()
+    assert seen.cpu().tolist() == [s.data_ptr() for s in store.segments]

@@ -33,7 +33,7 @@ class _PinnedRowStore(RowStore):
     def _add_segment(self) -> None:
         super()._add_segment()
         self.segments[-1] = self.segments[-1].pin_memory()
-        self._pointers = None
+        self._segments_changed()
 
 
 @dataclass(eq=False)

@@ -20,6 +20,7 @@ before it is complete.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -47,7 +48,9 @@ class RowStore:
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # a stack of addresses
         self._free_count = 0
         self._pointers: torch.Tensor | None = None
+        self._pointers_copied: torch.cuda.Event | None = None  # the table's copy to the device
         self._pointer_streams: set = set()  # the CUDA streams the current table was handed to
+        self._pointers_lock = threading.Lock()  # a table is made and dropped whole (two threads)
         self._buffers: dict[int, torch.Tensor] = {}  # segment -> its stash buffer (allocated once)
         self._spares: list[torch.Tensor] = []  # host segments allocated, not added yet
         self.ready: torch.cuda.Event | None = None  # the last stash or restore copy
@@ -119,7 +122,7 @@ class RowStore:
             seg = self._spares.pop(0)
         base = len(self.segments) * self.segment_rows
         self.segments.append(seg)
-        self._pointers = None
+        self._segments_changed()
         # under the rows already free (they go first), lowest new address on top
         new = torch.arange(base + self.segment_rows - 1, base - 1, -1, dtype=torch.int64,
                            device=self.device)
@@ -152,20 +155,37 @@ class RowStore:
         this stream still read it (TrainPipeline's prefetch thread grows the store beside the
         backward's update): each stream it is handed to is recorded on it, so its block is not
         reused before their work is done (a reused block made the update write rows to wild
-        addresses)."""
+        addresses), and waits for the copy that filled it, queued on the stream that made it (the
+        prefetch thread's kernels read a table the training stream had not filled yet: an illegal
+        address at scale 0.3, session 24). Inside a CUDA graph's capture there is no wait (it would
+        invalidate the capture): the stream the graph replays on takes the table first."""
         self._await_copy(host=False)
-        if self._pointers is None:
-            pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0], dtype=torch.int64)
-            if self.device.type == "cuda":  # a copy from pageable memory would make the host wait
-                pointers = pointers.pin_memory().to(self.device, non_blocking=True)
-            self._pointers = pointers
-            self._pointer_streams = set()
-        if self._pointers.is_cuda:
-            stream = torch.cuda.current_stream(self.device)
-            if stream not in self._pointer_streams:
-                self._pointers.record_stream(stream)
-                self._pointer_streams.add(stream)
-        return self._pointers
+        cuda = self.device.type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        with self._pointers_lock:  # the segments read and the table published as one step
+            if self._pointers is None:
+                pointers = torch.tensor([s.data_ptr() for s in self.segments] or [0], dtype=torch.int64)
+                copied = None
+                if cuda:  # a copy from pageable memory would make the host wait
+                    pointers = pointers.pin_memory().to(self.device, non_blocking=True)
+                    if not capturing:
+                        copied = torch.cuda.Event()
+                        copied.record()
+                self._pointers, self._pointers_copied, self._pointer_streams = pointers, copied, set()
+            pointers, copied = self._pointers, self._pointers_copied
+            if cuda:
+                stream = torch.cuda.current_stream(self.device)
+                if stream not in self._pointer_streams:
+                    pointers.record_stream(stream)
+                    if copied is not None and not capturing:
+                        stream.wait_event(copied)
+                    self._pointer_streams.add(stream)
+        return pointers
+
+    def _segments_changed(self) -> None:
+        """The next ``pointer_table`` makes a new table (after a change to ``segments``)."""
+        with self._pointers_lock:
+            self._pointers = None
 
     # --------------------------------------------------------------------------- row access
     def gather(self, addresses: torch.Tensor, cols: int | None = None) -> torch.Tensor:
@@ -251,7 +271,7 @@ class RowStore:
             self._copied(stream)
 
     def _copied(self, stream: torch.cuda.Stream | None) -> None:
-        self._pointers = None
+        self._segments_changed()
         if stream is not None:
             self.ready = torch.cuda.Event()
             self.ready.record(stream)
