@@ -966,9 +966,8 @@ def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
     and release read them on ``stream``. record_stream keeps the caching allocator from handing their
     blocks to the prefetch stream again before ``stream``'s use is done (the per-batch tensors are
     small and freed at unpredictable times by autograd, which rules out an event per buffer here).
-    Every device tensor the batch holds, found by walking it: a list of fields missed the lent pool
-    and the deferred misses, and a prefetch thread behind the backward then reused their blocks (a
-    misaligned address at scale 0.3, session 24). A captured prefetch's outputs are the graph's own
+    Every device tensor the batch holds, found by walking it (a list of fields had missed the lent
+    pool and the deferred misses, session 24). A captured prefetch's outputs are the graph's own
     (``graph_slot``, released on ``stream``) and are not walked."""
     seen: set[int] = set()
     pending: list[object] = [state.batch, state.groups, state.grad_sources, state.looked]
