@@ -137,7 +137,8 @@ def test_a_training_stream_behind_keeps_its_batch(mode, order) -> None:
     released the batch ("lagging": a prefetch thread slower than the backward's launches) or before
     the backward ("ahead"). Blocks of the batch's tensors that the host freed must not reach the
     prefetch stream before the training stream has read them: the rows trained equal a plain CPU
-    loop's. (A scale-0.3 bench crashed on a misaligned address this way, session 24.)"""
+    loop's. Over host memory it found, session 24, a replayed insertion giving back the scratch rows
+    of its conflict misses while they were trained (``LentRows.split``)."""
     dev = torch.device("cuda")
     storage = None if mode == "hbm_direct" else te.StorageConfig(
         hbm_budget=64 * (DIM + 2 * DIM) * 4, backing=te.storage.HostMemory(segment_rows=64))
