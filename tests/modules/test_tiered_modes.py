@@ -157,6 +157,40 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
         torch.testing.assert_close(got.rows, want_rows, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backing", ["dict", "host"])  # host memory: inserted on the device
+def test_bytes_moved_counts_each_row_moved_once(backing) -> None:
+    """``stats().bytes_moved`` per table, against the other counters: with every key already in the
+    backing store (a first pass, flushed), each miss brings one row up (every one found) and each
+    eviction or conflict miss writes one down; a flush writes down every cached row."""
+    optimizer = te.optim.Adagrad(lr=0.1)
+    tables = [te.TableConfig(name, DIM, [f], num_embeddings=ROWS) for name, f in (("t", "a"), ("u", "b"))]
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    store = DictStore() if backing == "dict" else te.storage.HostMemory()
+    storage = te.StorageConfig(hbm_budget=2 * 2 * 4 * row_bytes, backing=store, bucket_width=4,
+                               segment_rows=16)
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
+    batches = zipf_batches(15, 6, seed=5)
+    train(cached, batches, pipelined=False)
+    cached.flush()
+
+    def counters():
+        return {name: (s.bytes_moved["backend->device"] // row_bytes,
+                       s.bytes_moved["device->backend"] // row_bytes,
+                       s.misses, s.evictions + s.conflict_misses, s.rows["device"])
+                for name, s in cached.stats().items()}
+
+    before = counters()
+    train(cached, batches, pipelined=False)  # the same keys again: every miss is in the store
+    after = counters()
+    cached.flush()
+    flushed = counters()
+    for name in ("t", "u"):
+        up, down, misses, written, _ = (a - b for a, b in zip(after[name], before[name]))
+        assert misses > 0 and written > 0, name
+        assert (up, down) == (misses, written), name
+        assert flushed[name][1] - after[name][1] == after[name][4] > 0, name
+
+
 @pytest.mark.parametrize("cache_buckets", [1, 3])
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_tables_of_two_dims_in_cache_mode_stage_together(cache_buckets, pipelined, monkeypatch) -> None:

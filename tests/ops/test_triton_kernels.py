@@ -90,6 +90,60 @@ def test_scatter(gen, width, programs, given):
     assert torch.equal(store.gather(addr), full)
 
 
+def rows_by_address(store: RowStore) -> torch.Tensor:
+    """Every allocated row of ``store`` in address order (its segments end to end)."""
+    return torch.cat(store.segments).cpu()[: store.rows_allocated()]
+
+
+@pytest.mark.parametrize("width", [1, 5, 33])
+@pytest.mark.parametrize("programs", [None, 1])
+def test_scatter_from_source_rows(gen, width, programs):
+    """``source``: row i of the write is ``rows[source[i]]`` (rows longer than the write, some taken
+    twice); an address -1 writes nothing."""
+    store, addresses = make_store(gen, width, 30)
+    before = rows_by_address(store)
+    addr = addresses[torch.randperm(30, generator=gen)[:17].to(DEVICE)]
+    addr[::4] = -1
+    rows = torch.randn(25, width, generator=gen)
+    source = torch.randint(0, 25, (17,), generator=gen)
+    TritonKernels().scatter(store, addr, rows.to(DEVICE), programs, source=source.to(DEVICE))
+    want = before.clone()
+    for a, src in zip(addr.tolist(), source.tolist()):
+        if a >= 0:
+            want[a] = rows[src]
+    assert torch.equal(rows_by_address(store), want)
+    twin = RowStore(width, SEGMENT_ROWS, torch.device(DEVICE))
+    twin.allocate(30)
+    for dst, seg in zip(twin.segments, before.split(SEGMENT_ROWS)):
+        dst[: seg.shape[0]].copy_(seg)
+    TorchKernels().scatter(twin, addr, rows.to(DEVICE), source=source.to(DEVICE))
+    assert torch.equal(rows_by_address(twin), want)
+
+
+@pytest.mark.parametrize("kernels", [TritonKernels, TorchKernels])
+@pytest.mark.parametrize("programs", [None, 1])
+def test_copy_rows_between_stores(gen, kernels, programs):
+    """Rows of one store into rows of another (other segment sizes), where both addresses are >= 0;
+    a repeated source row lands in each of its destinations; other rows stay."""
+    src, src_rows = make_store(gen, 6, 30)
+    dst = RowStore(6, 5, torch.device(DEVICE))
+    dst.allocate(40)
+    for seg in dst.segments:
+        seg.copy_(torch.randn(seg.shape, generator=gen))
+    before = rows_by_address(dst)
+    src_addr = pick(gen, src_rows, 20)  # repeats and -1s
+    dst_addr = torch.randperm(40, generator=gen)[:20]
+    dst_addr[1::5] = -1
+    kernels().copy_rows(src, src_addr, dst, dst_addr.to(DEVICE), programs)
+    want, source = before.clone(), rows_by_address(src)
+    for a, b in zip(src_addr.tolist(), dst_addr.tolist()):
+        if a >= 0 and b >= 0:
+            want[b] = source[a]
+    assert torch.equal(rows_by_address(dst), want)
+    with pytest.raises(ValueError, match="width 6 into rows of width 5"):
+        kernels().copy_rows(src, src_addr, RowStore(5, 8, torch.device(DEVICE)), dst_addr.to(DEVICE))
+
+
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("scaled", [False, True])
 def test_gather_pool(gen, dim, scaled):

@@ -60,12 +60,24 @@ class TorchKernels:
         return store.gather(addresses, dim)
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
-                programs: int | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, C), C <= W,
-        the rows' first C columns (the others are set to zero)."""
+                programs: int | None = None, source: torch.Tensor | None = None) -> None:
+        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float32 (n, C),
+        C <= W, the rows' first C columns (the others are set to zero). ``source``: int64 (n,),
+        row i takes ``rows[source[i]]`` (rows then (m, C))."""
+        if source is not None:
+            rows = rows[source]
         if rows.shape[1] < store.width:
             rows = torch.nn.functional.pad(rows, (0, store.width - rows.shape[1]))
         store.scatter(addresses, rows)
+
+    def copy_rows(self, src: RowStore, src_addresses: torch.Tensor, dst: RowStore,
+                  dst_addresses: torch.Tensor, programs: int | None = None) -> None:
+        """Rows ``src_addresses`` (int64 (n,)) of ``src`` to rows ``dst_addresses`` (int64 (n,),
+        distinct) of ``dst``, of the same width, where both are >= 0."""
+        if src.width != dst.width:
+            raise ValueError(f"copy_rows: rows of width {src.width} into rows of width {dst.width}")
+        both = (src_addresses >= 0) & (dst_addresses >= 0)
+        dst.scatter(torch.where(both, dst_addresses, -1), src.gather(src_addresses).to(dst.device))
 
     def gather_pool(self, store: RowStore, addresses: torch.Tensor, offsets: torch.Tensor,
                     scale: torch.Tensor | None, dim: int, features: int = 1) -> torch.Tensor:

@@ -144,12 +144,21 @@ class HostMemoryBackend(Backend):
             return self._store.gather(addresses)
         return self._kernels.gather(self._store, addresses, self.width, self._uva_programs)
 
-    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows to ``addresses`` (sorted, -1 writes nothing)."""
+    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor,
+                         source: torch.Tensor | None = None) -> None:
+        """Rows to ``addresses`` (sorted, -1 writes nothing); ``source``: row i is ``rows[source[i]]``."""
         if self._kernels is None:
-            self._store.scatter(addresses, rows)
+            self._store.scatter(addresses, rows if source is None else rows[source])
         else:
-            self._kernels.scatter(self._store, addresses, rows, self._uva_programs)
+            self._kernels.scatter(self._store, addresses, rows, self._uva_programs, source=source)
+
+    def copy_in_order(self, addresses: torch.Tensor, store: RowStore, to: torch.Tensor) -> None:
+        """The rows at ``addresses`` (sorted, -1 copies nothing) into rows ``to`` of ``store`` (a
+        device's: a cache's rows), without a buffer between."""
+        if self._kernels is None:
+            store.scatter(torch.where(addresses >= 0, to, -1), self._store.gather(addresses).to(store.device))
+        else:
+            self._kernels.copy_rows(self._store, addresses, store, to, self._uva_programs)
 
     def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
         """The permutation sorting ``addresses``; on 32 bits while they fit (half the radix passes:
@@ -181,15 +190,12 @@ class HostMemoryBackend(Backend):
         found = slots >= 0
         return torch.where(found, self._index.values[slots.clamp(min=0)], -1), found
 
-    def find_rows_in_order(self, keys: torch.Tensor,
-                           tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``get``'s device work alone (keys on ``self.device``, after ``_settle``; no score moves)
-        without putting the rows back in the keys' order: (order, the rows of ``keys[order]``, zeros
-        where absent, found bool of them), ``order`` the rows' address order. A caller writing the
-        rows to another store in that order saves a copy of them."""
-        addresses, found = self._addresses(keys, tables)
-        order = self.address_order(addresses)
-        return order, self._gather_in_order(addresses[order]), found[order]
+    def locate(self, keys: torch.Tensor,
+               tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``get``'s probe alone (keys on ``self.device``, after ``_settle``; no score moves): each
+        key's row address (-1 where absent) and found bool. Its read in the rows' address order:
+        ``copy_in_order(addresses[address_order(addresses)], ...)``."""
+        return self._addresses(keys, tables)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
@@ -408,16 +414,19 @@ class HostMemoryGroup(GroupStore):
     def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
         return self.rows.address_order(addresses)
 
-    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor) -> None:
-        self.rows.scatter_in_order(addresses, rows)
+    def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor,
+                         source: torch.Tensor | None = None) -> None:
+        self.rows.scatter_in_order(addresses, rows, source)
+
+    def copy_in_order(self, addresses: torch.Tensor, store: RowStore, to: torch.Tensor) -> None:
+        self.rows.copy_in_order(addresses, store, to)
 
     def written(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
                 counts: torch.Tensor, pool: torch.Tensor, settled: Callable[[], None] | None = None) -> None:
         self.rows.upserted(keys, rows, tables, addresses, pool, counts, settled)
 
-    def find_rows_in_order(self, keys: torch.Tensor,
-                           tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.rows.find_rows_in_order(keys, tables)
+    def locate(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.locate(keys, tables)
 
     def capture_key(self) -> tuple[int, int]:
         """What a CUDA graph of the steps above bakes in: the index's rehashes and the row segments'

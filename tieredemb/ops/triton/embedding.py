@@ -112,18 +112,41 @@ def _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOC
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
-    ptr_table, addresses, rows_in, n, in_width, row_width, segment_rows, BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr
+    ptr_table, addresses, rows_in, source, n, in_width, row_width, segment_rows, HAS_SOURCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
 ):
     # grid: (cdiv(n, BLOCK_N),) or fewer programs, each then taking every num_programs-th block;
-    # rows_in: float32 (n, in_width) -> the rows at addresses, their columns from in_width on zero
+    # rows_in: float32 (m, in_width) -> the rows at addresses (row i: rows_in[source[i]] with
+    # HAS_SOURCE, else rows_in[i]), their columns from in_width on zero
     cols = tl.arange(0, BLOCK_W)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
-        rows, _, valid, dst = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width, BLOCK_N)
+        rows, in_range, valid, dst = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width,
+                                                    BLOCK_N)
+        if HAS_SOURCE:
+            rows = tl.load(source + rows, mask=in_range, other=0)
         mask = valid[:, None] & (cols[None, :] < row_width)
         given = mask & (cols[None, :] < in_width)
         w = tl.load(rows_in + rows[:, None] * in_width + cols[None, :], mask=given, other=0.0)
         tl.store(dst[:, None] + cols[None, :], w, mask=mask)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _copy_rows_kernel(
+    src_table, src_addresses, dst_table, dst_addresses, n, row_width, src_segment_rows, dst_segment_rows,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
+):
+    # grid: as _scatter_kernel; row src_addresses[i] of one store -> row dst_addresses[i] of another
+    # (of the same width), where both are >= 0
+    cols = tl.arange(0, BLOCK_W)
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
+        rows, in_range, valid, src = _block_of_rows(src_table, src_addresses, block, n, src_segment_rows,
+                                                    row_width, BLOCK_N)
+        to = tl.load(dst_addresses + rows, mask=in_range, other=-1)
+        valid = valid & (to >= 0)
+        dst = _row_pointers(dst_table, to, valid, dst_segment_rows, row_width)
+        mask = valid[:, None] & (cols[None, :] < row_width)
+        tl.store(dst[:, None] + cols[None, :], tl.load(src[:, None] + cols[None, :], mask=mask), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------ gather
@@ -676,9 +699,10 @@ class TritonKernels:
         return out
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
-                programs: int | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct, >= 0; rows: float32 (n, C), C <= W,
-        the rows' first C columns (the others are set to zero). ``programs``: as ``gather``."""
+                programs: int | None = None, source: torch.Tensor | None = None) -> None:
+        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float32 (n, C),
+        C <= W, the rows' first C columns (the others are set to zero). ``programs``: as ``gather``.
+        ``source``: int64 (n,), row i takes ``rows[source[i]]`` (rows then (m, C))."""
         n = addresses.numel()
         if n == 0:
             return
@@ -688,10 +712,37 @@ class TritonKernels:
             store.pointer_table(),
             addresses.contiguous(),
             rows.contiguous(),
+            addresses if source is None else source.contiguous(),
             n,
             rows.shape[1],
             store.width,
             store.segment_rows,
+            HAS_SOURCE=source is not None,
+            BLOCK_N=block_n,
+            BLOCK_W=block_w,
+            num_warps=_num_warps(block_n * block_w),
+        )
+
+    def copy_rows(self, src: RowStore, src_addresses: torch.Tensor, dst: RowStore,
+                  dst_addresses: torch.Tensor, programs: int | None = None) -> None:
+        """Rows ``src_addresses`` (int64 (n,)) of ``src`` to rows ``dst_addresses`` (int64 (n,),
+        distinct) of ``dst``, of the same width, where both are >= 0. ``programs``: as ``gather``."""
+        n = src_addresses.numel()
+        if n == 0:
+            return
+        if src.width != dst.width:
+            raise ValueError(f"copy_rows: rows of width {src.width} into rows of width {dst.width}")
+        block_w = _block_d(src.width)
+        block_n = _block_rows(block_w)
+        _copy_rows_kernel[(_programs(n, block_n, programs),)](
+            src.pointer_table(),
+            src_addresses.contiguous(),
+            dst.pointer_table(),
+            dst_addresses.contiguous(),
+            n,
+            src.width,
+            src.segment_rows,
+            dst.segment_rows,
             BLOCK_N=block_n,
             BLOCK_W=block_w,
             num_warps=_num_warps(block_n * block_w),
