@@ -369,17 +369,19 @@ class CacheGroup(TableGroup):
         # (opposite PCIe directions; different host rows: a victim was cached, a miss was not), each
         # in the order of its host rows (the order they move fastest). First, on this stream: the
         # misses located (the upsert then changes the host index), the victims' rows gathered (the
-        # fetch then overwrites them). The fetch's small kernels run beside the upsert, not beside the
-        # victims' write, whose stores to host memory slow every kernel sharing the SMs (x10-x25).
+        # fetch then overwrites them). The read then runs beside the initial rows and the upsert: the
+        # two directions share one limit of host access (~52 GB/s together, scripts/uva_bench.py),
+        # so the link is best kept busy from the read's start; and the victims' write slows every
+        # kernel beside it (x10-x25: its stores to host memory hold the SMs' memory pipes).
         vtables, victim = tables[pos], evicted != RESERVED_KEY
         wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
         located, found = self.below.locate(wanted, vtables)
         down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
         with self._beside() as fetching:  # (what it reads from this stream stays referenced to the join)
-            initial = self._initial_weights(wanted, vtables)
-            self.kernels.scatter(self.store, torch.where(found, -1, rows), initial)
             fetch = self.below.address_order(located)
             self.below.copy_in_order(located[fetch], self.store, rows[fetch])
+        # the misses the store lacks take initial rows (HBM work: beside the read, not the write)
+        self.kernels.scatter(self.store, torch.where(found, -1, rows), self._initial_weights(wanted, vtables))
         addresses, hcounts = self.below.upsert_keys(evicted, vtables, hpool)
         order = self.below.address_order(addresses)
         self.below.scatter_in_order(addresses[order], down, source=order)

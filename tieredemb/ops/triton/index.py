@@ -371,13 +371,26 @@ def _upsert_kernel(
     slot = _probe_at(table_keys, k, base, in_range, width, RESERVED, BLOCK_W)  # never finds RESERVED
     found = slot >= 0
     todo = in_range & ~found & (k != RESERVED)
+    # the ways seen empty are the candidates, tried in order until a CAS wins (nothing leaves a way
+    # during an upsert, so a way seen taken stays taken): one CAS a key unless keys of one bucket
+    # race; 16 CAS a key, one per way whatever it held, took 3x the insert of the same keys
+    ways = tl.arange(0, BLOCK_W)
+    held = tl.load(table_keys + base[:, None] + ways[None, :], mask=todo[:, None] & (ways[None, :] < width),
+                   other=0)
+    empty = todo[:, None] & (ways[None, :] < width) & (held == RESERVED)
     placed = tl.full([BLOCK_K], -1, tl.int64)
-    for w in tl.static_range(BLOCK_W):
-        trying = todo & (placed < 0) & (w < width)
+    tried = tl.full([BLOCK_K], -1, tl.int32)
+    pending = todo
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        way = tl.min(tl.where(empty & (ways[None, :] > tried[:, None]), ways[None, :], BLOCK_W), axis=1)
+        trying = pending & (way < BLOCK_W)
         # a lane not trying swaps its own key for itself at its bucket's first way: never a change
         # (distinct keys, and an absent key is in no way)
-        old = tl.atomic_cas(table_keys + tl.where(trying, base + w, base), tl.where(trying, RESERVED, k), k)
-        placed = tl.where(trying & (old == RESERVED), base + w, placed)
+        old = tl.atomic_cas(table_keys + tl.where(trying, base + way, base), tl.where(trying, RESERVED, k), k)
+        won = trying & (old == RESERVED)
+        placed = tl.where(won, base + way, placed)
+        tried = way
+        pending = trying & ~won  # lost a race: the next way seen empty; none left: left out
     new = placed >= 0
     first = tl.atomic_add(counters, tl.sum(new.to(tl.int64), axis=0))
     address = tl.load(pool + first + tl.cumsum(new.to(tl.int64), axis=0) - 1, mask=new, other=-1)
