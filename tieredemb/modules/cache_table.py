@@ -15,7 +15,7 @@ forward and backward see row addresses like in ``hbm_direct``:
 Over host memory (no admission, no bounded table, no scratch row owed) the same happens on the
 device without a host read, in another order (``_insert_on_device``, replayed from a CUDA graph): the
 misses are inserted first (victims' rows reused, a scratch row from a lent pool for a pair without a
-way), the victims written down, then the misses' rows fetched into their new rows; the host learns
+way), the victims written down while the misses' rows are fetched into their new rows; the host learns
 the counts (conflict misses, rows taken) at the next prefetch.
 
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
@@ -288,8 +288,9 @@ class CacheGroup(TableGroup):
         pairs found locked and touched, the misses (``info``'s count of ``slots`` -1) inserted in the
         dedup's order (``insert_rows``), each taking a victim's row or one of a pool of as many free
         rows (from its end: a scratch row, where its bucket had no free way); the victims (padded to
-        the misses: ``RESERVED_KEY`` where a pair evicted none) written down to the host store, then
-        the misses' rows fetched from it (initial rows where it has none) into their rows. Replayed
+        the misses: ``RESERVED_KEY`` where a pair evicted none) gathered and written down to the host
+        store while the misses' rows are fetched from it (initial rows where it has none) into their
+        rows. Replayed
         from a CUDA graph where one is captured (``_device_insert``). How many of the pool's rows were
         taken, and which pairs got none (conflict misses, owed to the store at release), the host
         learns later (``_owe_conflicts``)."""

@@ -21,6 +21,7 @@ import torch
 from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex, Region
 from tieredemb.ops import to_host_later
+from tieredemb.ops.reference import TorchKernels
 from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.row_store import RowStore
 
@@ -156,7 +157,7 @@ class HostMemoryBackend(Backend):
         """The rows at ``addresses`` (sorted, -1 copies nothing) into rows ``to`` of ``store`` (a
         device's: a cache's rows), without a buffer between."""
         if self._kernels is None:
-            store.scatter(torch.where(addresses >= 0, to, -1), self._store.gather(addresses).to(store.device))
+            TorchKernels().copy_rows(self._store, addresses, store, to)
         else:
             self._kernels.copy_rows(self._store, addresses, store, to, self._uva_programs)
 
