@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -201,6 +202,7 @@ def python_profile(step, args) -> None:
     torch.cuda.synchronize()
     prof.disable()
     print(f"{args.optimizer}: {(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step under cProfile")
+    prof.dump_stats(os.path.join(os.environ.get("OUT", "."), f"pyprof-{args.workload}.pstats"))
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumtime").print_stats(45)
@@ -258,7 +260,10 @@ def host_times(ebc, kjts, grad, args) -> None:
     extra_timers(ebc, args, timed, timer)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    per_step: list[dict[str, float]] = []  # each step's own times: the median step leaves out rare ones
     for i in range(args.warmup, args.warmup + args.steps):
+        before = dict(spent)
+        t_step = time.perf_counter()
         kjt = kjts[i]
         with timer("prefetch"):
             ebc.prefetch(kjt)
@@ -273,13 +278,19 @@ def host_times(ebc, kjts, grad, args) -> None:
                            ("  engine: Function -> return", t_back - marks["out"])):
             spent[name] = spent.get(name, 0.0) + took
         del out
+        per_step.append({k: v - before.get(k, 0.0) for k, v in spent.items()})
+        per_step[-1]["step (host)"] = time.perf_counter() - t_step
     with timer("final sync"):
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
     print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps, timers only)")
-    print("host ms a step (labels nest inside prefetch/forward/backward), calls a step:")
+    print("host ms a step: mean, median over the steps (labels nest inside prefetch/forward/backward), "
+          "calls a step:")
     for name, s in spent.items():
-        print(f"  {name:40s} {s / args.steps * 1e3:8.3f} {calls.get(name, 0) / args.steps:6.1f}")
+        median = statistics.median(p.get(name, 0.0) for p in per_step) * 1e3
+        mean, n = s / args.steps * 1e3, calls.get(name, 0) / args.steps
+        print(f"  {name:40s} {mean:8.3f} {median:8.3f} {n:6.1f}")
+    print("host ms of each step:", " ".join(f"{p['step (host)'] * 1e3:.2f}" for p in per_step))
 
 
 def extra_timers(ebc, args, timed, timer) -> None:
@@ -291,6 +302,20 @@ def extra_timers(ebc, args, timed, timer) -> None:
             timed(cache_table.CacheGroup, name, f"    cache {name}")
         for name in ("find_touch", "complete", "_insert", "find"):
             timed(ebc._groups[0].index.__class__, name, f"    index {name}")
+        # the release and the device insertion, call by call
+        for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
+                     "_to_host", "_device_graphs_for"):
+            timed(cache_table.CacheGroup, name, f"    cache {name}")
+        from tieredemb.modules.capture import CapturedStages
+        from tieredemb.storage import host
+        from tieredemb.storage.row_store import RowStore
+        for name in ("acquire", "release"):
+            timed(CapturedStages, name, f"    graphs {name}")
+        timed(torch.cuda.CUDAGraph, "replay", "    graph replay")
+        for name in ("peek", "free"):
+            timed(RowStore, name, f"    rows {name}")
+        for name in ("settle", "room_for", "written"):
+            timed(host.HostMemoryGroup, name, f"    host store {name}")
     if args.launches:
         time_launches(timer)
 

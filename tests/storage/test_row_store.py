@@ -66,3 +66,39 @@ def test_peek_shows_the_next_allocations_and_pop_takes_the_first_of_them() -> No
     store.pop(2)
     assert store.rows_in_use() == 2
     assert store.allocate(4).tolist() == ahead[2:].tolist()
+
+
+def test_host_memory_reserve_rows_sizes_the_index_for_them() -> None:
+    """The reserved rows of every table go in without a rehash (the index's generation and its
+    regions' sizes unchanged), and read back as written. (A call makes room for its keys in every
+    region, as it does not read where they go: calls of a few hundred keys, as a cache's.)"""
+    from tieredemb.storage.host import HostMemoryBackend
+
+    n, tables = 3000, 3
+    backend = HostMemoryBackend(width=4, tables=tables, reserve_rows=n * tables)
+    buckets, generation = list(backend._index.region_buckets), backend._index.generation
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)
+    keys = torch.unique(keys)
+    rows = torch.randn(tables, keys.numel(), 4, generator=g)
+    for t in range(tables):
+        for part in torch.arange(keys.numel()).split(500):
+            backend.set(keys[part], rows[t, part], torch.full_like(keys[part], t))
+    assert backend._index.region_buckets == buckets and backend._index.generation == generation
+    for t in range(tables):
+        got = backend.get(keys, torch.full_like(keys, t))
+        assert bool(got.found.all()) and torch.equal(got.rows, rows[t])
+
+
+def test_sets_alone_grow_only_the_regions_their_keys_need() -> None:
+    """Each call makes room for its keys in every region (it does not read where they go), but the
+    calls before it are read back first: sets into one table leave the other regions' size alone."""
+    from tieredemb.storage.host import HostMemoryBackend
+
+    backend = HostMemoryBackend(width=2, tables=4)
+    empty = list(backend._index.region_buckets)
+    keys = torch.arange(20_000) * 7919
+    for part in keys.split(500):
+        backend.set(part, torch.ones(part.numel(), 2), torch.zeros_like(part))
+    assert backend._index.region_buckets[1:] == empty[1:]
+    assert backend.size(0) == keys.numel()

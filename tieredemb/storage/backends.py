@@ -70,7 +70,10 @@ class HostMemory(BackendSpec):
             the segments are page-locked, and page-locking runs at ~1.7 GB/s and holds up the
             device's work while it runs: a store that grows by 23 MB a step (the ``cache`` workload
             at 3M rows a table) loses ~13 ms a step to it. Reserving the rows the tables will hold
-            moves that cost to the start.
+            moves that cost to the start. The store's index (in the device's memory on CUDA) is then
+            sized for twice these rows, 112-224 bytes a reserved row (28 a slot, buckets of 16
+            slots a quarter full or less): what it grows to anyway as the rows arrive, as a bucket
+            found full doubles it. Reserved, it does not rehash on the way.
 
     Example::
 

@@ -116,6 +116,13 @@ class HostMemoryBackend(Backend):
             store_cls = _PinnedRowStore if pinned else RowStore
             self._store = store_cls(width, segment_rows, _CPU)
         self._store.reserve(reserve_rows)
+        if reserve_rows:
+            # the index too, for twice the rows: at its load limit (0.5) keys fall in 16-way buckets
+            # as a Poisson law of mean 8, and ~50 of 3M keys would find theirs full; each time the
+            # region doubles (a rehash of every key, and the cache's insertion graphs, keyed by the
+            # index's generation, captured again: ~10 ms of host). At half the load, ~0.01 times.
+            per_table = -(-reserve_rows // tables)
+            self._index.reserve_regions([2 * per_table] * tables)
         self._step = 0  # LRU clock: one tick per call
         # upserts on the device not yet read back (``set_distinct``), in order; the index's sizes
         # per region as last read (None: read them when needed)
@@ -239,6 +246,9 @@ class HostMemoryBackend(Backend):
         """Make room for an upsert of n keys: the index grown to stay under its load limit even if
         every key is new (the sizes read are at most one call old), and a pool of n free rows lent to
         it (int64 (n,)); the rows it does not take go back when its counts are read."""
+        # the upserts already done first (on the CPU all of them): each one left unread counts as
+        # all new keys in every region, and calls of ``set`` alone would grow the index without end
+        self._settle(wait=False)
         if self._sizes_read is None:
             self._settle()
             self._sizes_read = self._index.sizes_on_device.tolist()
@@ -265,13 +275,17 @@ class HostMemoryBackend(Backend):
         host, ready = to_host_later(counts, self._count_buffers)
         self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready, settled))
 
-    def _settle(self) -> None:
-        """Read back the upserts done on the device, in order (waiting for them): the pool rows
-        they did not take go back to the store; keys left out go in now, the index growing."""
+    def _settle(self, wait: bool = True) -> None:
+        """Read back the upserts done on the device, in order (waiting for them; without ``wait``,
+        those done): the pool rows they did not take go back to the store; keys left out go in
+        now, the index growing."""
         while self._upserts:
-            u = self._upserts.pop(0)
+            u = self._upserts[0]
             if u.ready is not None:
+                if not wait and not u.ready.query():
+                    return
                 u.ready.synchronize()
+            self._upserts.pop(0)
             taken, left_out, *sizes = u.counts.tolist()
             if u.ready is not None:
                 self._count_buffers.append(u.counts)
