@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
         if name == "cache":
             p.add_argument("--reserve", action="store_true",
-                           help="page-lock the host store's rows up front (HostMemory(reserve_rows=rows))")
+                           help="size the stores up front: the host store's rows page-locked and its "
+                                "index (HostMemory(reserve_rows=rows)), the all-in-HBM peer's rows and "
+                                "index (init_capacity=rows)")
         if name == "ssd":
             p.add_argument("--dir", default=None,
                            help="RocksDB directory on the disk to test (default: a fresh temporary "

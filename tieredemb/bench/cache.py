@@ -73,7 +73,9 @@ class CacheOptions:
     shards: int = 8
     prefill: bool = True
     raw_rows: int | None = None  # ssd baseline rows (default: scaled from 1M)
-    reserve: bool = False  # cache: the host store's rows page-locked up front (HostMemory.reserve_rows)
+    # cache: the host store's rows page-locked and its index sized up front (HostMemory.reserve_rows),
+    # and the all-in-HBM peer's rows and index (TableConfig.init_capacity)
+    reserve: bool = False
 
     def __post_init__(self) -> None:
         if self.workload not in ("cache", "ssd"):
@@ -121,10 +123,10 @@ class RankBatches:
         return RankBatch(step, ranks, kjt, unique)
 
 
-def table_configs(shape: HbmShape) -> list[te.TableConfig]:
+def table_configs(shape: HbmShape, init_capacity: int | None = None) -> list[te.TableConfig]:
     return [te.TableConfig(name=shape.table_name(t), embedding_dim=shape.dim,
                            feature_names=[shape.feature_name(t)], num_embeddings=shape.rows,
-                           initializer=te.init.Uniform(-0.01, 0.01))
+                           initializer=te.init.Uniform(-0.01, 0.01), init_capacity=init_capacity)
             for t in range(shape.num_tables)]
 
 
@@ -254,7 +256,10 @@ def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batche
     measurement, those rows (host) and the keys read; the collection is closed and freed."""
     shape, dev = opts.shape, opts.device
     reset_peak(dev)
-    ebc = te.EmbeddingBagCollection(table_configs(shape), optimizer=te.optim.RowWiseAdagrad(lr=LR),
+    # ``reserve``: everything sized up front, the host store's rows and index for ours, the tables'
+    # rows and index for the peer (without, they grow as keys arrive: a rehash at times, ~0.4 s)
+    sized = shape.rows if opts.reserve and configuration == "peer" else None
+    ebc = te.EmbeddingBagCollection(table_configs(shape, sized), optimizer=te.optim.RowWiseAdagrad(lr=LR),
                                     storage=storage, device=dev, seed=opts.seed)
     try:
         m = Measurement(configuration, OPTIMIZER, label)
