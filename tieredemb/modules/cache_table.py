@@ -138,7 +138,8 @@ class CacheGroup(TableGroup):
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         # batches inserted on the device (``_insert_on_device``) whose counts the host has not read
         self._inserting: list[CachePrefetch] = []
-        self._side_streams: dict[int, torch.cuda.Stream] = {}  # by priority (``_beside``)
+        # side streams by priority and use (``_beside``, ``_write_stream``)
+        self._side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         # rows written down but not yet confirmed taken by the backing store, in order
         self._unwritten: list[_Pending] = []
         self._write_error: Exception | None = None
@@ -315,6 +316,7 @@ class CacheGroup(TableGroup):
 
                 slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, pool, hpool, step, u,
                                                    lengths=(pairs,) * 3, capture=self.may_capture())
+            write = self._write_stream()
             if slot is None:  # eagerly, with the misses' exact count (the pools sized for a graph: cut)
                 self.store.free(pool[misses:])
                 pool = pool[:misses]
@@ -322,11 +324,14 @@ class CacheGroup(TableGroup):
                 settled = None
             else:
                 out = slot.outputs
-                settled = functools.partial(self._insert_graphs.release, slot, None)
-            slots, values, kinds, written = out
+                settled = functools.partial(self._graph_settled, slot, write)
+            slots, values, kinds, written, (down_at, down_order) = out
             if slot is not None:  # the batch's own copies: the slot serves the next batch
                 slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
             below.written(*written, hpool, settled)
+            # the victims' rows go down to the host store beside the rest of the step: nothing of this
+            # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
+            below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
@@ -385,12 +390,19 @@ class CacheGroup(TableGroup):
         self.kernels.scatter(self.store, torch.where(found, -1, rows), self._initial_weights(wanted, vtables))
         addresses, hcounts = self.below.upsert_keys(evicted, vtables, hpool)
         order = self.below.address_order(addresses)
-        self.below.scatter_in_order(addresses[order], down, source=order)
         fetching.join()
         # rows moved per table: victims (``insert_rows``'s count), misses the store had
         self._moved[1] += kinds[2]
         self._moved[0] += _per_table(vtables, found, len(self.configs))
-        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts)
+        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order)
+
+    def _graph_settled(self, slot, write: torch.cuda.Stream | None) -> None:
+        """The host store has read the counts of the insertion replayed on ``slot``: the slot serves
+        another batch once the current stream's work so far and the victims' write-down (queued on
+        ``write`` at the insertion, maybe by another thread) are done."""
+        if write is not None:
+            write.wait_stream(torch.cuda.current_stream(self.device))
+        self._insert_graphs.release(slot, write)
 
     def _beside(self) -> _Beside:
         """A side stream of the current one (its priority) for work that may overlap the current
@@ -398,11 +410,20 @@ class CacheGroup(TableGroup):
         if self.device.type != "cuda":
             return _Beside(None)
         current = torch.cuda.current_stream(self.device)
-        side = self._side_streams.get(current.priority)
+        return _Beside(self._side_stream(current.priority, 0), current)
+
+    def _write_stream(self) -> torch.cuda.Stream | None:
+        """The stream of the victims' write-downs beside the current stream (of its priority; None
+        on the CPU): not the capture's side stream (``_beside``), as it runs outside the graphs."""
+        if self.device.type != "cuda":
+            return None
+        return self._side_stream(torch.cuda.current_stream(self.device).priority, 1)
+
+    def _side_stream(self, priority: int, use: int) -> torch.cuda.Stream:
+        side = self._side_streams.get((priority, use))
         if side is None:
-            side = self._side_streams[current.priority] = torch.cuda.Stream(self.device,
-                                                                            priority=current.priority)
-        return _Beside(side, current)
+            side = self._side_streams[(priority, use)] = torch.cuda.Stream(self.device, priority=priority)
+        return side
 
     def place_overflow(self) -> None:
         """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),

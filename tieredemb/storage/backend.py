@@ -73,7 +73,7 @@ class GroupStore:
     io_bound = True  # its calls do host I/O: the cache hands its write-downs to an I/O worker
     # the cache's device insertion writes its victims down and fetches its misses through this
     # store's device-only steps (``HostMemoryGroup``: ``settle``, ``room_for``, ``upsert_keys``,
-    # ``address_order``, ``scatter_in_order``, ``written``, ``locate``, ``copy_in_order``,
+    # ``address_order``, ``scatter_beside``, ``written``, ``locate``, ``copy_in_order``,
     # ``capture_key``), with ``RESERVED_KEY`` entries as padding
     padded_writes = False
 

@@ -53,7 +53,9 @@ class RowStore:
         self._pointers_lock = threading.Lock()  # a table is made and dropped whole (two threads)
         self._buffers: dict[int, torch.Tensor] = {}  # segment -> its stash buffer (allocated once)
         self._spares: list[torch.Tensor] = []  # host segments allocated, not added yet
-        self.ready: torch.cuda.Event | None = None  # the last stash or restore copy
+        # the last copy or write of its rows on a stream of its own (a stash, a restore, a cache's
+        # write-down beside the step): every access waits for it
+        self.ready: torch.cuda.Event | None = None
 
     @classmethod
     def over(cls, rows: torch.Tensor) -> RowStore:
@@ -206,7 +208,7 @@ class RowStore:
         """Yield (segment number, segment, offsets in it, positions in ``addresses``)."""
         if addresses.numel() == 0:
             return
-        self._await_copy(host="stashed" in self.placement)
+        self._await_copy(host=any(p != "device" for p in self.placement))  # the CPU may touch host rows
         seg_of = torch.div(addresses, self.segment_rows, rounding_mode="floor")
         offset = addresses - seg_of * self.segment_rows
         if len(self.segments) == 1:
@@ -277,11 +279,12 @@ class RowStore:
             self.ready.record(stream)
 
     def _await_copy(self, host: bool) -> None:
-        """Order what comes next after the last stash/restore copy: the current stream waits for it,
-        and with ``host`` (the CPU is about to touch host rows) the host does. Not inside a CUDA
-        graph's capture: a captured wait for an event recorded outside it invalidates the capture, and
-        the stream the graph is replayed on waits instead (the caller takes ``pointer_table`` on it
-        first, as ``TableGroup._insert_graph`` does for its key)."""
+        """Order what comes next after ``ready`` (the last copy or write of rows on a stream of its
+        own): the current stream waits for it, and with ``host`` (the CPU is about to touch host
+        rows) the host does. Not inside a CUDA graph's capture: a captured wait for an event
+        recorded outside it invalidates the capture, and the stream the graph is replayed on waits
+        instead (the caller takes ``pointer_table`` on it first, as ``TableGroup._insert_graph``
+        and ``CacheGroup._insert_on_device`` do for their keys)."""
         if self.ready is None or (not host and torch.cuda.is_current_stream_capturing()):
             return
         if host:
