@@ -167,7 +167,8 @@ class HostMemoryBackend(Backend):
         host memory hold up the memory pipes of their SM, and every kernel beside them with it. On
         an H100, the ``cache`` bench's step (22.6 MB written down a step, scale 0.3): 2.13-2.52 ms
         with the write in the insertion's graph on every SM, 2.19-3.19 beside it on half the SMs,
-        2.11-2.43 on a quarter, 1.66 on an eighth (``benchmarks/results/2026-11-27-h100-session26.md``).
+        2.11-2.43 on a quarter, 1.66 on an eighth, in one call
+        (``benchmarks/results/2026-11-27-h100-session26.md``).
         Whatever reaches the rows next, on any stream, waits for it (``RowStore.ready``). ``keep``:
         the tensors given stay allocated until it is done (False: the caller keeps them until then)."""
         if stream is None or self._kernels is None:
