@@ -29,6 +29,15 @@ run() {  # $1: tag, $2: package root, rest: bench arguments
     shift 2
     (cd /tmp && PYTHONPATH="$root$extra" python3 -m tieredemb.cli bench "$@" --out "$OUT/ab-$tag" 2>&1) \
         | grep -E "ms/step|x \(first" | sed "s/^/$tag  /"
+    # the spread of its steps: on a noisy machine the median alone misleads (session 26)
+    python3 - "$(ls -t "$OUT/ab-$tag"/*.json | head -n 1)" "$tag" <<'PY'
+import json, statistics, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    t = sorted(r.get("step_ms_all") or [])
+    if t:
+        print(f"{sys.argv[2]}  {r['label']}: median {statistics.median(t):.3f} p10 {t[len(t) // 10]:.3f} "
+              f"mean {statistics.mean(t):.3f} max {t[-1]:.3f} ms ({len(t)} steps)")
+PY
 }
 echo "== throwaway run"
 run warm "$PWD" "$@" --steps 3 >/dev/null
