@@ -232,7 +232,9 @@ def host_times(ebc, kjts, grad, args) -> None:
         mod.label = timer
 
     def timed(owner, attr, label, static=False):
-        fn = getattr(owner, attr)
+        fn = getattr(owner, attr, None)
+        if fn is None:  # an older checkout's package (an A/B run) may lack it
+            return
 
         def wrapper(*a, **k):
             with timer(label):
@@ -295,7 +297,7 @@ def host_times(ebc, kjts, grad, args) -> None:
 
 def extra_timers(ebc, args, timed, timer) -> None:
     """The cache's and the index's own calls (cache workload); each launch with ``--launches``."""
-    from tieredemb.modules import cache_table
+    from tieredemb.modules import cache_table, collection
 
     if args.workload == "cache":
         for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
@@ -304,7 +306,7 @@ def extra_timers(ebc, args, timed, timer) -> None:
             timed(ebc._groups[0].index.__class__, name, f"    index {name}")
         # the release and the device insertion, call by call
         for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
-                     "_to_host", "_device_graphs_for"):
+                     "_to_host", "_device_graphs_for", "_place", "_insert_on_device", "arm"):
             timed(cache_table.CacheGroup, name, f"    cache {name}")
         from tieredemb.modules.capture import CapturedStages
         from tieredemb.storage import host
@@ -312,6 +314,9 @@ def extra_timers(ebc, args, timed, timer) -> None:
         for name in ("acquire", "release"):
             timed(CapturedStages, name, f"    graphs {name}")
         timed(torch.cuda.CUDAGraph, "replay", "    graph replay")
+        for name in ("_finish_staged", "_stage", "_replay_staged"):
+            timed(collection._Collection, name, f"    collection {name}")
+        timed(type(ebc._groups[0]), "finish_prefetch", "    group finish_prefetch")
         for name in ("peek", "free"):
             timed(RowStore, name, f"    rows {name}")
         for name in ("settle", "room_for", "written"):

@@ -153,7 +153,8 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     rows are owed): misses and evictions every step, inserted on the device
     (``CacheGroup._insert_on_device``: the insertion, the victims' write-down and the misses' fetch
     replayed from CUDA graphs of padded sizes, the padding made coarse so that most of a graph is
-    padding) train as the same collection run eagerly, bit for bit; after flush the host store
+    padding; its host work done before the staged read where the sizes repeat) train as the same
+    collection run eagerly, bit for bit; a bad batch leaves nothing lent; after flush the host store
     holds the same rows."""
     import tieredemb.modules.cache_table as cache_module
 
@@ -184,6 +185,24 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     assert_insertions_alike(outputs, eager, captured, replays=4)
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and stats.evictions > 0 and stats.conflict_misses == 0, stats
+    # most insertions were armed before their read (``CacheGroup.arm``) and replayed as armed
+    group = captured._groups[0]
+    assert group.arms[0] >= 4, group.arms
+    if loop == "plain":  # an arm given back whole when the batch is bad: no row lent stays lent
+        free = (group.store._free_count, group.below.rows._store._free_count)
+        bad = batch(gen, lengths, 4000)
+        bad.values()[5] = te.RESERVED_KEY
+        # armed where the last insertion replayed a graph (else it ran eagerly: nothing to arm for)
+        given_back = group.arms[1] + (group._last_insert is not None)
+        with pytest.raises(ValueError, match="out of range"):  # (below 0: the tables are bounded)
+            captured.prefetch(bad)
+        assert group.arms[1] == given_back, group.arms
+        assert (group.store._free_count, group.below.rows._store._free_count) == free
+        more = [batch(gen, lengths, 4000) for _ in range(3)]
+        with torch.autograd.set_multithreading_enabled(False):
+            for kjt in more:
+                assert torch.equal(step(captured, kjt, upstream), step(eager, kjt, upstream))
+        assert_same_tables(eager, captured)
     for collection in (eager, captured):
         collection.flush()
     for t in range(3):

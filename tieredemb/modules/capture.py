@@ -121,17 +121,47 @@ class CapturedStages:
                 self._slots.append(slot)
         if slot is None:
             return None
+        self.load(slot, *inputs)
+        self.replay(slot)
+        return slot
+
+    def take(self, key: tuple) -> Slot | None:
+        """A free slot captured for ``key`` before, now held (None: none is free, or none was
+        captured; nothing counted towards a capture): for a caller that loads a slot's inputs
+        ahead of its replay (``load``, ``replay``; ``cancel`` if it is not replayed after all)."""
+        if self.failed is not None:
+            return None
+        with self._lock:
+            for i, slot in enumerate(self._slots):
+                if slot.key == key and not slot.busy:
+                    self._slots.append(self._slots.pop(i))
+                    slot.busy = True
+                    return slot
+        return None
+
+    def load(self, slot: Slot, *inputs: torch.Tensor | int | None) -> None:
+        """Copy ``inputs`` into ``slot``'s static inputs on the current stream, after the last batch
+        on it is done (``acquire``'s inputs; a 0-dim tensor fills a 0-dim input from the device)."""
         stream = torch.cuda.current_stream(self.device)
         if slot.done is not None:  # the last batch's readers (on another stream, perhaps) are done
             stream.wait_event(slot.done)
         for static, given in zip(slot.inputs, inputs):
             if isinstance(given, int):
                 static.fill_(given)
+            elif static is not None and given.dim() == 0:
+                static.copy_(given)
             elif static is not None:
                 static[: given.shape[0]].copy_(given)
+
+    def replay(self, slot: Slot) -> None:
+        """Replay ``slot`` (held, its inputs loaded) on the current stream."""
         slot.graph.replay()
         self.replays += 1
-        return slot
+
+    def cancel(self, slot: Slot) -> None:
+        """Give back a slot taken (``take``) and not replayed, once the copies ``load`` queued on
+        the current stream are done: it holds no batch."""
+        self.release(slot, None)
 
     def release(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
         """The batch on ``slot`` is done once ``stream``'s work queued so far is (default: the

@@ -364,6 +364,8 @@ class _Collection(nn.Module):
         staged, pending, sources, backward, read = record.outputs
         group, slot, stream = record.group, record.slot, record.stream
         try:
+            if len(self._groups) == 1:  # its host work that waits for no value of the read, before it
+                self._groups[0].arm(pending, read[staged.summary.numel()])
             with label("## group.prefetch ##"):
                 if record.done is not None:
                     record.done.synchronize()
@@ -385,6 +387,8 @@ class _Collection(nn.Module):
             with label("## group.prefetch ##"):
                 gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
+            if len(self._groups) == 1:
+                self._groups[0].disarm()
             if slot is not None:
                 self._captured.release(slot, stream)
             raise

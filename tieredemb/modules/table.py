@@ -353,6 +353,15 @@ class TableGroup:
         r = len(self.configs)
         return not any(info[1 : 1 + r]) and not any(info[1 + 2 * r : 1 + 3 * r])
 
+    def arm(self, staged: StagedPrefetch, count: torch.Tensor) -> None:
+        """Before the host reads ``stage_prefetch``'s result (``count``: its distinct pairs, int64 ()
+        on the device): host work of ``finish_prefetch`` that needs no value of the read, done while
+        the device still works towards it. Here none; ``disarm`` undoes it if no
+        ``finish_prefetch`` follows (a bad batch)."""
+
+    def disarm(self) -> None:
+        """Undo an ``arm`` that no ``finish_prefetch`` took."""
+
     def finish_prefetch(self, staged: StagedPrefetch, info: list[int],
                         ids_per_table: list[int]) -> GroupPrefetch:
         """The host half: ``info`` is the host copy of ``stage_prefetch``'s second result."""

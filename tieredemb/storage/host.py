@@ -283,6 +283,11 @@ class HostMemoryBackend(Backend):
         self._store.pop(n)
         return pool
 
+    def give_back(self, pool: torch.Tensor) -> None:
+        """A pool ``room_for`` lent and no upsert took, back to the free rows (in its order: the
+        next ``room_for`` lends the same rows)."""
+        self._store.free(pool)
+
     def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor | None,
                     pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The upsert's index on the device (``KeyIndex.upsert``; the rows to write follow): each
@@ -446,6 +451,9 @@ class HostMemoryGroup(GroupStore):
 
     def room_for(self, n: int) -> torch.Tensor:
         return self.rows.room_for(n)
+
+    def give_back(self, pool: torch.Tensor) -> None:
+        self.rows.give_back(pool)
 
     def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor,
                     pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
