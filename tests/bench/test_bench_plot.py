@@ -26,3 +26,18 @@ def test_plots_from_cache_reports(tmp_path):
         assert r.with_suffix(".png").stat().st_size > 1000
     assert (tmp_path / "cache-size.png").stat().st_size > 1000
     assert (tmp_path / "hit-rate-alpha.png").stat().st_size > 1000
+
+
+def test_step_time_bars_start_at_zero_unless_the_times_span_decades():
+    from tieredemb.bench.plot import _pyplot, time_axis
+
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    ax.barh([0, 1], [1.55, 1.2])
+    assert not time_axis(ax, [1.55, 1.2])
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0  # lengths compare as the times do
+    fig, wide = plt.subplots()
+    wide.barh([0, 1], [1.2, 35.8])
+    assert time_axis(wide, [1.2, 35.8])
+    assert wide.get_xscale() == "log" and wide.get_xlim()[0] == 1.0  # from the decade below 1.2 ms
+    plt.close("all")
