@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Before/after on one machine: the same bench with an older copy of the package and with this checkout,
 # alternating, in one call (machines differ by up to 30% on the same code, so only runs of one call
-# compare). A short throwaway run goes first: on the H200 machines the first bench process of a call
-# ran 1.5-2x slow at times, the same code a minute later did not.
+# compare). A throwaway run of the same length goes first: on the H200 machines the first bench process
+# of a call ran 1.5-2x slow at times, the same code a minute later did not; after a throwaway of 3 steps
+# the next run was still slow once (session 27: p10 2.13 ms against 1.48-1.60 for the same code later).
 #
 #   git archive REV tieredemb | (mkdir -p ab_old && tar -x -C ab_old)     # here, before the call
 #   bash scripts/ab_bench.sh ab_old [ROUNDS] -- cache --device cuda --scale 0.3 --steps 20 --reserve
@@ -40,7 +41,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
 PY
 }
 echo "== throwaway run"
-run warm "$PWD" "$@" --steps 3 >/dev/null
+run warm "$PWD" "$@" >/dev/null
 for ((i = 1; i <= rounds; i++)); do
     run new "$PWD" "$@"
     run old "$(cd "$old" && pwd)" "$@"
