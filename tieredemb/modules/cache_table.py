@@ -220,10 +220,7 @@ class CacheGroup(TableGroup):
         if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
             return
         pairs, bound = last
-        self.below.settle()
-        pool = self.store.peek(bound)
-        self.store.pop(bound)
-        hpool = self.below.room_for(bound)
+        pool, hpool = self._lend(bound)
         armed = _Armed(pairs, bound, self.index.generation, pool, hpool,
                        self._insert_graphs.take(self._insert_key(pairs, bound)))
         if armed.slot is None:  # none captured for these sizes, or every one in flight
@@ -232,6 +229,15 @@ class CacheGroup(TableGroup):
         pairs_of = (staged.keys[:pairs], staged.tables[:pairs], staged.counts[:pairs])
         self._insert_graphs.load(armed.slot, *pairs_of, pool, hpool, staged.step, count)
         self._armed = armed
+
+    def _lend(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device insertion's pools of ``bound`` free rows, the cache's and the host store's,
+        after the host store's earlier upserts are read back (the fetch then sees every row written
+        down before; keys they left out go in now)."""
+        self.below.settle()
+        pool = self.store.peek(bound)
+        self.store.pop(bound)
+        return pool, self.below.room_for(bound)
 
     def disarm(self) -> None:
         armed, self._armed = self._armed, None
@@ -371,11 +377,8 @@ class CacheGroup(TableGroup):
             self._give_back(armed)  # armed for other sizes
             armed = None
         if armed is None:
-            below.settle()  # the fetch sees every row written down before (keys left out go in now)
-            pool = self.store.peek(bound)
-            self.store.pop(bound)
-            hpool = below.room_for(bound)
-        else:  # all of that done before the read (``arm``), the slot loaded
+            pool, hpool = self._lend(bound)
+        else:  # lent before the read (``arm``), the slot loaded
             pool, hpool = armed.pool, armed.hpool
         with label("## cache.insert ##"):
             slot = None
