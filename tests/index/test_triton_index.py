@@ -34,8 +34,9 @@ FIELDS = ("slots", "found", "values", "evicted_keys", "evicted_values", "evicted
 def assert_same_state(got: KeyIndex, want: KeyIndex, msg: str) -> None:
     assert got.num_buckets == want.num_buckets, msg
     assert got.size() == want.size(), msg
-    for name in ("keys", "values", "scores", "locks"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), f"{msg}: {name} differ"
+    assert len(got._columns()) == len(want._columns()) == (4 if want.scored else 2), msg
+    for name, a, b in zip(("keys", "values", "scores", "locks"), got._columns(), want._columns()):
+        assert torch.equal(a, b), f"{msg}: {name} differ"
 
 
 def assert_same_result(got, want, msg: str) -> None:
@@ -53,7 +54,7 @@ def _pairs(rng: random.Random, n: int, regions: int) -> tuple[torch.Tensor, torc
 
 
 def run_workload(width: int, policy: str, max_slots: int | None, seed: int, steps: int = 8,
-                 regions: list[Region] | None = None, locking: bool = True) -> None:
+                 regions: list[Region] | None = None, locking: bool = True, scores: bool = True) -> None:
     """Random find_or_insert (lock on/off, LFU counts), assign, unlock, erase, find and export, on
     both indexes in lockstep."""
     rng = random.Random(seed)
@@ -63,8 +64,8 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
         kw = {"max_slots": max_slots}
     else:
         kw = {"initial_slots": 2 * width}
-    ref = KeyIndex(width, policy, DEVICE, locking=locking, **kw)
-    tri = TritonKeyIndex(width, policy, DEVICE, locking=locking, **kw)
+    ref = KeyIndex(width, policy, DEVICE, locking=locking, scores=scores, **kw)
+    tri = TritonKeyIndex(width, policy, DEVICE, locking=locking, scores=scores, **kw)
     nreg = len(ref.regions)
     next_address = 0
     locked: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -83,7 +84,7 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
             assert res.unplaced == int(((res.slots < 0) & ~res.found).sum()), msg
             assert res.new_rows == int((res.inserted & (res.values < 0)).sum()), msg
         assert_same_state(tri, ref, msg)
-        assert locking or int(ref.locks.abs().sum()) == 0, msg  # locking=False: no lock ever taken
+        assert locking or not scores or int(ref.locks.abs().sum()) == 0, msg  # no lock ever taken
         fresh = want.inserted & (want.values < 0)  # the caller gives new rows an address
         addresses = torch.arange(next_address, next_address + int(fresh.sum()), device=DEVICE)
         next_address += addresses.numel()
@@ -127,13 +128,14 @@ def test_bounded_matches_reference(policy, width, seed):
     run_workload(width, policy, max_slots=4 * width, seed=seed)
 
 
-@pytest.mark.parametrize("locking", [True, False])
+@pytest.mark.parametrize("layout", ["locks", "no locks", "no scores"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("width", [4, 6])
-def test_unbounded_matches_reference(policy, width, locking):
+def test_unbounded_matches_reference(policy, width, layout):
     """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes; with and
-    without lock counts (``locking=False``: hbm_direct's index, which never evicts)."""
-    run_workload(width, policy, max_slots=None, seed=3, locking=locking)
+    without lock counts (``locking=False``: hbm_direct's index, which never evicts), and with neither
+    scores nor locks (a host store's index; its exported scores are 0)."""
+    run_workload(width, policy, max_slots=None, seed=3, locking=layout == "locks", scores=layout != "no scores")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -327,18 +329,20 @@ def check_upsert(index: KeyIndex, model: dict, keys: torch.Tensor, tables: torch
     assert torch.equal(slots >= 0, values >= 0)
     placed = slots >= 0
     assert torch.equal(index.values[slots[placed]], values[placed])
-    assert bool((index.scores[slots[placed]] == step).all())
+    assert not index.scored or bool((index.scores[slots[placed]] == step).all())
     for r in range(len(index.regions)):
         assert index.size(r) == sum(1 for (t, _) in model if t == r)
     return left_out
 
 
+@pytest.mark.parametrize("scores", [True, False], ids=["scores", "no scores"])
 @pytest.mark.parametrize("index_class", [KeyIndex, TritonKeyIndex])
-def test_upsert_stores_absent_keys_with_pool_addresses(index_class):
+def test_upsert_stores_absent_keys_with_pool_addresses(index_class, scores):
     """Unbounded regions that start tiny: the reference grows as it inserts; the Triton index leaves
     out the keys of full buckets until ``reserve_regions`` grows it, never losing or duplicating."""
     rng = random.Random(5)
-    index = index_class(4, "lru", DEVICE, regions=[Region("lru", None, 8), Region("lru", None, 8)])
+    index = index_class(4, "lru", DEVICE, regions=[Region("lru", None, 8), Region("lru", None, 8)],
+                        locking=scores, scores=scores)
     model: dict = {}
     next_address, left = 0, 0
     for step in range(1, 7):
@@ -460,9 +464,10 @@ def test_insert_rows_gives_every_miss_a_row(policy, seed):
     assert fresh_total and victims_total and lacking_total  # each kind of row was exercised
 
 
+@pytest.mark.parametrize("scores", [True, False], ids=["scores", "no scores"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(policy, seed):
+def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(policy, seed, scores):
     """``insert_rows`` of unbounded regions (the device insertion of tables that grow) does not grow
     them: a bucket's misses take its empty ways, by hand from the index before the call; those that
     find no empty way keep slot -1 and take addresses from the pool's end, the others the pool's
@@ -470,7 +475,7 @@ def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(p
     rng = random.Random(seed)
     width = 4
     regions = [Region(policy, None, 8), Region(policy, None, 16)]  # 2 and 4 buckets: they fill
-    ref, tri = (cls(width, device=DEVICE, regions=regions, locking=False)
+    ref, tri = (cls(width, device=DEVICE, regions=regions, locking=False, scores=scores)
                 for cls in (KeyIndex, TritonKeyIndex))
     next_address, lacking_total = 0, 0
     for step in range(1, 6):

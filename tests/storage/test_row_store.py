@@ -88,6 +88,9 @@ def test_host_memory_reserve_rows_sizes_the_index_for_them() -> None:
     for t in range(tables):
         got = backend.get(keys, torch.full_like(keys, t))
         assert bool(got.found.all()) and torch.equal(got.rows, rows[t])
+    # a key and a row address a slot (no scores or locks: a store never evicts), the slots those
+    # of 32-way buckets 30% full at the reserved rows, one bucket of rounding a table
+    assert backend._index.nbytes() <= (16 / 0.3 * n + 16 * 32) * tables
 
 
 def test_sets_alone_grow_only_the_regions_their_keys_need() -> None:

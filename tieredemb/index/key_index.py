@@ -9,6 +9,9 @@ Layout (all on one device, CPU or CUDA): ``num_buckets x width`` slots, slot = b
                         ``locking=False`` (one that never evicts: nothing to shield) keeps them at 0,
                         so its batches need no release
 
+An index made with ``scores=False`` (it never evicts, and nobody reads its scores: a backing store's)
+keeps neither scores nor locks: 16 bytes a slot instead of 28.
+
 The buckets are cut into **regions**, one per table of a table group: region r owns buckets
 ``[start_r, start_r + buckets_r)`` and has its own eviction policy and bound, so tables batched into
 one index never share a bucket and a bounded table evicts only its own rows. Every verb takes
@@ -143,11 +146,13 @@ class KeyIndex:
             are not used).
         locking: keep lock counts (the default). False only for an index no region of which evicts:
             locks then stay 0, ``find_or_insert(lock=True)`` and ``unlock`` change nothing.
+        scores: keep a score a slot (the default). False (with ``locking=False``, every region
+            unbounded): no ``scores`` and no ``locks`` tensors; ``export`` gives scores of 0.
     """
 
     def __init__(self, width: int, policy: str = "lru", device: torch.device | str = "cpu",
                  max_slots: int | None = None, initial_slots: int = 1024,
-                 regions: list[Region] | None = None, locking: bool = True) -> None:
+                 regions: list[Region] | None = None, locking: bool = True, scores: bool = True) -> None:
         regions = [Region(policy, max_slots, initial_slots)] if regions is None else list(regions)
         for r in regions:
             if r.policy not in ("lru", "lfu"):
@@ -159,17 +164,17 @@ class KeyIndex:
         if self.bounded and not locking:
             raise ValueError("an index with a bounded region needs its locks (locking=True): they "
                              "keep the rows of batches in flight from being evicted")
+        if not scores and locking:
+            raise ValueError("an index without scores keeps no locks either: make it with locking=False")
         self.locking = locking
+        self.scored = scores
         self._lfu = torch.tensor([r.policy == "lfu" for r in regions], device=self.device)
         buckets = []
         for r in regions:
             if r.max_slots is not None:
                 buckets.append(-(-r.max_slots // width))
-            else:
-                nb = 1
-                while nb * width < r.initial_slots:
-                    nb *= 2
-                buckets.append(nb)
+            else:  # any count: a key's bucket is a multiply-shift of its hash, and doubling splits it
+                buckets.append(max(1, -(-r.initial_slots // width)))
         self._allocate(buckets)
         # sizes live on the device (no sync per insert)
         self._sizes = torch.zeros(len(regions), dtype=torch.int64, device=self.device)
@@ -192,8 +197,18 @@ class KeyIndex:
         self.bucket_evictable = torch.repeat_interleave(bounded, counts, output_size=self.num_buckets)
         self.keys = torch.full((c,), RESERVED_KEY, dtype=torch.int64, device=dev)
         self.values = torch.full((c,), -1, dtype=torch.int64, device=dev)
-        self.scores = torch.zeros(c, dtype=torch.int64, device=dev)
-        self.locks = torch.zeros(c, dtype=torch.int32, device=dev)
+        self.scores = torch.zeros(c, dtype=torch.int64, device=dev) if self.scored else None
+        self.locks = torch.zeros(c, dtype=torch.int32, device=dev) if self.scored else None
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        """The per-slot tensors: keys, values, then scores and locks where the index keeps them."""
+        if self.scored:
+            return self.keys, self.values, self.scores, self.locks
+        return self.keys, self.values
+
+    def nbytes(self) -> int:
+        """Bytes of the per-slot tensors (where the index lives: device memory on CUDA)."""
+        return sum(t.numel() * t.element_size() for t in self._columns())
 
     def capacity(self, region: int | None = None) -> int:
         """Slots of ``region`` (None: all)."""
@@ -457,11 +472,13 @@ class KeyIndex:
         slot = torch.where(ok, bucket * self.width + way, -1)  # in claim order
         safe = slot.clamp(min=0)
         victim = ok & (self.keys[safe] != RESERVED_KEY)
-        old = [t[safe].clone() for t in (self.keys, self.values, self.scores)]
+        old = [t[safe].clone() if t is not None else torch.zeros_like(safe)
+               for t in (self.keys, self.values, self.scores)]
         s = slot[ok]
         self.values[slot[ok & ~victim]] = -1
         self.keys[s] = mk[ok]
-        self.scores[s] = 0
+        if self.scored:
+            self.scores[s] = 0
         if self.locking:
             self.locks[s] = 1
         slots = torch.empty_like(slot)
@@ -528,8 +545,12 @@ class KeyIndex:
     def _candidates(self, buckets: torch.Tensor) -> torch.Tensor:
         """Ways of each bucket in claim order: empty by way, then evictable by (score, way)."""
         ways = buckets[:, None] * self.width + torch.arange(self.width, device=self.device)[None, :]
-        k, sc, lk = self.keys[ways], self.scores[ways], self.locks[ways]
+        k = self.keys[ways]
         is_empty = k == RESERVED_KEY
+        if self.scored:
+            sc, lk = self.scores[ways], self.locks[ways]
+        else:  # nothing evicts: only the empty ways are candidates, in way order
+            sc = lk = torch.zeros_like(k)
         evictable = ~is_empty & (lk == 0) & self.bucket_evictable[buckets][:, None]
         prio = torch.where(is_empty, torch.full_like(sc, -1), sc)
         prio = torch.where(is_empty | evictable, prio, torch.full_like(sc, _INT64_MAX))
@@ -539,6 +560,8 @@ class KeyIndex:
     def _touch(self, safe: torch.Tensor, placed: torch.Tensor, tables: torch.Tensor, step: int,
                counts: torch.Tensor) -> None:
         """Scores of the placed slots: LRU ``step``, LFU ``+= counts`` (new slots start at 0)."""
+        if not self.scored:
+            return
         policies = {r.policy for r in self.regions}
         if policies == {"lru"}:
             delta = step - self.scores[safe]
@@ -582,14 +605,16 @@ class KeyIndex:
         values = self.values[slots].clone()
         self.keys[slots] = RESERVED_KEY
         self.values[slots] = -1
-        self.scores[slots] = 0
-        self.locks[slots] = 0
+        if self.scored:
+            self.scores[slots] = 0
+            self.locks[slots] = 0
         self._sizes.index_add_(0, tables, torch.full_like(tables, -1))
         return values
 
     def export(self, region: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, scores) of every occupied slot of ``region`` (None: all), in slot order."""
-        keys, values, scores = self.keys, self.values, self.scores
+        keys, values = self.keys, self.values
+        scores = self.scores if self.scored else torch.zeros_like(keys)
         if region is not None:
             lo = self.region_start[region] * self.width
             hi = lo + self.region_buckets[region] * self.width
@@ -635,7 +660,7 @@ class KeyIndex:
         self.generation += 1  # slots found before now are stale
         w, old_first, old_buckets = self.width, self.region_start, self.region_buckets
         old_start, old_nb = self._start_dev, self._nb_dev
-        old = self.keys, self.values, self.scores, self.locks
+        old = self._columns()
         self._allocate(region_buckets)
         growing, r = [], 0
         while r < len(factors):  # runs of regions that grow or not, in region order
@@ -647,7 +672,7 @@ class KeyIndex:
                 growing.append((lo, hi))
             else:  # one copy per array: each slot stays in its way, its bucket shifted
                 at = self.region_start[r] * w
-                for new, was in zip((self.keys, self.values, self.scores, self.locks), old):
+                for new, was in zip(self._columns(), old):
                     new[at : at + (hi - lo) * w].copy_(was[lo * w : hi * w])
             r = end
         if growing:
@@ -656,10 +681,10 @@ class KeyIndex:
     def _split(self, old: tuple[torch.Tensor, ...], old_start: torch.Tensor, old_nb: torch.Tensor,
                nb_old: int, factors: list[int], runs: list[tuple[int, int]]) -> None:
         """``_grow``'s scatter of the old buckets ``lo .. hi`` of each of ``runs`` (growing regions)
-        into their children; ``old``: the old keys, values, scores and locks, whose regions started
-        at ``old_start`` with ``old_nb`` buckets (``nb_old`` in all)."""
+        into their children; ``old``: the old ``_columns``, whose regions started at ``old_start``
+        with ``old_nb`` buckets (``nb_old`` in all)."""
         w = self.width
-        keys, values, scores, locks = old
+        keys, values = old[:2]
         regions = torch.arange(len(self.regions), device=self.device)
         region_of = torch.repeat_interleave(regions, old_nb, output_size=nb_old)  # (B,) of each old bucket
         factor = device_tensor(factors, torch.int64, self.device)
@@ -687,5 +712,5 @@ class KeyIndex:
             full = occupied.view(-1)  # an empty slot gets what a new one holds, whatever it held
             self.keys[slot] = keys[part]
             self.values[slot] = torch.where(full, values[part], -1)
-            self.scores[slot] = torch.where(full, scores[part], 0)
-            self.locks[slot] = torch.where(full, locks[part], 0)
+            for new, was in zip(self._columns()[2:], old[2:]):  # scores and locks
+                new[slot] = torch.where(full, was[part], 0)

@@ -71,9 +71,8 @@ class HostMemory(BackendSpec):
             device's work while it runs: a store that grows by 23 MB a step (the ``cache`` workload
             at 3M rows a table) loses ~13 ms a step to it. Reserving the rows the tables will hold
             moves that cost to the start. The store's index (in the device's memory on CUDA) is then
-            sized for twice these rows, 112-224 bytes a reserved row (28 a slot, buckets of 16
-            slots a quarter full or less): what it grows to anyway as the rows arrive, as a bucket
-            found full doubles it. Reserved, it does not rehash on the way.
+            made at its final size, 53 bytes a reserved row (16 a slot, a key and a row address;
+            buckets of 32 slots 30% full), and does not rehash on the way.
 
     Example::
 

@@ -13,6 +13,7 @@ With ``capacity`` the index is bounded and evicts the least recently used row of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.row_store import RowStore
 
 _CPU = torch.device("cpu")
+# a reserved store's index holds its rows at this load: keys fall in its 32-way buckets as a Poisson
+# law of mean 9.6, and ~0.004 of 10M keys find theirs full (each time the region doubles: a rehash of
+# every key, and the cache's insertion graphs, keyed by the index's generation, captured again). In
+# 16-way buckets a quarter full ~4 of 10M keys did; 16 bytes a slot, so 53 bytes a reserved row
+RESERVE_LOAD = 0.3
 
 
 class _PinnedRowStore(RowStore):
@@ -75,11 +81,15 @@ class HostMemoryBackend(Backend):
         capacity: None: unbounded (a backing store). An int: at most about this many rows, the least
             recently used row of a full bucket making room for a new one (a cache).
         segment_rows: rows per host segment (the unit of growth).
-        bucket_width: slots per index bucket.
+        bucket_width: slots per index bucket (default: 32 for a store, 16 for a cache).
         device: where the index lives and keys and rows come and go (a CUDA device: the index on
             the GPU, rows pinned and reached through UVA); default the CPU.
         tables: rows of this many tables (a region of the index each; the verbs then take
             ``tables``, the table of each key). ``capacity`` applies per table.
+        reserve_rows: rows (of all the tables together) to allocate up front, and the index sized
+            for them (``RESERVE_LOAD``).
+
+    A store (no ``capacity``) never evicts: its index keeps no scores and no locks (16 bytes a slot).
 
     Example::
 
@@ -89,14 +99,21 @@ class HostMemoryBackend(Backend):
     """
 
     def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
-                 segment_rows: int = 65536, bucket_width: int = 16,
+                 segment_rows: int = 65536, bucket_width: int | None = None,
                  device: torch.device | None = None, tables: int = 1, reserve_rows: int = 0) -> None:
         self.width = width
         self.capacity = capacity
         if capacity is not None:
             segment_rows = min(segment_rows, max(capacity, 1))
         self.device = torch.device(device) if device is not None else _CPU
-        self._regions = [Region("lru", capacity) for _ in range(tables)]
+        store = capacity is None
+        if bucket_width is None:
+            bucket_width = 32 if store else 16
+        # reserved, the index is made at its final size: a rehash on the way costs a few steps
+        per_table = -(-reserve_rows // tables)
+        initial = math.ceil(per_table / RESERVE_LOAD) if store and reserve_rows else Region.initial_slots
+        self._regions = [Region("lru", capacity, initial) for _ in range(tables)]
+        self._index_args = dict(width=bucket_width, regions=self._regions, locking=not store, scores=not store)
         if self.device.type == "cuda":
             # the index on the GPU, the rows in pinned host segments that the kernels read and
             # write in place through UVA: no host work and no staging copy per call
@@ -108,21 +125,14 @@ class HostMemoryBackend(Backend):
             # took the SMs from the dense model's kernels (H200: 1.042x instead of 1.048-1.053x the
             # all-in-HBM pipeline; 32 programs starve PCIe: +0.3 ms a plain cache step)
             self._uva_programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._index = self._kernels.index_class(bucket_width, device=self.device, regions=self._regions)
+            self._index = self._kernels.index_class(device=self.device, **self._index_args)
             self._store = RowStore(width, segment_rows, self.device, device_segments=0)
         else:
             self._kernels = None
-            self._index = KeyIndex(bucket_width, device=_CPU, regions=self._regions)
+            self._index = KeyIndex(device=_CPU, **self._index_args)
             store_cls = _PinnedRowStore if pinned else RowStore
             self._store = store_cls(width, segment_rows, _CPU)
         self._store.reserve(reserve_rows)
-        if reserve_rows:
-            # the index too, for twice the rows: at its load limit (0.5) keys fall in 16-way buckets
-            # as a Poisson law of mean 8, and ~50 of 3M keys would find theirs full; each time the
-            # region doubles (a rehash of every key, and the cache's insertion graphs, keyed by the
-            # index's generation, captured again: ~10 ms of host). At half the load, ~0.01 times.
-            per_table = -(-reserve_rows // tables)
-            self._index.reserve_regions([2 * per_table] * tables)
         self._step = 0  # LRU clock: one tick per call
         # upserts on the device not yet read back (``set_distinct``), in order; the index's sizes
         # per region as last read (None: read them when needed)
@@ -378,7 +388,7 @@ class HostMemoryBackend(Backend):
     def close(self) -> None:
         self._upserts.clear()
         self._sizes_read = [0] * len(self._regions)
-        self._index = KeyIndex(self._index.width, device=self.device, regions=self._regions)
+        self._index = KeyIndex(device=self.device, **self._index_args)
         self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0)
 
     def nbytes(self) -> int:

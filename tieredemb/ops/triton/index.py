@@ -117,7 +117,7 @@ def _find_touch_kernel(
     width, step, step_ptr, first_table, regions, RESERVED: tl.constexpr, REGIONS: tl.constexpr,
     POLICY: tl.constexpr, BINS: tl.constexpr, GUARD: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, LOCK: tl.constexpr, STEP_PTR: tl.constexpr,
-    RANGE: tl.constexpr, CONTEST: tl.constexpr,
+    RANGE: tl.constexpr, CONTEST: tl.constexpr, SCORES: tl.constexpr,
 ):
     # ``_probe``, and then for the keys found (distinct slots: no two programs touch one):
     # lock += 1, score touched (POLICY 0: LRU = step, 1: LFU += count, 2: per region), row address
@@ -129,7 +129,7 @@ def _find_touch_kernel(
     # regions - 1 are this index's; CONTEST: an absent key whose bucket is evictable and holds a
     # locked way gets slot -2 (contested), and the keys found are not locked here (``_lock_kernel``
     # does it after, so that no program sees another's locks of this batch); arrays: the index's
-    # tables and bucket count (``_index_arrays``)
+    # tables and bucket count (``_index_arrays``); SCORES: the index keeps scores (else none touched)
     if STEP_PTR:
         step = tl.load(step_ptr)
     bins = tl.arange(0, BINS)
@@ -166,7 +166,9 @@ def _find_touch_kernel(
     touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
     if LOCK and not CONTEST:  # an index made with locking=False keeps none
         tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
-    if POLICY == 0:
+    if not SCORES:
+        pass
+    elif POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
     else:
         score = tl.load(table_scores + slot, mask=touch, other=0)
@@ -222,6 +224,7 @@ def _insert_kernel(
     keys, order, sorted_bucket, slots, table_keys, table_values, table_scores, table_locks, bucket_evictable,
     ev_flag, ev_keys, ev_values, ev_scores, taken, n, num_buckets, width, RESERVED: tl.constexpr,
     BLOCK_W: tl.constexpr, LOCK: tl.constexpr, ROWS: tl.constexpr, EV_KEYS: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     # grid: (n,) over the keys to insert: keys[order[p]] at position p of their (bucket, key) order
     # (sorted_bucket: int64 or int32, their buckets); the head of each bucket's run inserts the run,
@@ -230,7 +233,8 @@ def _insert_kernel(
     # only with EV_KEYS (RESERVED where no victim: the caller fills them first); taken int32 (2, n):
     # 1 where the key took an empty way (row 0), got no way (row 1), else 0; and every position
     # written (ev_flag and taken need no zeros first), a position past the misses (bucket
-    # num_buckets: a padded insertion's grid) with zeros
+    # num_buckets: a padded insertion's grid) with zeros. SCORES: the index keeps scores and locks
+    # (else its buckets never evict, and only their empty ways are claimed)
     p = tl.program_id(0).to(tl.int64)
     b = tl.load(sorted_bucket + p).to(tl.int64)
     prev = tl.load(sorted_bucket + p - 1, mask=p > 0, other=-1).to(tl.int64)
@@ -245,8 +249,11 @@ def _insert_kernel(
         wmask = ways < width
         first_slot = b * width
         k = tl.load(table_keys + first_slot + ways, mask=wmask, other=RESERVED)
-        sc = tl.load(table_scores + first_slot + ways, mask=wmask, other=0)
-        lk = tl.load(table_locks + first_slot + ways, mask=wmask, other=1)
+        sc = tl.zeros([BLOCK_W], dtype=tl.int64)
+        lk = tl.full([BLOCK_W], 1, tl.int32)
+        if SCORES:
+            sc = tl.load(table_scores + first_slot + ways, mask=wmask, other=0)
+            lk = tl.load(table_locks + first_slot + ways, mask=wmask, other=1)
         is_empty = k == RESERVED
         evictable = (~is_empty) & (lk == 0) & (tl.load(bucket_evictable + b) != 0)
         prio = tl.where(is_empty, -1, sc)
@@ -266,7 +273,9 @@ def _insert_kernel(
         way = tl.sum(tl.where(avail[None, :] & (rank[None, :] == r[:, None]), ways[None, :], 0), axis=1)
         old_key = tl.load(table_keys + first_slot + way, mask=got, other=RESERVED)
         old_value = tl.load(table_values + first_slot + way, mask=got, other=0)
-        old_score = tl.load(table_scores + first_slot + way, mask=got, other=0)
+        old_score = tl.zeros([BLOCK_W], dtype=tl.int64)
+        if SCORES:
+            old_score = tl.load(table_scores + first_slot + way, mask=got, other=0)
         victim = got & (old_key != RESERVED)
         idx = tl.load(order + pos, mask=in_run, other=0)
         new_key = tl.load(keys + idx, mask=got, other=0)
@@ -286,7 +295,8 @@ def _insert_kernel(
             tl.store(ev_scores + pos, old_score, mask=victim)
         tl.store(table_keys + slot, new_key, mask=got)
         tl.store(table_values + slot, tl.full([BLOCK_W], -1, tl.int64), mask=got & ~victim)
-        tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
+        if SCORES:
+            tl.store(table_scores + slot, tl.zeros([BLOCK_W], tl.int64), mask=got)
         if LOCK:
             tl.store(table_locks + slot, tl.full([BLOCK_W], 1, tl.int32), mask=got)
 
@@ -297,6 +307,7 @@ def _give_kernel(
     order, slots, victim, old_values, taken, pool, tables, counts, region_lfu, table_values, table_scores,
     values, rows, per_region, n, step, step_ptr, regions, n_ptr, POLICY: tl.constexpr, BINS: tl.constexpr,
     BLOCK: tl.constexpr, STEP_PTR: tl.constexpr, OWN: tl.constexpr, N_PTR: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     # ``insert_rows`` after the insert kernel, by claim position p < n (the pair order[p], whose slot
     # the insert kernel wrote in slots, -1 where none): its row (the victim's, the pool's next from
@@ -306,7 +317,7 @@ def _give_kernel(
     # int32 (2, n) the running count of both kinds, row 1's after row 0's (one scan of 2n: a scan by
     # rows of two rows is one slow block a row); OWN: pool[order[p]] is the pair's own row, which it
     # takes (no victims: an index that never evicts). N_PTR: a padded insertion, the misses are the
-    # first int64 () at n_ptr of the n positions (rows -1 past them)
+    # first int64 () at n_ptr of the n positions (rows -1 past them); SCORES: the index keeps scores
     if STEP_PTR:
         step = tl.load(step_ptr)
     real = n
@@ -337,7 +348,8 @@ def _give_kernel(
         score = tl.load(counts + idx, mask=placed, other=0)  # a new slot's score starts at 0
         if POLICY == 2:
             score = tl.where(tl.load(region_lfu + r, mask=placed, other=0) != 0, score, lru)
-    tl.store(table_scores + slot, score, mask=placed)
+    if SCORES:
+        tl.store(table_scores + slot, score, mask=placed)
     tl.store(values + idx, row, mask=in_range)
     tl.store(rows + p, row, mask=p < n)
     bins = tl.arange(0, BINS)
@@ -357,12 +369,13 @@ def _upsert_kernel(
     keys, tables, region_start, region_buckets, table_keys, table_values, table_scores, pool, counters,
     sizes, out_values, n, num_buckets, width, step, regions,
     RESERVED: tl.constexpr, REGIONS: tl.constexpr, BINS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr
+    BLOCK_W: tl.constexpr, SCORES: tl.constexpr,
 ):
     # grid: (cdiv(n, BLOCK_K),). An unbounded index: keys[i] found keep their value; an absent key
     # claims an empty way of its bucket by compare-and-swap (racing keys of the bucket take
     # different ways) and the next pool address (one atomic per program on counters[0], then the
-    # program's prefix sum); no empty way: value -1, counted in counters[1]. Scores = step for all;
+    # program's prefix sum); no empty way: value -1, counted in counters[1]. Scores = step for all
+    # (SCORES: the index keeps them);
     # sizes (R,) += the keys placed per region. A RESERVED key is padding: value -1, nothing stored.
     i = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_range = i < n
@@ -395,8 +408,9 @@ def _upsert_kernel(
     first = tl.atomic_add(counters, tl.sum(new.to(tl.int64), axis=0))
     address = tl.load(pool + first + tl.cumsum(new.to(tl.int64), axis=0) - 1, mask=new, other=-1)
     tl.store(table_values + placed, address, mask=new)
-    tl.store(table_scores + placed, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=new)
-    tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
+    if SCORES:
+        tl.store(table_scores + placed, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=new)
+        tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=found)
     value = tl.where(found, tl.load(table_values + slot, mask=found, other=-1), address)
     tl.store(out_values + i, value, mask=in_range)
     tl.atomic_add(counters + 1, tl.sum((todo & ~new).to(tl.int64), axis=0))
@@ -447,10 +461,11 @@ class TritonKeyIndex(KeyIndex):
         super()._allocate(region_buckets)
         # where find_touch's kernels find the tables: their addresses and the bucket count in one
         # device tensor that a rehash rewrites in place, so that a CUDA graph of the probe outlives it
+        # (an index without scores has no scores and locks: null, never read by its kernels)
         arrays = (self.keys, self.values, self.scores, self.locks, self.bucket_evictable, self._start_dev,
                   self._nb_dev)
-        addresses = device_tensor([t.data_ptr() for t in arrays] + [self.num_buckets], torch.int64,
-                                  self.device)
+        addresses = device_tensor([0 if t is None else t.data_ptr() for t in arrays] + [self.num_buckets],
+                                  torch.int64, self.device)
         if self._arrays is None:
             self._arrays = addresses
         else:
@@ -497,7 +512,7 @@ class TritonKeyIndex(KeyIndex):
             first_table or 0, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1, POLICY=self._policy,
             BINS=bins, GUARD=guard.numel(), BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_W=block_w,
             LOCK=self.locking, STEP_PTR=on_device, RANGE=first_table is not None, CONTEST=contest,
-            num_warps=_FIND_WARPS,
+            SCORES=self.scored, num_warps=_FIND_WARPS,
         )
         if contest:
             block = 1024
@@ -524,9 +539,10 @@ class TritonKeyIndex(KeyIndex):
         keys = keys.to(torch.int64).contiguous()
         _upsert_kernel[(triton.cdiv(n, block_k),)](
             keys, keys if tables is None else tables.contiguous(), self._start_dev, self._nb_dev, self.keys,
-            self.values, self.scores, pool.contiguous(), counters, self._sizes, out, n, self.num_buckets,
+            self.values, self._scores_arg, pool.contiguous(), counters, self._sizes, out, n, self.num_buckets,
             self.width, step, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
-            BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, num_warps=_FIND_WARPS,
+            BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, SCORES=self.scored,
+            num_warps=_FIND_WARPS,
         )
         return out, counters
 
@@ -559,6 +575,12 @@ class TritonKeyIndex(KeyIndex):
         return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores)
 
     @property
+    def _scores_arg(self) -> torch.Tensor:
+        """The kernels' scores argument: the scores, or any int64 tensor where the index keeps none
+        (the kernels, told SCORES=False, never touch it)."""
+        return self.values if self.scores is None else self.scores
+
+    @property
     def _policy(self) -> int:
         """The kernels' POLICY: 0 every region LRU, 1 every region LFU, 2 some of each."""
         policies = {r.policy for r in self.regions}
@@ -574,10 +596,10 @@ class TritonKeyIndex(KeyIndex):
                        slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool,
                        evicted_keys: bool = False) -> None:
         _insert_kernel[(n,)](
-            keys, order, sorted_bucket, slots, self.keys, self.values, self.scores, self.locks,
-            self.bucket_evictable, *out, n, self.num_buckets, self.width, RESERVED=RESERVED_KEY,
-            BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking, ROWS=rows, EV_KEYS=evicted_keys,
-            num_warps=_INSERT_WARPS,
+            keys, order, sorted_bucket, slots, self.keys, self.values, self._scores_arg,
+            self.keys if self.locks is None else self.locks, self.bucket_evictable, *out, n, self.num_buckets,
+            self.width, RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking,
+            ROWS=rows, EV_KEYS=evicted_keys, SCORES=self.scored, num_warps=_INSERT_WARPS,
         )
 
     def insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
@@ -616,11 +638,11 @@ class TritonKeyIndex(KeyIndex):
         real = (sorted_bucket[:misses] < self.num_buckets).sum() if padded else order
         _give_kernel[(triton.cdiv(misses, block),)](
             order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
-            self.scores, values, rows, per_region, misses, 0 if on_device else step,
+            self._scores_arg, values, rows, per_region, misses, 0 if on_device else step,
             step if on_device else order, regions, real,
             POLICY=self._policy,
             BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, OWN=own_rows,
-            N_PTR=padded,
+            N_PTR=padded, SCORES=self.scored,
             num_warps=4,
         )
         self._sizes += per_region[0]
