@@ -135,7 +135,8 @@ def test_unbounded_matches_reference(policy, width, layout):
     """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes; with and
     without lock counts (``locking=False``: hbm_direct's index, which never evicts), and with neither
     scores nor locks (a host store's index; its exported scores are 0)."""
-    run_workload(width, policy, max_slots=None, seed=3, locking=layout == "locks", scores=layout != "no scores")
+    run_workload(width, policy, max_slots=None, seed=3, locking=layout == "locks",
+                 scores=layout != "no scores")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

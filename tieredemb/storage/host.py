@@ -113,7 +113,8 @@ class HostMemoryBackend(Backend):
         per_table = -(-reserve_rows // tables)
         initial = math.ceil(per_table / RESERVE_LOAD) if store and reserve_rows else Region.initial_slots
         self._regions = [Region("lru", capacity, initial) for _ in range(tables)]
-        self._index_args = dict(width=bucket_width, regions=self._regions, locking=not store, scores=not store)
+        self._index_args = dict(width=bucket_width, regions=self._regions, locking=not store,
+                                scores=not store)
         if self.device.type == "cuda":
             # the index on the GPU, the rows in pinned host segments that the kernels read and
             # write in place through UVA: no host work and no staging copy per call

@@ -166,11 +166,9 @@ def _find_touch_kernel(
     touch = found & ((tl.zeros([BLOCK_K], dtype=tl.int32) + failed) == 0)
     if LOCK and not CONTEST:  # an index made with locking=False keeps none
         tl.store(table_locks + slot, tl.load(table_locks + slot, mask=touch, other=0) + 1, mask=touch)
-    if not SCORES:
-        pass
-    elif POLICY == 0:
+    if SCORES and POLICY == 0:
         tl.store(table_scores + slot, tl.zeros([BLOCK_K], dtype=tl.int64) + step, mask=touch)
-    else:
+    elif SCORES:
         score = tl.load(table_scores + slot, mask=touch, other=0)
         lfu = score + tl.load(counts + i, mask=touch, other=0)
         if POLICY == 2:
@@ -539,8 +537,8 @@ class TritonKeyIndex(KeyIndex):
         keys = keys.to(torch.int64).contiguous()
         _upsert_kernel[(triton.cdiv(n, block_k),)](
             keys, keys if tables is None else tables.contiguous(), self._start_dev, self._nb_dev, self.keys,
-            self.values, self._scores_arg, pool.contiguous(), counters, self._sizes, out, n, self.num_buckets,
-            self.width, step, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
+            self.values, self._arg(self.scores), pool.contiguous(), counters, self._sizes, out, n,
+            self.num_buckets, self.width, step, regions, RESERVED=RESERVED_KEY, REGIONS=regions > 1,
             BINS=triton.next_power_of_2(regions + 1), BLOCK_K=block_k, BLOCK_W=block_w, SCORES=self.scored,
             num_warps=_FIND_WARPS,
         )
@@ -574,11 +572,10 @@ class TritonKeyIndex(KeyIndex):
                             ev_flag, n=n, rows=False)
         return Claim(order, out_slots, ev_flag.view(torch.bool), ev_keys, ev_values, ev_scores)
 
-    @property
-    def _scores_arg(self) -> torch.Tensor:
-        """The kernels' scores argument: the scores, or any int64 tensor where the index keeps none
-        (the kernels, told SCORES=False, never touch it)."""
-        return self.values if self.scores is None else self.scores
+    def _arg(self, column: torch.Tensor | None) -> torch.Tensor:
+        """A kernel's argument for ``column`` (the scores or the locks): itself, or any tensor where the
+        index keeps none (its kernels, told SCORES=False, never touch it)."""
+        return self.values if column is None else column
 
     @property
     def _policy(self) -> int:
@@ -596,8 +593,8 @@ class TritonKeyIndex(KeyIndex):
                        slots: torch.Tensor, *out: torch.Tensor, n: int, rows: bool,
                        evicted_keys: bool = False) -> None:
         _insert_kernel[(n,)](
-            keys, order, sorted_bucket, slots, self.keys, self.values, self._scores_arg,
-            self.keys if self.locks is None else self.locks, self.bucket_evictable, *out, n, self.num_buckets,
+            keys, order, sorted_bucket, slots, self.keys, self.values, self._arg(self.scores),
+            self._arg(self.locks), self.bucket_evictable, *out, n, self.num_buckets,
             self.width, RESERVED=RESERVED_KEY, BLOCK_W=triton.next_power_of_2(self.width), LOCK=self.locking,
             ROWS=rows, EV_KEYS=evicted_keys, SCORES=self.scored, num_warps=_INSERT_WARPS,
         )
@@ -638,7 +635,7 @@ class TritonKeyIndex(KeyIndex):
         real = (sorted_bucket[:misses] < self.num_buckets).sum() if padded else order
         _give_kernel[(triton.cdiv(misses, block),)](
             order, slots, victim, old_values, taken, pool, tables, counts, self._lfu, self.values,
-            self._scores_arg, values, rows, per_region, misses, 0 if on_device else step,
+            self._arg(self.scores), values, rows, per_region, misses, 0 if on_device else step,
             step if on_device else order, regions, real,
             POLICY=self._policy,
             BINS=triton.next_power_of_2(regions + 1), BLOCK=block, STEP_PTR=on_device, OWN=own_rows,
