@@ -10,6 +10,7 @@ and across the features of a shared table, features in any order).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from dataclasses import dataclass
 
@@ -390,6 +391,32 @@ def test_stats_and_storage_mode():
     stats = ebc.stats()
     assert set(stats) == {"t", "u"}
     assert all(isinstance(s, te.TableStats) for s in stats.values())
+
+
+def test_stats_count_the_key_indexes_memory():
+    """``index_bytes`` against the documented sizes: a table with ``init_capacity=n`` has an index of
+    ceil(n / 0.5) slots of 28 bytes (key, row address, score, lock count), in whole buckets of 32; a
+    host-memory store reserved for r rows a table keeps ceil(r / 0.3) slots of 16 bytes (key, row
+    address) a table, in host memory on the CPU. Each table counts its own region."""
+    width = 32
+
+    def slots(n: int, load: float) -> int:
+        return -(-math.ceil(n / load) // width) * width
+
+    tables = [te.TableConfig("a", 4, ["x"], init_capacity=1000),
+              te.TableConfig("b", 4, ["y"], init_capacity=300)]
+    stats = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1)).stats()
+    assert stats["a"].index_bytes == {"device": slots(1000, 0.5) * 28}
+    assert stats["b"].index_bytes == {"device": slots(300, 0.5) * 28}
+
+    tables = [te.TableConfig(name, 4, [name], num_embeddings=10_000) for name in ("c", "d")]
+    storage = te.StorageConfig(hbm_budget=2 * 100 * 4 * 4, backing=te.storage.HostMemory(reserve_rows=2000))
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1), storage=storage)
+    ebc(Batch({"c": [[1, 2]], "d": [[3]]}).kjt()).values().sum().backward()
+    for name in ("c", "d"):
+        got = ebc.stats()[name].index_bytes
+        assert got["host"] == slots(2000, 0.3) * 16, name
+        assert got["device"] >= slots(100, 1.0) * 28, name  # the device cache's 100 rows, and more
 
 
 def test_stats_count_hits_misses_conflicts_evictions_and_refusals():

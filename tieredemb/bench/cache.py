@@ -50,6 +50,7 @@ from tieredemb.bench.hbm import (
 from tieredemb.bench.report import Measurement, fill_ratios, host_rss_bytes, peak_host_rss_bytes
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
 from tieredemb.modules.cache_table import CacheGroup
+from tieredemb.storage.backend import add_bytes
 
 CACHE_SHAPE = HbmShape(rows=10_000_000)
 OPTIMIZER = "rowwise_adagrad"
@@ -308,6 +309,7 @@ def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batche
             "achieved_bytes_per_s": {"backend->device": fetched / sec, "device->backend": written / sec,
                                      "both": (fetched + written) / sec},
             "rows_device": after_rows(ebc),
+            "index_bytes": index_bytes(ebc),
             "peak_host_rss_bytes": peak_host_rss_bytes(),
         }
         t0 = time.perf_counter()
@@ -327,6 +329,12 @@ def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batche
 
 def after_rows(ebc: te.EmbeddingBagCollection) -> int:
     return sum(group.index.size() for group in ebc._groups)
+
+
+def index_bytes(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
+    """Bytes of every table's key indexes, by where they live (``TableStats.index_bytes``; without
+    ``stats()``, which counts a RocksDB store's rows by a scan)."""
+    return add_bytes(*(group.index_bytes(t) for group in ebc._groups for t in range(len(group.configs))))
 
 
 # --------------------------------------------------------------------------- raw rocksdict
@@ -536,6 +544,8 @@ class CacheBench:
                 f"(conflict {x['conflict_misses_per_step']:.0f}), evictions/step "
                 f"{x['evictions_per_step']:.0f}; cache rows/table {self.cache_rows[0]}"
                 if hr is not None else "hit rate -")
+            lines.append("key indexes: " + ", ".join(
+                f"{where} {n / 1e9:.3g} GB" for where, n in sorted(x.get("index_bytes", {}).items())))
             lines.append(
                 f"bytes moved/step: backend->device {moved['backend->device'] / 1e6:.2f} MB, "
                 f"device->backend {moved['device->backend'] / 1e6:.2f} MB; achieved "

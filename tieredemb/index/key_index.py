@@ -206,9 +206,9 @@ class KeyIndex:
             return self.keys, self.values, self.scores, self.locks
         return self.keys, self.values
 
-    def nbytes(self) -> int:
-        """Bytes of the per-slot tensors (where the index lives: device memory on CUDA)."""
-        return sum(t.numel() * t.element_size() for t in self._columns())
+    def nbytes(self, region: int | None = None) -> int:
+        """Bytes of the per-slot tensors of ``region`` (None: all), where the index lives."""
+        return self.capacity(region) * sum(t.element_size() for t in self._columns())
 
     def capacity(self, region: int | None = None) -> int:
         """Slots of ``region`` (None: all)."""

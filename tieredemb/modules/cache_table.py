@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
-from tieredemb.index.key_index import CONTESTED, Region
+from tieredemb.index.key_index import CONTESTED, KeyIndex, Region
 from tieredemb.modules.capture import CapturedStages, Slot, padded_size
 from tieredemb.modules.table import (
     CONFLICTS,
@@ -53,7 +53,7 @@ from tieredemb.modules.table import (
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
-from tieredemb.storage.backend import Fetched, GroupStore
+from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.io_worker import IOHandle, IOWorker
 
@@ -955,6 +955,12 @@ class CacheGroup(TableGroup):
         fetched, written = (self._moved[:, table] * self.width * 4).tolist()
         out.bytes_moved = {"backend->device": fetched, "device->backend": written}
         return out
+
+    def index_bytes(self, table: int) -> dict[str, int]:
+        return add_bytes(super().index_bytes(table), self.below.table(table).index_bytes())
+
+    def _indexes(self) -> list[KeyIndex]:
+        return super()._indexes() + [self.in_flight] + ([self.bound] if self.bound is not None else [])
 
     def close(self) -> None:
         try:

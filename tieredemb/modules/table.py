@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tieredemb.config import TableConfig
-from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, Region, region_counts
+from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, KeyIndex, Region, region_counts
 from tieredemb.modules.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
@@ -48,7 +48,11 @@ class TableStats:
     """Counters of one table since construction.
 
     ``rows``: tier -> rows stored there; ``bytes_moved``: "src->dst" -> bytes copied between tiers;
-    ``memory_bytes``: tier -> bytes of the table's stored rows (weights and optimizer state).
+    ``memory_bytes``: tier -> bytes of the table's stored rows (weights and optimizer state);
+    ``index_bytes``: where -> bytes of the key indexes the table's rows are found through (its part of
+    each: the table's or device cache's, a capacity bound's, admission counts, a host-memory store's),
+    "device" the compute device's memory (where a host-memory store keeps its index on CUDA),
+    "host" host memory.
     """
 
     rows: dict[str, int]
@@ -62,6 +66,7 @@ class TableStats:
     not_admitted: int = 0
     bytes_moved: dict[str, int] = field(default_factory=dict)
     memory_bytes: dict[str, int] = field(default_factory=dict)
+    index_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -859,7 +864,16 @@ class TableGroup:
             lookups=self.lookups[table], unique_lookups=unique, hits=hits, misses=misses,
             conflict_misses=conflicts, evictions=evictions, not_admitted=not_admitted,
             bytes_moved={}, memory_bytes={k: v * self.width * 4 for k, v in rows.items()},
+            index_bytes=self.index_bytes(table),
         )
+
+    def index_bytes(self, table: int) -> dict[str, int]:
+        """``TableStats.index_bytes`` of ``table``."""
+        return {"device": sum(index.nbytes(table) for index in self._indexes())}
+
+    def _indexes(self) -> list[KeyIndex]:
+        """Every key index of the group (a region per table in each)."""
+        return [self.index] + ([self.admission] if self.admission is not None else [])
 
     def flush(self) -> None:
         """Nothing to write down (every row already lives in its only tier): the rows lent to

@@ -33,6 +33,15 @@ class Fetched:
     found: torch.Tensor
 
 
+def add_bytes(*parts: dict[str, int]) -> dict[str, int]:
+    """The sum of byte counts by place ("device", "host", ...)."""
+    out: dict[str, int] = {}
+    for part in parts:
+        for where, n in part.items():
+            out[where] = out.get(where, 0) + n
+    return out
+
+
 class Backend(ABC):
     """One table's rows in a backing store. ``width`` is the float32 row width W (weights + state)."""
 
@@ -56,6 +65,11 @@ class Backend(ABC):
 
     def flush(self) -> None:  # noqa: B027 - optional: most stores are durable after set
         """Make every ``set`` durable / visible to a new reader (no-op where it already is)."""
+
+    def index_bytes(self) -> dict[str, int]:
+        """Bytes of the key index this process keeps to find the table's rows, by where it lives:
+        "device" (a CUDA device's memory) or "host". None here: the store indexes its own rows."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional: nothing to release for in-memory stores
         """Release files, connections and memory."""

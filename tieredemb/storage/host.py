@@ -23,7 +23,7 @@ from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex, Region
 from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
-from tieredemb.storage.backend import Backend, Fetched, GroupStore
+from tieredemb.storage.backend import Backend, Fetched, GroupStore, add_bytes
 from tieredemb.storage.row_store import RowStore
 
 _CPU = torch.device("cpu")
@@ -396,6 +396,10 @@ class HostMemoryBackend(Backend):
         """Host bytes held by rows (allocated segments)."""
         return self._store.nbytes()
 
+    def index_bytes(self, table: int | None = None) -> dict[str, int]:
+        """Bytes of the index's slots of ``table`` (None: all): in device memory on CUDA."""
+        return {"device" if self.device.type == "cuda" else "host": self._index.nbytes(table)}
+
     def _touch(self, keys: torch.Tensor, tables: torch.Tensor | None) -> None:
         """Refresh the LRU score of present keys (a cache hit)."""
         self._step += 1
@@ -427,6 +431,9 @@ class _TableView(Backend):
 
     def size(self) -> int:
         return self.rows.size(self.t)
+
+    def index_bytes(self) -> dict[str, int]:
+        return self.rows.index_bytes(self.t)
 
 
 class HostMemoryGroup(GroupStore):
@@ -548,6 +555,9 @@ class CachedBackend(Backend):
 
     def size(self) -> int:
         return self.store.size()
+
+    def index_bytes(self) -> dict[str, int]:
+        return add_bytes(self.cache.index_bytes(), self.store.index_bytes())
 
     def flush(self) -> None:
         self.store.flush()
