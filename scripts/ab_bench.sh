@@ -38,7 +38,8 @@ for r in json.load(open(sys.argv[1]))["results"]:
     if t:
         print(f"{sys.argv[2]}  {r['label']}: median {statistics.median(t):.3f} p10 {t[len(t) // 10]:.3f} "
               f"mean {statistics.mean(t):.3f} max {t[-1]:.3f} ms ({len(t)} steps), "
-              f"peak device {(r.get('peak_device_bytes') or 0) / 2**30:.2f} GiB")
+              f"peak device {(r.get('peak_device_bytes') or 0) / 2**30:.2f} GiB, "
+              f"huge pages {((r.get('extra') or {}).get('huge_page_bytes') or 0) / 2**30:.2f} GiB")
 PY
 }
 echo "== throwaway run"

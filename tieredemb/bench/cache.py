@@ -47,7 +47,13 @@ from tieredemb.bench.hbm import (
     time_ms,
     upstream_grad,
 )
-from tieredemb.bench.report import Measurement, fill_ratios, host_rss_bytes, peak_host_rss_bytes
+from tieredemb.bench.report import (
+    Measurement,
+    fill_ratios,
+    host_rss_bytes,
+    huge_page_bytes,
+    peak_host_rss_bytes,
+)
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
 from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.storage.backend import add_bytes
@@ -311,6 +317,7 @@ def run_config(opts: CacheOptions, label: str, storage: te.StorageConfig, batche
             "rows_device": after_rows(ebc),
             "index_bytes": index_bytes(ebc),
             "peak_host_rss_bytes": peak_host_rss_bytes(),
+            "huge_page_bytes": huge_page_bytes(),
         }
         t0 = time.perf_counter()
         ebc.flush()

@@ -148,6 +148,28 @@ def peak_host_rss_bytes() -> int | None:
         return None
 
 
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's memory in transparent huge pages now (``AnonHugePages``). Host rows
+    reached through UVA on 4 KiB pages take a translation miss almost every random row: a guess
+    for why runs of the same cache bench differ, recorded with each run to be checked."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's THP mode (``always``, ``madvise`` or ``never``), None where it does not say."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else None
+
+
 def machine_info(device: torch.device) -> dict:
     """What ran the benchmark: device, library versions, host."""
     info = {
@@ -161,6 +183,7 @@ def machine_info(device: torch.device) -> dict:
         "torch_threads": torch.get_num_threads(),
         # False: backward ran on the calling thread (the bench's default, as in TrainPipeline)
         "autograd_multithreading": torch._C._is_multithreading_enabled(),
+        "transparent_hugepage": _transparent_huge_pages(),
         "git_commit": _git_commit(),
         # the code that ran, where the commit does not say it (a copy of a working tree, edits)
         "source_hash": source_hash(Path(__file__).resolve().parents[1]),
