@@ -12,6 +12,12 @@ ways and times one kernel reading random rows of it in address order, as the cac
 
     python3 scripts/huge_pages_probe.py --alloc torch|huge [--gib 15.5] [--n 45000] [--repeat 50]
 
+``torch`` also takes torch's other way to pin: ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:
+True,pinned_num_register_threads:8`` (malloc, then ``cudaHostRegister`` in threads) with
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc advises huge pages for its large blocks): the same
+for the whole library without a change to it, if the guess holds (``bench cache`` under the same
+variables).
+
 Prints one line: the allocation, the process's ``AnonHugePages`` after it, the kernel's median time
 and GB/s of row bytes. Run it several times a mode, each in its own process (the guess is about what
 a process gets when it allocates): ``for i in 1 2 3 4; do for a in torch huge; do python3
