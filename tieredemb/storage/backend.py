@@ -68,7 +68,8 @@ class Backend(ABC):
 
     def index_bytes(self) -> dict[str, int]:
         """Bytes of the key index this process keeps to find the table's rows, by where it lives:
-        "device" (a CUDA device's memory) or "host". None here: the store indexes its own rows."""
+        "device" (a CUDA device's memory) or "host". Empty here: the store indexes its own rows
+        (RocksDB, Redis)."""
         return {}
 
     def close(self) -> None:  # noqa: B027 - optional: nothing to release for in-memory stores
