@@ -102,12 +102,10 @@ class _Beside:
 
 @dataclass
 class _Armed:
-    """``CacheGroup.arm``'s work for an insertion of ``pairs`` padded pairs and ``bound`` misses:
-    the free rows lent (the cache's, the host store's) and the graph slot taken, its inputs loaded."""
+    """``CacheGroup.arm``'s work for the insertion graph of ``key`` (``CacheGroup._insert_key``): the
+    free rows lent (the cache's, the host store's) and the graph slot taken, its inputs loaded."""
 
-    pairs: int
-    bound: int
-    generation: int
+    key: tuple
     pool: torch.Tensor
     hpool: torch.Tensor
     slot: Slot | None
@@ -221,8 +219,8 @@ class CacheGroup(TableGroup):
             return
         pairs, bound = last
         pool, hpool = self._lend(bound)
-        armed = _Armed(pairs, bound, self.index.generation, pool, hpool,
-                       self._insert_graphs.take(self._insert_key(pairs, bound)))
+        key = self._insert_key(pairs, bound)
+        armed = _Armed(key, pool, hpool, self._insert_graphs.take(key))
         if armed.slot is None:  # none captured for these sizes, or every one in flight
             self._give_back(armed)
             return
@@ -372,9 +370,8 @@ class CacheGroup(TableGroup):
         pairs = padded_size(u) if graphs else u
         bound = min(pairs, 1 << (misses - 1).bit_length()) if graphs and misses else misses
         armed, self._armed = self._armed, None
-        if armed is not None and (armed.pairs, armed.bound, armed.generation) != (pairs, bound,
-                                                                                  self.index.generation):
-            self._give_back(armed)  # armed for other sizes
+        if armed is not None and armed.key != self._insert_key(pairs, bound):
+            self._give_back(armed)  # armed for other sizes (or segment tables, or a rehash since)
             armed = None
         if armed is None:
             pool, hpool = self._lend(bound)
