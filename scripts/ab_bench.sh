@@ -31,16 +31,7 @@ run() {  # $1: tag, $2: package root, rest: bench arguments
     (cd /tmp && PYTHONPATH="$root$extra" python3 -m tieredemb.cli bench "$@" --out "$OUT/ab-$tag" 2>&1) \
         | grep -E "ms/step|x \(first" | sed "s/^/$tag  /"
     # the spread of its steps: on a noisy machine the median alone misleads (session 26)
-    python3 - "$(ls -t "$OUT/ab-$tag"/*.json | head -n 1)" "$tag" <<'PY'
-import json, statistics, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    t = sorted(r.get("step_ms_all") or [])
-    if t:
-        print(f"{sys.argv[2]}  {r['label']}: median {statistics.median(t):.3f} p10 {t[len(t) // 10]:.3f} "
-              f"mean {statistics.mean(t):.3f} max {t[-1]:.3f} ms ({len(t)} steps), "
-              f"peak device {(r.get('peak_device_bytes') or 0) / 2**30:.2f} GiB, "
-              f"huge pages {((r.get('extra') or {}).get('huge_page_bytes') or 0) / 2**30:.2f} GiB")
-PY
+    python3 scripts/step_spread.py "$(ls -t "$OUT/ab-$tag"/*.json | head -n 1)" "$tag"
 }
 echo "== throwaway run"
 run warm "$PWD" "$@" >/dev/null

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tieredemb.bench import main
-from tieredemb.bench.cache import RankBatches, cache_shape, compare
+from tieredemb.bench.cache import CacheOptions, RankBatches, cache_shape, compare
 
 SCALE = 0.001  # 10,000 rows a table, batch 10: 1,000 lookups a step; cache 1,000 rows a table
 
@@ -107,3 +107,28 @@ def test_ids_are_the_hbm_workloads_ranks() -> None:
     assert torch.equal(ours.ranks, hbm.ranks)
     assert torch.equal(ours.kjt.values(), hbm.ranks.reshape(-1))
     assert ours.unique_keys == sum(hbm.unique_keys)
+
+
+def test_turns_change_no_configurations_training(tmp_path) -> None:
+    """Ours and the peer timed in turns of one step train exactly as when each runs alone from start
+    to finish: the same counters, the same checked rows."""
+    reports = {}
+    for turn in (0, 1):
+        out = tmp_path / f"turn{turn}"
+        rc = main(["cache", "--scale", str(SCALE), "--steps", "3", "--warmup", "2", "--device", "cpu",
+                   "--threads", "1", "--interleave", str(turn), "--out", str(out)])
+        data = json.loads(next(out.glob("*-cache.json")).read_text())
+        assert rc == 0 and data["ok"] is True and data["options"]["interleave"] == turn
+        reports[turn] = {r["configuration"]: r for r in data["results"]}
+        assert [r["configuration"] for r in data["results"]] == ["ours", "peer"]
+    for configuration in ("ours", "peer"):
+        alone, turns = reports[0][configuration], reports[1][configuration]
+        assert len(turns["step_ms_all"]) == 3
+        assert alone["extra"]["timed_counters"] == turns["extra"]["timed_counters"]
+        assert alone["unique_keys_per_step"] == turns["unique_keys_per_step"]
+    assert reports[1]["ours"]["extra"]["timed_counters"]["misses"] > 0
+
+
+def test_interleave_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="interleave must be >= 0"):
+        CacheOptions(interleave=-1)

@@ -13,11 +13,12 @@ ours trained the same rows as the peer (with ``--capacity``, the bounded runs th
 torch kernels' run of the same bounded tables).
 
     tieredemb bench cache|ssd [--scale S] [--device cpu|cuda] [--steps N] [--warmup N]
-                              [--budget-fraction F] [--dir DIR] [--shards N] [--out DIR]
+                              [--budget-fraction F] [--interleave N] [--dir DIR] [--shards N] [--out DIR]
 
 runs the cache-mode workloads (``tieredemb.bench.cache``): 10 tables x 10M rows in a device cache of
 10% of the footprint over host memory (``cache``) or RocksDB on local disk (``ssd``), against the same
-tables all in device memory; report ``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-ssd.json``) and ``.txt``.
+tables all in device memory, both built and timed in turns of ``--interleave`` steps; report
+``<out>/<YYYYmmdd-HHMMSS>-cache.json`` (``-ssd.json``) and ``.txt``.
 
     tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N]
                          [--optimizer adam] [--device cpu|cuda] [--out DIR]
@@ -106,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run")
         p.add_argument("--no-prefill", dest="prefill", action="store_false",
                        help="start empty (default: the hottest cache-rows ranks written first)")
+        p.add_argument("--interleave", type=int, default=10,
+                       help="build ours and the all-in-HBM peer both, then time them in turns of this "
+                            "many steps, so both see the same machine (default %(default)s; 0: one "
+                            "after the other, each built only while it runs: less device memory)")
         p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
         if name == "cache":
             p.add_argument("--reserve", action="store_true",
@@ -287,7 +292,7 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                                directory=getattr(args, "dir", None),
                                shards=getattr(args, "shards", 8), prefill=args.prefill,
                                raw_rows=getattr(args, "raw_rows", None),
-                               reserve=getattr(args, "reserve", False))
+                               reserve=getattr(args, "reserve", False), interleave=args.interleave)
     except ValueError as e:
         print(f"tieredemb bench: {e}", file=sys.stderr)
         return 2
@@ -299,7 +304,8 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
         title = (f"{args.workload}: {s.num_tables} tables x {s.rows} rows x D={s.dim} RowWiseAdagrad, "
                  f"HBM budget {options.budget_fraction:g} of {options.footprint_bytes / 1e9:.2f} GB, "
                  f"batch {s.batch_size} x {s.bag_size} ids, {s.lookups} lookups/step, Zipf "
-                 f"{s.alpha}; {machine.get('gpu', device)}; median of {options.steps} steps")
+                 f"{s.alpha}; {machine.get('gpu', device)}; median of {options.steps} steps"
+                 + (f", in turns of {options.interleave}" if options.interleave else ""))
         bench = CacheBench(options, log=_log)
 
         def text() -> str:

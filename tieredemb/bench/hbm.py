@@ -207,6 +207,10 @@ def peak_device_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
+def allocated_bytes(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
 def run_steps(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOptions,
               on_timed_start: Callable[[], None] | None = None) -> tuple[list[float], list[int]]:
     """Warmup, then timed steps. Returns step ms and unique keys (all tables) of the timed steps.

@@ -10,6 +10,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -148,10 +149,23 @@ def peak_host_rss_bytes() -> int | None:
         return None
 
 
+def python_loop_ms(n: int = 200_000) -> float:
+    """The best of three timings of a fixed pure-Python loop on this thread: the host's speed, which
+    on the device machines moved by 2x between processes and within one (session 29: the same loop
+    101-219 ms at 2M), with the step times of host-bound configurations."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(n))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def huge_page_bytes() -> int | None:
-    """Bytes of this process's memory in transparent huge pages now (``AnonHugePages``). Host rows
-    reached through UVA on 4 KiB pages take a translation miss almost every random row: a guess
-    for why runs of the same cache bench differ, recorded with each run to be checked."""
+    """Bytes of this process's memory in transparent huge pages now (``AnonHugePages``). Recorded
+    to test a guess for why runs of the same cache bench differ (random UVA reads of host rows on
+    4 KiB pages missing the GPU's translation cache): wrong, as measured in session 29 (the same
+    16.3-16.7 GB/s on 4 KiB and on 2 MiB pages, ``scripts/huge_pages_probe.py``)."""
     try:
         for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
             if line.startswith("AnonHugePages:"):
@@ -184,6 +198,7 @@ def machine_info(device: torch.device) -> dict:
         # False: backward ran on the calling thread (the bench's default, as in TrainPipeline)
         "autograd_multithreading": torch._C._is_multithreading_enabled(),
         "transparent_hugepage": _transparent_huge_pages(),
+        "python_loop_ms": python_loop_ms(),
         "git_commit": _git_commit(),
         # the code that ran, where the commit does not say it (a copy of a working tree, edits)
         "source_hash": source_hash(Path(__file__).resolve().parents[1]),
