@@ -4,8 +4,9 @@
 #  1. scripts/huge_pages_probe.py, ROUNDS processes a way of pinning: torch's cudaHostAlloc ("torch"),
 #     torch's malloc + cudaHostRegister with glibc advising huge pages ("torch+env", the variables in
 #     HUGE_ENV: no code change), and memory advised MADV_HUGEPAGE then registered ("huge").
-#  2. `bench cache` BENCH_ROUNDS times a side, plain and under HUGE_ENV, alternating (SIDES: a
-#     list of plain, huge-env and seq: ours and the peer one after the other, --interleave 0); last, each run's ratio and the host's speed (python_loop_ms).
+#  2. `bench cache` BENCH_ROUNDS times a side, alternating. SIDES (default "plain huge-env") lists them:
+#     plain; huge-env (under HUGE_ENV); seq (ours and the peer one after the other, --interleave 0).
+#     Last, each run's ratio and the host's speed (python_loop_ms).
 #
 #   OUT=... [SIDES=plain] bash scripts/spread_probe.sh [ROUNDS] [BENCH_ROUNDS] [-- MORE BENCH CACHE ARGS]
 set -o pipefail
