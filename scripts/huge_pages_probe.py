@@ -18,6 +18,10 @@ True,pinned_num_register_threads:8`` (malloc, then ``cudaHostRegister`` in threa
 for the whole library without a change to it, if the guess holds (``bench cache`` under the same
 variables).
 
+Measured on an H100 machine (session 29, two processes a way): 16.1-16.7 GB/s in every way, on 4
+KiB pages and on 2 MiB pages alike. The guess was wrong: the spread is the host's speed
+(``benchmarks/results/2026-11-27-h200-session29.md``).
+
 Prints one line: the allocation, the process's ``AnonHugePages`` after it, the kernel's median time
 and GB/s of row bytes. Run it several times a mode, each in its own process (the guess is about what
 a process gets when it allocates): ``for i in 1 2 3 4; do for a in torch huge; do python3
