@@ -132,3 +132,23 @@ def test_turns_change_no_configurations_training(tmp_path) -> None:
 def test_interleave_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="interleave must be >= 0"):
         CacheOptions(interleave=-1)
+
+
+@pytest.mark.parametrize("turn", [0, 2], ids=["one-after-the-other", "in-turns"])
+def test_a_configuration_that_fails_is_reported_once_and_the_other_still_runs(turn, monkeypatch) -> None:
+    from tieredemb.bench.cache import CacheBench, ConfigRun
+
+    start = ConfigRun.start
+
+    def failing_start(self, others=0):
+        if self.configuration == "ours":
+            raise RuntimeError("no room for the cache")
+        start(self, others)
+
+    monkeypatch.setattr(ConfigRun, "start", failing_start)
+    bench = CacheBench(CacheOptions(shape=cache_shape(SCALE), steps=3, warmup=1, interleave=turn))
+    bench.run()
+    assert [(r.configuration, r.error) for r in bench.results] == [
+        ("ours", "RuntimeError: no room for the cache"), ("peer", None)]
+    assert len(bench.results[1].step_ms_all) == 3
+    assert bench.check is None and not bench.ok

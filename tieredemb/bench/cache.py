@@ -263,10 +263,11 @@ def compare(shape: HbmShape, keys: list[torch.Tensor], ours: list, peer: list,
 
 # ------------------------------------------------------------------------------------ runs
 class ConfigRun:
-    """One configuration of the bench: ``start`` builds, prefills and warms it up, ``time`` times
-    its next steps, ``finish`` reads its counters and (after flush) the checked rows, ``close``
-    frees it. Two of them interleaved (``CacheOptions.interleave``) see the same machine: the host's
-    speed on the device machines moves by up to 2x between processes and within one (session 29).
+    """One configuration of the bench: ``start`` builds, prefills and warms it up, ``time_steps``
+    times its next steps, ``finish`` reads its counters and (after flush) the checked rows into
+    ``rows``, ``close`` frees it. Two of them timed in turns (``CacheOptions.interleave``) see the
+    same machine: the host's speed on the device machines moves by up to 2x between processes and
+    within one (session 29).
 
     Peak device memory is its own: the allocator's peak in each of its phases less what the other
     configurations held meanwhile (``others``: their ``resident`` bytes, held between their steps).
@@ -283,6 +284,7 @@ class ConfigRun:
         self.times: list[float] = []
         self.unique: list[int] = []
         self.last: RankBatch | None = None
+        self.rows: list | None = None  # the checked keys' rows (host) after ``finish``
         self.before: dict[str, int] = {}
         self.resident = 0
         self.peak: int | None = None
@@ -324,7 +326,7 @@ class ConfigRun:
         self.resident = allocated_bytes(dev) - base
         self._note_peak(others)
 
-    def time(self, steps: int, others: int = 0) -> None:
+    def time_steps(self, steps: int, others: int = 0) -> None:
         dev = self.opts.device
         if dev.type == "cuda":  # not reset_peak: emptying the allocator's cache would slow the next steps
             torch.cuda.reset_peak_memory_stats(dev)
@@ -336,9 +338,8 @@ class ConfigRun:
         self._note_peak(others)
 
     def finish(self, check_keys_of: Callable[[RankBatch], list[torch.Tensor]] | None = None,
-               log: Callable[[str], None] = lambda s: None,
-               ) -> tuple[Measurement, list | None, list[torch.Tensor]]:
-        """The measurement, the checked keys' rows (host) and those keys."""
+               log: Callable[[str], None] = lambda s: None) -> Measurement:
+        """The measurement; the rows of the keys ``check_keys_of`` picks go in ``rows``."""
         shape, dev, m, ebc = self.opts.shape, self.opts.device, self.m, self.ebc
         synchronize(dev)
         after = counters(ebc)
@@ -374,10 +375,10 @@ class ConfigRun:
         synchronize(dev)
         m.extra["flush_s"] = time.perf_counter() - t0
         keys = check_keys_of(self.last) if check_keys_of is not None else []
-        rows = read_rows(ebc, shape, keys, dev) if keys else None
+        self.rows = read_rows(ebc, shape, keys, dev) if keys else None
         log(f"{self.label}: {m.step_ms:.3f} ms/step" + (
             f", hit rate {m.extra['hit_rate']:.4f}" if m.extra["hit_rate"] is not None else ""))
-        return m, rows, keys
+        return m
 
     def close(self) -> None:
         ebc, self.ebc = self.ebc, None  # the tables' memory goes before the next configuration is built
@@ -596,19 +597,19 @@ class CacheBench:
         ``interleave``, every run is started before any is timed and they take turns of that many
         steps; without, each runs from start to finish before the next is built."""
         turn = self.options.interleave
-        rows: list[list | None] = [None] * len(runs)
         self._live = []
-        for i, run in enumerate(runs):
+        for run, keys in zip(runs, keys_of):
             self._start(run, on_update)
-            if not turn and self._attempt(run, lambda run=run: run.time(run.left), on_update):
-                rows[i] = self._finish(run, keys_of[i], on_update)
+            if (not turn and run in self._live
+                    and self._attempt(run, lambda run=run: run.time_steps(run.left), on_update)):
+                self._finish(run, keys, on_update)
         while any(r.left for r in self._live):
             for run in list(self._live):
-                self._attempt(run, lambda run=run: run.time(turn, self._others(run)), on_update)
-        for i, run in enumerate(runs):
+                self._attempt(run, lambda run=run: run.time_steps(turn, self._others(run)), on_update)
+        for run, keys in zip(runs, keys_of):
             if run in self._live:
-                rows[i] = self._finish(run, keys_of[i], on_update)
-        return rows
+                self._finish(run, keys, on_update)
+        return [run.rows for run in runs]
 
     def _others(self, run: ConfigRun) -> int:
         """Device bytes the other live configurations hold."""
@@ -620,21 +621,16 @@ class CacheBench:
             self._live.append(run)
 
     def _finish(self, run: ConfigRun, keys_of: Callable[[RankBatch], list[torch.Tensor]],
-                on_update: Callable[[], None]) -> list | None:
-        out: list = []
-
+                on_update: Callable[[], None]) -> None:
         def phase() -> None:
-            m, rows, _ = run.finish(keys_of, self.log)
+            m = run.finish(keys_of, self.log)
             self._live.remove(run)
             run.close()
             self.results.append(m)
-            out.append(rows)
 
-        if not self._attempt(run, phase, on_update):
-            return None
-        fill_ratios(self.results)
-        on_update()
-        return out[0]
+        if self._attempt(run, phase, on_update):
+            fill_ratios(self.results)
+            on_update()
 
     def _attempt(self, run: ConfigRun, phase: Callable[[], None], on_update: Callable[[], None]) -> bool:
         """Runs one phase of ``run``; a failure is logged, closes the run and reports its error."""
@@ -644,6 +640,7 @@ class CacheBench:
         except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
             self.log(traceback.format_exc())
             run.m.error = f"{type(e).__name__}: {e}"
+            run.rows = None
             if run in self._live:
                 self._live.remove(run)
             run.close()
