@@ -264,10 +264,10 @@ def compare(shape: HbmShape, keys: list[torch.Tensor], ours: list, peer: list,
 # ------------------------------------------------------------------------------------ runs
 class ConfigRun:
     """One configuration of the bench: ``start`` builds, prefills and warms it up, ``time_steps``
-    times its next steps, ``finish`` reads its counters and (after flush) the checked rows into
-    ``rows``, ``close`` frees it. Two of them timed in turns (``CacheOptions.interleave``) see the
-    same machine: the host's speed on the device machines moves by up to 2x between processes and
-    within one (session 29).
+    times its next steps, ``finish`` reads its counters and (after flush) the checked keys' rows
+    into ``keys`` and ``rows``, ``close`` frees it. Two of them timed in turns
+    (``CacheOptions.interleave``) see the same machine: the host's speed on the device machines
+    moves by up to 2x between processes and within one (session 29).
 
     Peak device memory is its own: the allocator's peak in each of its phases less what the other
     configurations held meanwhile (``others``: their ``resident`` bytes, held between their steps).
@@ -284,7 +284,8 @@ class ConfigRun:
         self.times: list[float] = []
         self.unique: list[int] = []
         self.last: RankBatch | None = None
-        self.rows: list | None = None  # the checked keys' rows (host) after ``finish``
+        self.keys: list[torch.Tensor] = []  # after ``finish``: the keys checked (``check_keys``)
+        self.rows: list | None = None  # and their rows (host)
         self.before: dict[str, int] = {}
         self.resident = 0
         self.peak: int | None = None
@@ -337,9 +338,9 @@ class ConfigRun:
             self.last = b
         self._note_peak(others)
 
-    def finish(self, check_keys_of: Callable[[RankBatch], list[torch.Tensor]] | None = None,
-               log: Callable[[str], None] = lambda s: None) -> Measurement:
-        """The measurement; the rows of the keys ``check_keys_of`` picks go in ``rows``."""
+    def finish(self, log: Callable[[str], None] = lambda s: None) -> Measurement:
+        """The measurement; the keys checked (from the last batch, the same for every
+        configuration) and their rows go in ``keys`` and ``rows``."""
         shape, dev, m, ebc = self.opts.shape, self.opts.device, self.m, self.ebc
         synchronize(dev)
         after = counters(ebc)
@@ -374,8 +375,8 @@ class ConfigRun:
         ebc.flush()
         synchronize(dev)
         m.extra["flush_s"] = time.perf_counter() - t0
-        keys = check_keys_of(self.last) if check_keys_of is not None else []
-        self.rows = read_rows(ebc, shape, keys, dev) if keys else None
+        self.keys = check_keys(shape, self.last, self.opts.seed)
+        self.rows = read_rows(ebc, shape, self.keys, dev)
         log(f"{self.label}: {m.step_ms:.3f} ms/step" + (
             f", hit rate {m.extra['hit_rate']:.4f}" if m.extra["hit_rate"] is not None else ""))
         return m
@@ -559,18 +560,12 @@ class CacheBench:
         storage = te.StorageConfig(hbm_budget=budget, backing=backing)
         cache_rows = max(1, int(budget // s.num_tables) // opts.row_bytes)
         self.cache_rows = [cache_rows] * s.num_tables
-        keys_box: dict = {}
-
-        def keys_of(last: RankBatch) -> list[torch.Tensor]:
-            keys_box["keys"] = check_keys(s, last, opts.seed)
-            return keys_box["keys"]
-
         ours = ConfigRun(opts, label, storage, batches, grad, cache_rows)
         peer = ConfigRun(opts, "all in HBM (hbm_direct)", te.StorageConfig(), batches, grad,
                          cache_rows, "peer")
-        rows = self._measure([ours, peer], [keys_of, lambda _: keys_box.get("keys", [])], on_update)
-        if rows[0] is not None and rows[1] is not None:
-            self.check = compare(s, keys_box["keys"], rows[0], rows[1], opts.seed)
+        self._measure([ours, peer], on_update)
+        if ours.rows is not None and peer.rows is not None:
+            self.check = compare(s, ours.keys, ours.rows, peer.rows, opts.seed)
             verdict = "passed" if self.check.passed else "FAILED: " + "; ".join(self.check.problems)
             self.log(f"rows of ours vs all in HBM: {verdict}")
             on_update()
@@ -591,25 +586,23 @@ class CacheBench:
                 self.raw = {"error": f"{type(e).__name__}: {e}"}
             on_update()
 
-    def _measure(self, runs: list[ConfigRun], keys_of: list[Callable[[RankBatch], list[torch.Tensor]]],
-                 on_update: Callable[[], None]) -> list[list | None]:
-        """Each run's checked rows (None where it failed; its error goes in the results). With
-        ``interleave``, every run is started before any is timed and they take turns of that many
-        steps; without, each runs from start to finish before the next is built."""
+    def _measure(self, runs: list[ConfigRun], on_update: Callable[[], None]) -> None:
+        """Each run measured, its checked rows in ``rows`` (None where it failed; its error goes in
+        the results). With ``interleave``, every run is started before any is timed and they take
+        turns of that many steps; without, each runs from start to finish before the next is built."""
         turn = self.options.interleave
         self._live = []
-        for run, keys in zip(runs, keys_of):
+        for run in runs:
             self._start(run, on_update)
             if (not turn and run in self._live
                     and self._attempt(run, lambda run=run: run.time_steps(run.left), on_update)):
-                self._finish(run, keys, on_update)
+                self._finish(run, on_update)
         while any(r.left for r in self._live):
             for run in list(self._live):
                 self._attempt(run, lambda run=run: run.time_steps(turn, self._others(run)), on_update)
-        for run, keys in zip(runs, keys_of):
+        for run in runs:
             if run in self._live:
-                self._finish(run, keys, on_update)
-        return [run.rows for run in runs]
+                self._finish(run, on_update)
 
     def _others(self, run: ConfigRun) -> int:
         """Device bytes the other live configurations hold."""
@@ -620,10 +613,9 @@ class CacheBench:
         if self._attempt(run, lambda: run.start(self._others(run)), on_update):
             self._live.append(run)
 
-    def _finish(self, run: ConfigRun, keys_of: Callable[[RankBatch], list[torch.Tensor]],
-                on_update: Callable[[], None]) -> None:
+    def _finish(self, run: ConfigRun, on_update: Callable[[], None]) -> None:
         def phase() -> None:
-            m = run.finish(keys_of, self.log)
+            m = run.finish(self.log)
             self._live.remove(run)
             run.close()
             self.results.append(m)
