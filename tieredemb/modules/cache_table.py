@@ -850,6 +850,13 @@ class CacheGroup(TableGroup):
                 raise RuntimeError(f"table {self.names[table]!r}: no room for {int((held.slots < 0).sum())} "
                                    "keys (their buckets are full of rows locked by in-flight batches)")
             self._drop(held.evicted_keys, held.evicted_tables)
+        # a key in flight in a scratch pad: that row is the key's until its batch writes it down at
+        # release, so the write goes there (the batch's forward reads it, its backward updates it)
+        shared = self.in_flight.find(keys, tables)
+        pad = shared >= 0
+        if bool(pad.any()):
+            self.kernels.scatter(self.store, self.in_flight.values[shared[pad]], rows[pad])
+            keys, tables, rows = keys[~pad], tables[~pad], rows[~pad]
         res = self.index.find_or_insert(keys, step, tables=tables)
         self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         if res.any_miss:

@@ -743,7 +743,9 @@ class _Collection(nn.Module):
     def _lookups(self, state: CollectionPrefetch) -> tuple[torch.Tensor, ...]:
         """Each group's lookup of the batch (the first group's made with the prefetch, if it was and
         no row changed since)."""
-        looked = state.looked
+        # taken out of the record: the output gets this lookup's autograd node, which holds the
+        # record (ctx.state), and a cycle through autograd's graph is never collected
+        looked, state.looked = state.looked, None
         if looked is not None and state.looked_at != self._rows_changed:
             self._early_lookup = False  # made for nothing (rows changed since): not again
             looked = None
@@ -843,7 +845,7 @@ class _Collection(nn.Module):
     def _checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
         self._settle()  # a deferred prefetch's clock counts, as its rows do
-        return {"step": self.step, "clock": self._clock, "seed": self.seed,
+        return {"step": self.step, "clock": self._retired_clock(), "seed": self.seed,
                 "optimizer": type(self.optimizer).__name__,
                 "tables": {t.name: {"dim": t.embedding_dim,
                                     "width": t.embedding_dim + self.optimizer.state_width(t.embedding_dim)}
@@ -857,10 +859,42 @@ class _Collection(nn.Module):
                 yield keys.cpu(), full.cpu(), scores.cpu()
 
     def _checkpoint_admission(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys counted toward admission and their counts as of the last step taken: the batches in
+        flight counted theirs at prefetch, and a resumed run prefetches them again."""
         group, i, _ = self._table(table)
         with self._mutating():
             keys, counts = group.admission_counts(i)
-            return keys.cpu(), counts.cpu()
+            keys, counts = keys.cpu(), counts.cpu().clone()
+            for pf in self._in_flight_parts(group):
+                if pf.counts is None or keys.numel() == 0:
+                    continue
+                mine = pf.unique_tables == i
+                ik, ic = pf.unique_keys[mine].cpu(), pf.counts[mine].cpu()
+                order = torch.argsort(ik)
+                ik, ic = ik[order], ic[order]
+                at = torch.searchsorted(ik, keys).clamp(max=max(ik.numel() - 1, 0))
+                hit = (ik[at] == keys) if ik.numel() else torch.zeros_like(keys, dtype=torch.bool)
+                counts[hit] -= ic[at[hit]]
+            kept = counts > 0
+            return keys[kept], counts[kept]
+
+    def _in_flight_parts(self, group: TableGroup) -> list[GroupPrefetch]:
+        """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
+        (sharded: what this rank serves)."""
+        g = self._groups.index(group)
+        parts = []
+        for _, record in self._queued:
+            if isinstance(record, CollectionPrefetch) and record.training and not record.released:
+                gpf = record.groups[g]
+                parts.append(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
+        return parts
+
+    def _retired_clock(self) -> int:
+        """The clock as of the last step taken: each training batch in flight advanced it by one
+        at its prefetch, which a resumed run redoes."""
+        self._settle()
+        return self._clock - sum(1 for _, r in self._queued
+                                 if isinstance(r, CollectionPrefetch) and r.training and not r.released)
 
     def _restore_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                       admission: bool = False) -> None:

@@ -97,7 +97,7 @@ def save(collection, destination: dict, prefix: str) -> None:
         destination[p + "admission_keys"] = adm_keys
         destination[p + "admission_counts"] = adm_counts
     destination[prefix + "step"] = torch.tensor(collection.step)
-    destination[prefix + "clock"] = torch.tensor(collection._clock)
+    destination[prefix + "clock"] = torch.tensor(collection._retired_clock())
 
 
 def expected_keys(collection, prefix: str) -> list[str]:

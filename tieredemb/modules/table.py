@@ -95,6 +95,9 @@ class GroupPrefetch:
     sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
     id_addresses: torch.Tensor | None = None  # int64 (n,) addresses[inverse], when made before the read
     lent: LentRows | None = None  # the rows of a pool this batch took its new rows from
+    # int64 (u,) occurrences of each pair in the batch, where admission counted them (a checkpoint
+    # taken while the batch is in flight leaves them out: its prefetch is redone after a resume)
+    counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -306,6 +309,8 @@ class TableGroup:
         with label("## resolve ##"):
             pf = self._prefetch_pairs(unique, utab, inverse, counts, step, training)
         pf.sorted_ids = sorted_ids
+        if training and self.admission is not None:
+            pf.counts = counts
         return pf
 
     def can_stage(self) -> bool:
