@@ -152,8 +152,8 @@ def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels)
         return collection
 
     victim, twin = trained_one_group(), trained_one_group()
-    assert len(victim._groups) == 1 and victim._groups[0].can_stage()
-    index = victim._groups[0].index
+    assert len(victim.tiers) == 1 and victim.tiers[0].can_stage()
+    index = victim.tiers[0].index
     before = snapshot(victim, one_group_tables())
     scores, locks = index.scores.clone(), index.locks.clone()
     kjt = bad.kjt.to(victim.device)

@@ -289,9 +289,9 @@ def test_init_capacity_allocates_up_front_and_trains_as_the_reference(mode):
         storage = te.StorageConfig(segment_rows=512, hbm_budget=2 * 2048 * 4 * 4, caching=False)
     collection, reference = build_pair(te.EmbeddingBagCollection, scenario, "sgd", storage=storage)
     assert collection.storage_mode == mode
-    group = collection._groups[0]  # "grow" alone ("held" has another dim)
+    group = collection.tiers[0]  # "grow" alone ("held" has another dim)
     assert group.store.rows_allocated() == 7168 and group.store.rows_in_use() == 0
-    assert collection._groups[1].store.rows_allocated() == 512  # a segment: the bounded table's 100
+    assert collection.tiers[1].store.rows_allocated() == 512  # a segment: the bounded table's 100
     if mode == "hybrid":
         assert group.store.rows_by_placement() == {"device": 2048, "host": 7168 - 2048}
     train_side_by_side(collection, reference, steps, gen)
@@ -304,7 +304,7 @@ def test_init_capacity_allocates_up_front_and_trains_as_the_reference(mode):
     without = te.EmbeddingBagCollection(plain, optimizer=make_optimizer("sgd"), storage=storage)
     for batch in steps:
         without(batch.kjt()).values().sum().backward()
-    assert without._groups[0].index.generation > 0
+    assert without.tiers[0].index.generation > 0
 
 
 @pytest.mark.parametrize("schedule", ["plain", *SCHEDULES])
@@ -460,7 +460,7 @@ def test_bounded_tables_count_by_hand_and_give_every_row_not_stored_back():
     occurrences = torch.tensor([[2.0], [2.0], [1.0], [1.0]])
     torch.testing.assert_close(weights, initial_rows(tables[0], [1, 2, 3, 4]) - 0.1 * occurrences)
     ebc.flush()
-    (group,) = ebc._groups
+    (group,) = ebc.tiers
     assert group.store.rows_in_use() == group.index.size() == 8
 
 
@@ -693,7 +693,7 @@ def test_triton_kernels_match_torch_kernels_in_one_staged_group(module):
               te.TableConfig("m", 4, ["c"], pooling="mean" if pooled else "sum")]
     pools = {"a": [3, -9, INT64_MAX], "b": [3, 4, 11], "c": [0, 1, 5, 8]}
     _, triton_path = triton_matches_torch(module, tables, pools, "adam", seed=6, batch_size=3)
-    assert len(triton_path._groups) == 1 and triton_path._groups[0].can_stage()
+    assert len(triton_path.tiers) == 1 and triton_path.tiers[0].can_stage()
 
 
 def test_triton_staged_group_takes_a_batch_without_ids():
@@ -894,7 +894,7 @@ def test_several_table_groups_with_shared_keys_match_reference(module, schedule)
         steps.append(Batch(bags, weights, key_order=order))
     scenario = Scenario(tables, pools, {**edge.written, "other": [7]}, steps, seed=7)
     collection, reference = build_pair(module, scenario, "adam")
-    assert len(collection._groups) == 2
+    assert len(collection.tiers) == 2
     train_side_by_side(collection, reference, scenario.batches, torch.Generator().manual_seed(2), schedule)
     assert_tables_match_reference(collection, reference, f"after the {schedule} steps")
 

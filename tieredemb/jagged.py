@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 
-def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.to(torch.int64), dim=0, out=out[1:])
     return out
@@ -38,7 +38,7 @@ class JaggedTensor:
 
     def offsets(self) -> torch.Tensor:
         if self._offsets is None:
-            self._offsets = _offsets_from_lengths(self._lengths)
+            self._offsets = offsets_from_lengths(self._lengths)
         return self._offsets
 
     def weights(self) -> torch.Tensor:
@@ -103,7 +103,7 @@ class KeyedJaggedTensor:
 
     def offsets(self) -> torch.Tensor:
         if self._offsets is None:
-            self._offsets = _offsets_from_lengths(self._lengths)
+            self._offsets = offsets_from_lengths(self._lengths)
         return self._offsets
 
     def weights(self) -> torch.Tensor:

@@ -66,8 +66,8 @@ def test_narrow_reads_only_its_rows(monkeypatch):
     train(model, range(3))
     handle = model.ebc.state_dict()["t.weights"]
     asked = []
-    read = model.ebc._read_full_rows
-    monkeypatch.setattr(model.ebc, "_read_full_rows", lambda t, keys: (asked.append(keys.numel()),
+    read = model.ebc.read_full_rows
+    monkeypatch.setattr(model.ebc, "read_full_rows", lambda t, keys: (asked.append(keys.numel()),
                                                                       read(t, keys))[1])
     handle.narrow(0, 2, 3)
     assert asked == [3]

@@ -87,7 +87,7 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
     # (rehashes, which the captured probe must follow)
     batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
     _, captured = train_both(module, optimizer, monkeypatch, batches)
-    assert captured._groups[0].index.generation >= 2, "the index grew less than twice: the test misses it"
+    assert captured.tiers[0].index.generation >= 2, "the index grew less than twice: the test misses it"
     stages = captured._captured
     assert (stages.captures, stages.replays) == (1, 9), (stages.captures, stages.replays)
 
@@ -101,8 +101,8 @@ def test_captured_prefetch_of_two_table_groups(optimizer, monkeypatch):
     lengths = torch.randint(0, 17, (3 * 256,), generator=gen)
     batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
     _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, dims=(16, 32, 16))
-    assert len(captured._groups) == 2
-    assert all(g.index.generation > 0 for g in captured._groups), "an index never grew"
+    assert len(captured.tiers) == 2
+    assert all(g.index.generation > 0 for g in captured.tiers), "an index never grew"
     assert (captured._captured.captures, captured._captured.replays) == (1, 9)
 
 
@@ -126,7 +126,7 @@ def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
 
     eager, captured = make_tables(False), make_tables(True)
     for collection in (eager, captured):  # as a Stash leaves a store: its last copy's event recorded
-        store = collection._groups[0].store
+        store = collection.tiers[0].store
         side = torch.cuda.Stream(DEV)
         store.stash(side, 4096)
         store.restore(side, 4096)
@@ -143,7 +143,7 @@ def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
     assert_insertions_alike(outputs[1:], eager, captured, replays=6)
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and (stats.evictions > 0 or not bounded), stats
-    assert captured._groups[0].index.generation == 0 or bounded, "the index grew: init_capacity too small"
+    assert captured.tiers[0].index.generation == 0 or bounded, "the index grew: init_capacity too small"
 
 
 @pytest.mark.parametrize("loop", ["plain", "pipelined"])
@@ -186,7 +186,7 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and stats.evictions > 0 and stats.conflict_misses == 0, stats
     # insertions armed before their read (``CacheGroup.arm``) and replayed as armed: 4 of 16 at least
-    group = captured._groups[0]
+    group = captured.tiers[0]
     assert group.arms[0] >= 4, group.arms
     if loop == "plain":  # an arm given back whole when the batch is bad: no row lent stays lent
         free = (group.store._free_count, group.below.rows._store._free_count)
@@ -206,7 +206,7 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     for collection in (eager, captured):
         collection.flush()
     for t in range(3):
-        keys, rows = (b.rows.scan(1 << 20, t) for b in (eager._groups[0].below, captured._groups[0].below))
+        keys, rows = (b.rows.scan(1 << 20, t) for b in (eager.tiers[0].below, captured.tiers[0].below))
         (k1, r1), (k2, r2) = next(keys), next(rows)
         assert torch.equal(k1, k2) and torch.equal(r1, r2), f"t{t}: the host stores differ"
 
@@ -217,7 +217,7 @@ def assert_insertions_alike(outputs, eager, captured, replays: int) -> None:
     for i, (got, want) in enumerate(outputs):
         assert torch.equal(got, want), f"step {i}: outputs differ"
     assert_same_tables(eager, captured)
-    graphs = captured._groups[0]._insert_graphs
+    graphs = captured.tiers[0]._insert_graphs
     assert graphs is not None and graphs.failed is None, graphs.failed
     assert graphs.captures >= 1 and graphs.replays >= replays, (graphs.captures, graphs.replays)
 

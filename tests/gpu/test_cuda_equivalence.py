@@ -164,7 +164,7 @@ def test_bounded_table_evicts_like_cpu(kernels: str) -> None:
     assert got.stats()["capped"].evictions > 0, "the bounded table never evicted: test too easy"
     # its insertions took rows from pools (TableGroup._inserted): every row no table holds is back
     got.flush()
-    capped = next(g for g in got._groups if "capped" in g.names)
+    capped = next(g for g in got.tiers if "capped" in g.names)
     assert capped.store.rows_in_use() == capped.index.size()
 
 

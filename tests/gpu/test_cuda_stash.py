@@ -95,7 +95,7 @@ def test_stashing_on_cuda_trains_like_no_stashing(module, cache, strategy, in_th
 def test_the_device_memory_goes_and_comes_back():
     model, opt = build(te.EmbeddingBagCollection, cache=False)
     stash = te.Stash([model.coll], te.StashConfig(), model)
-    store = model.coll._groups[0].store
+    store = model.coll.tiers[0].store
     data = batches()
     for batch in data[:3]:  # rows inserted, calibration under way
         b = {k: v.to("cuda") for k, v in batch.items()}

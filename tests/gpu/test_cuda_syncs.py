@@ -142,7 +142,7 @@ def test_a_step_that_grows_the_row_store_reads_the_device_once():
     tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], max_capacity=1 << 20) for i in range(3)]
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), device=DEV,
                                     storage=te.StorageConfig(bucket_width=8, segment_rows=64))
-    (group,) = ebc._groups
+    (group,) = ebc.tiers
     gen = torch.Generator().manual_seed(0)
     grown = 0
     for i in range(16):

@@ -111,7 +111,7 @@ def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission,
     if cache_buckets == 1:
         assert stats.evictions > 0  # the small caches really evicted
     cached.flush()
-    backend = cached._groups[0].below.table(0)
+    backend = cached.tiers[0].below.table(0)
     assert backend.size() == want_keys.numel()
     fetched = backend.get(want_keys)
     assert bool(fetched.found.all())
@@ -137,7 +137,7 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
                                bucket_width=4, segment_rows=16)
     cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
     plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3)
-    assert cached.storage_mode == "cache" and len(cached._groups) == 1
+    assert cached.storage_mode == "cache" and len(cached.tiers) == 1
     batches = []
     for kjt in zipf_batches(30, 5, seed=cache_buckets):  # feature c repeats feature a's bags
         ids, lengths = kjt.values(), kjt.lengths()
@@ -150,7 +150,7 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
     cached.flush()
     for i, name in enumerate(("t", "u", "v")):
         want_keys, want_rows = sorted_rows(plain.export(name))
-        backend = cached._groups[0].below.table(i)
+        backend = cached.tiers[0].below.table(i)
         assert backend.size() == want_keys.numel(), name
         got = backend.get(want_keys)
         assert bool(got.found.all()), name
@@ -197,16 +197,16 @@ def test_tables_of_two_dims_in_cache_mode_stage_together(cache_buckets, pipeline
     """Tables of two dims form two cache groups, whose prefetches stage together (one dedup, a
     probe per group, one read): trained as hbm_direct, through evictions of both caches, and after
     flush each table's backend holds exactly its own rows."""
-    from tieredemb.modules.collection import _Collection
+    from tieredemb.modules.collection import CollectionBase
 
     staged_together = []
-    stage_all = _Collection._stage_all
+    stage_all = CollectionBase._stage_all
 
     def spy(self, *args):
         staged_together.append(1)
         return stage_all(self, *args)
 
-    monkeypatch.setattr(_Collection, "_stage_all", spy)
+    monkeypatch.setattr(CollectionBase, "_stage_all", spy)
     optimizer = te.optim.Adam(lr=0.05)
     tables = [te.TableConfig("t", DIM, ["a"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1)),
               te.TableConfig("u", 2 * DIM, ["b"], num_embeddings=ROWS, eviction="lfu")]
@@ -216,7 +216,7 @@ def test_tables_of_two_dims_in_cache_mode_stage_together(cache_buckets, pipeline
                                segment_rows=16)
     cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
     plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=3)
-    assert cached.storage_mode == "cache" and len(cached._groups) == 2
+    assert cached.storage_mode == "cache" and len(cached.tiers) == 2
     batches = zipf_batches(30, 6, seed=cache_buckets)
     for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -266,7 +266,7 @@ def test_bounded_tables_in_cache_mode_match_hbm_direct(backing, eviction, admiss
         if t == "t":
             assert torch.equal(got.scores[go], want.scores[wo])
     cached.flush()
-    assert cached._groups[0].below.table(0).size() <= 24  # dropped rows were deleted from the store
+    assert cached.tiers[0].below.table(0).size() <= 24  # dropped rows were deleted from the store
     cached.close()
 
 
@@ -376,7 +376,7 @@ def test_cache_insertion_as_its_graph_replays_it(pipelined, monkeypatch) -> None
     tables = [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1))]
     cached = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5), storage=storage, seed=3,
                                        kernels="triton")
-    (group,) = cached._groups
+    (group,) = cached.tiers
     group.may_capture, group._insert_graphs = (lambda: True), PaddedEagerly()
     plain = make(None, "lru", None, te.optim.SGD(lr=0.5))
     batches = zipf_batches(6, 4, seed=5)  # ~10 misses a batch: padded to 16 rows of the pool
@@ -402,7 +402,7 @@ def test_forwards_without_backward_release_everything() -> None:
         for kjt in batches:
             with torch.no_grad():
                 ebc(kjt)
-    (table,) = cached._groups
+    (table,) = cached.tiers
     assert int(table.index.locks.sum()) == 0 and table.in_flight.size() == 0
     rows_in_use = table.store.rows_in_use()
     assert rows_in_use <= table.index.capacity()  # no scratch row leaked
@@ -441,7 +441,7 @@ def test_hybrid_matches_hbm_direct(optimizer, pipelined) -> None:
     plain = make(None, "lru", 2, optimizer)
     batches = zipf_batches(30, 6, seed=9)
     trains_alike(hybrid, plain, batches, pipelined)
-    placement = hybrid._groups[0].store.rows_by_placement()
+    placement = hybrid.tiers[0].store.rows_by_placement()
     assert placement["device"] == 32 and placement["host"] > 0  # rows really spilled to the host
 
 
@@ -653,7 +653,7 @@ def test_a_failed_fetch_leaves_a_bounded_cache_table_unchanged() -> None:
     for kjt in batches[:5]:
         for ebc in (cached, plain):
             ebc(kjt).values().sum().backward()
-    (group,) = cached._groups
+    (group,) = cached.tiers
     before = [t.clone() for t in (group.bound.keys, group.bound.scores, group.bound.locks, group.index.keys)]
     store.failing["get"] = True
     with pytest.raises(te.storage.BackendError):
@@ -709,5 +709,5 @@ def test_a_release_with_nothing_to_release_takes_no_lock(mode) -> None:
     assert waited == (mode == "cache"), f"{mode}: the release {'waited' if waited else 'did not wait'}"
     ref(batches[2]).values().sum().backward()
     if mode == "hbm_direct":
-        assert int(ebc._groups[0].index.locks.sum()) == 0
+        assert int(ebc.tiers[0].index.locks.sum()) == 0
     torch.testing.assert_close(sorted_rows(ebc.export("t"))[1], sorted_rows(ref.export("t"))[1])

@@ -27,7 +27,7 @@ STEPS = 20
 
 
 def stashed_stores(model) -> list:
-    return [s for c in model.collections for s in (c._stash._stores.get(c, []) if c._stash else [])]
+    return [s for c in model.collections for s in (c.stash._stores.get(c, []) if c.stash else [])]
 
 
 def watch(model) -> dict:
@@ -35,7 +35,7 @@ def watch(model) -> dict:
     between the lookup and the restore (the stash really happened)."""
     seen = {"stash": 0, "restore": 0, "moved_bytes": 0}
     for c in model.collections:
-        stash = c._stash
+        stash = c.stash
         after, restore = stash.after_lookup, stash.restore
 
         def counted_after(coll, after=after, stash=stash):
@@ -203,7 +203,7 @@ def test_named_sites():
     batches = make_batches(6)
     want = pipelined(TrainPipeline(want_model, want_opt), batches)
     pipeline = TrainPipeline(model, opt, stash=StashConfig(free_site="top", restore_site="top"))
-    stash = model.collections[0]._stash
+    stash = model.collections[0].stash
     events = []  # the calls that had something to do
     free, restore = stash.free, stash.restore
 

@@ -184,7 +184,7 @@ _COUNTERS = ("lookups", "unique_lookups", "hits", "misses", "conflict_misses", "
 def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
     """Summed over tables, without the backend's row count (O(rows) in RocksDB)."""
     out = dict.fromkeys(_COUNTERS, 0)
-    for group in ebc._groups:
+    for group in ebc.tiers:
         for t in range(len(group.configs)):
             s = group.stats(t, backend_rows=False) if isinstance(group, CacheGroup) else group.stats(t)
             for k in _COUNTERS[:6]:
@@ -390,13 +390,13 @@ class ConfigRun:
 
 
 def after_rows(ebc: te.EmbeddingBagCollection) -> int:
-    return sum(group.index.size() for group in ebc._groups)
+    return sum(group.index.size() for group in ebc.tiers)
 
 
 def index_bytes(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
     """Bytes of every table's key indexes, by where they live (``TableStats.index_bytes``; without
     ``stats()``, which counts a RocksDB store's rows by a scan)."""
-    return add_bytes(*(group.index_bytes(t) for group in ebc._groups for t in range(len(group.configs))))
+    return add_bytes(*(group.index_bytes(t) for group in ebc.tiers for t in range(len(group.configs))))
 
 
 # --------------------------------------------------------------------------- raw rocksdict

@@ -129,7 +129,7 @@ def run_config(opts: StashOptions, config: str, batches: list[dict], steps: int)
     m["memory_curve"] = memory_curve(lambda: pipeline.progress(it), dev) if cuda else None
     if cuda:  # the allocator's counter drops at a record_stream free; the trace waits for the block
         m["peak_held"] = int((m["memory_curve"]["max_gib"] or 0) * 2**30)
-    s = model.ebc._stash
+    s = model.ebc.stash
     if s is not None:
         m.update({k: s.stats[k] for k in ("stashed_bytes", "free_site", "restore_site", "copy_ms",
                                           "window_ms")})

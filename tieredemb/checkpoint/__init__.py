@@ -45,8 +45,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from tieredemb.init import splitmix64
-from tieredemb.modules.collection import _Collection
-from tieredemb.modules.state import dense_only
+from tieredemb.modules.collection import CollectionBase, dense_only
 
 FORMAT = 1
 DEFAULT_BUFFER = 256 << 20
@@ -56,14 +55,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, corrupted, truncated, or for another model."""
 
 
-def _collections(model: torch.nn.Module) -> dict[str, _Collection]:
-    found = {name or "model": m for name, m in model.named_modules() if isinstance(m, _Collection)}
+def _collections(model: torch.nn.Module) -> dict[str, CollectionBase]:
+    found = {name or "model": m for name, m in model.named_modules() if isinstance(m, CollectionBase)}
     if not found:
         raise ValueError("the model has no te.EmbeddingBagCollection or te.EmbeddingCollection")
     return found
 
 
-def _group(collections: dict[str, _Collection]):
+def _group(collections: dict[str, CollectionBase]):
     groups = {id(c.process_group) for c in collections.values()}
     if len(groups) > 1:
         raise ValueError("all collections of a model must share one process group to be checkpointed")
@@ -140,7 +139,7 @@ def save(model: torch.nn.Module, path: str | os.PathLike, buffer_bytes: int = DE
     return out
 
 
-def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer_bytes: int,
+def _save_rows(collections: dict[str, CollectionBase], out: Path, rank: int, buffer_bytes: int,
                previous: dict | None) -> tuple[dict, dict]:
     """This rank's rows of every table, chunk by chunk (against ``previous`` fingerprints: only the
     changed rows, and the deleted keys); its manifest entries by table, and the rows' fingerprints."""
@@ -148,7 +147,7 @@ def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer
     prints: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for cname, collection in collections.items():
         collection.flush()
-        for table, meta in collection._checkpoint_meta()["tables"].items():
+        for table, meta in collection.checkpoint_meta()["tables"].items():
             name = f"{cname}/{table}"
             # a chunk, safetensors' bytes copy of it and the serialized file are alive at once:
             # a third of the buffer each
@@ -156,7 +155,7 @@ def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer
             base = None if previous is None else previous.get(name, _EMPTY_PRINT)
             seen = None if base is None else torch.zeros(base[0].numel(), dtype=torch.bool)
             entries, all_keys, all_hashes = files.setdefault(name, []), [], []
-            for c, (keys, rows, scores) in enumerate(collection._checkpoint_chunks(table, rows_per_chunk)):
+            for c, (keys, rows, scores) in enumerate(collection.export_chunks(table, rows_per_chunk)):
                 hashes = row_hash(rows, scores)
                 all_keys.append(keys)
                 all_hashes.append(hashes)
@@ -179,7 +178,7 @@ def _save_rows(collections: dict[str, _Collection], out: Path, rank: int, buffer
                 gone = base[0][~seen].contiguous()
                 files.setdefault(f"{name}:deleted", []).append(
                     {"file": rel, "rows": gone.numel(), **_write(out / rel, save_bytes({"keys": gone}))})
-            keys, counts = collection._checkpoint_admission(table)
+            keys, counts = collection.admission_counts(table)
             if keys.numel():
                 rel = f"{name}/r{rank}-admission.safetensors"
                 data = save_bytes({"keys": keys.contiguous(), "counts": counts.contiguous()})
@@ -266,7 +265,7 @@ def _chain(root: Path, name: str) -> list[tuple[Path, dict]]:
     return chain[::-1]
 
 
-def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: Path, out: Path,
+def _publish(model: torch.nn.Module, collections: dict[str, CollectionBase], root: Path, out: Path,
              world: int, base: str | None) -> None:
     """Rank 0: the dense state and the manifest, then ``LATEST`` moved to this version (the one
     atomic step), then the older versions removed."""
@@ -279,7 +278,7 @@ def _publish(model: torch.nn.Module, collections: dict[str, _Collection], root: 
     manifest = {
         "format": FORMAT, "world_size": world, "base": base,
         "dense": {"file": "dense.safetensors", **_write(out / "dense.safetensors", save_bytes(dense))},
-        "collections": {name: c._checkpoint_meta() for name, c in collections.items()},
+        "collections": {name: c.checkpoint_meta() for name, c in collections.items()},
         "files": merged,
     }
     _write(out / "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -350,10 +349,10 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
                            world)
             _apply(collection, table, width, out, manifest["files"].get(f"{name}/{table}:admission", []),
                    "admission", rank, world)
-        collection.step, collection._clock = meta["step"], meta["clock"]
+        collection.restore_progress(meta["step"], meta["clock"])
 
 
-def _apply(collection: _Collection, table: str, width: int, out: Path, entries: list, kind: str, rank: int,
+def _apply(collection: CollectionBase, table: str, width: int, out: Path, entries: list, kind: str, rank: int,
            world: int) -> None:
     """Each rank reads every ``world``-th file; every rank makes the same number of (collective)
     restores."""
@@ -363,23 +362,25 @@ def _apply(collection: _Collection, table: str, width: int, out: Path, entries: 
         _restore(collection, table, width, tensors, kind)
 
 
-def _restore(collection: _Collection, table: str, width: int, tensors: dict | None, kind: str) -> None:
+def _restore(collection: CollectionBase, table: str, width: int, tensors: dict | None, kind: str) -> None:
     keys = torch.empty(0, dtype=torch.int64) if tensors is None else tensors["keys"]
     if kind == "deleted":
-        collection._delete_rows(table, keys)
+        collection.delete_rows(table, keys)
         return
-    rows = torch.empty(keys.numel(), width)
-    scores = torch.empty(0, dtype=torch.int64)
+    if kind == "admission":
+        counts = torch.empty(0, dtype=torch.int64) if tensors is None else tensors["counts"]
+        collection.import_admission(table, keys, counts)
+        return
+    rows, scores = torch.empty(keys.numel(), width), torch.empty(0, dtype=torch.int64)
     if tensors is not None:
-        rows = tensors.get("rows", rows)
-        scores = tensors["counts"] if kind == "admission" else tensors["scores"]
-    collection._restore_rows(table, keys, rows, scores, admission=kind == "admission")
+        rows, scores = tensors["rows"], tensors["scores"]
+    collection.import_rows(table, keys, rows, scores)
 
 
-def _check_compatible(name: str, collection: _Collection, meta: dict | None, out: Path) -> None:
+def _check_compatible(name: str, collection: CollectionBase, meta: dict | None, out: Path) -> None:
     if meta is None:
         raise CheckpointError(f"checkpoint {out} has no collection {name!r}")
-    mine = collection._checkpoint_meta()
+    mine = collection.checkpoint_meta()
     if set(mine["tables"]) != set(meta["tables"]):
         raise CheckpointError(f"collection {name!r}: tables {sorted(mine['tables'])}, the checkpoint has "
                               f"{sorted(meta['tables'])}")
@@ -388,7 +389,7 @@ def _check_compatible(name: str, collection: _Collection, meta: dict | None, out
             raise CheckpointError(f"collection {name!r} table {table!r}: dim and row width "
                                   f"{mine['tables'][table]}, the checkpoint has {spec} (another "
                                   "embedding_dim or optimizer)")
-    if not collection._is_empty():
+    if not collection.is_empty():
         raise ValueError(f"collection {name!r} already holds rows: load a checkpoint into freshly built "
                          "collections")
 

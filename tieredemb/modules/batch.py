@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
-from tieredemb.jagged import KeyedJaggedTensor, _offsets_from_lengths, as_kjt
+from tieredemb.jagged import KeyedJaggedTensor, as_kjt, offsets_from_lengths
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.ops.reference import bad_ids as _bad_ids
 from tieredemb.ops.reference import run_of as _run_of
@@ -180,7 +180,7 @@ class _Order:
 @dataclass
 class GroupMajor:
     """A staged batch's ids laid out group by group, each group's in its ``GroupBatch`` order, made
-    on the device before the read (``_Collection._stage_all``; a padded batch's padding stays last):
+    on the device before the read (``CollectionBase._stage_all``; a padded batch's padding stays last):
     ids, tables (each group's own numbering) and weights, the batch's moved there; lengths and
     offsets, per group, its bags' (as ``GroupBatch``'s)."""
 
@@ -285,7 +285,7 @@ class Layout:
         summary, tables = self.kernels.batch_checks(values, per_feature, order.limits, order.tables_dev,
                                                     weights, count)
         # the first group's bag offsets now, on the device: the host read need not wait for them
-        offsets = _offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
+        offsets = offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
                            offsets)
 
@@ -330,7 +330,7 @@ class Layout:
                 lengths = staged.per_feature.view(-1) if identity else staged.per_feature[pos_dev].reshape(-1)
                 offsets = staged.offsets if identity else None
                 if offsets is None:  # not made with the staged batch
-                    offsets = _offsets_from_lengths(lengths)
+                    offsets = offsets_from_lengths(lengths)
             start += n
             per_table = [0] * len(members)
             for i, t in zip(pos, local):
@@ -360,7 +360,7 @@ class Layout:
         order = staged.order
         lengths = [staged.per_feature.view(-1) if identity else staged.per_feature[pos].reshape(-1)
                    for pos, identity in zip(order.position_dev, order.identity)]
-        return lengths, [_offsets_from_lengths(t) for t in lengths]
+        return lengths, [offsets_from_lengths(t) for t in lengths]
 
 
 def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.Tensor:

@@ -91,7 +91,7 @@ class CollectionPrefetch:
     grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     graph_slot: Slot | None = None  # the captured prefetch whose outputs hold the batch, if one does
     # the first group's lookup, made right after the prefetch's read (every key found), while the rows
-    # were as of ``looked_at`` (``_Collection._rows_changed``)
+    # were as of ``looked_at`` (``CollectionBase._rows_changed``)
     looked: torch.Tensor | None = None
     looked_at: int = -1
 
@@ -99,7 +99,7 @@ class CollectionPrefetch:
 @dataclass
 class _Staged:
     """A staged prefetch, its device half launched; ``deferred``: its host half is still to come
-    (``_Collection.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
+    (``CollectionBase.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
     CUDA, ready at ``done``). ``outputs``: (staged batch, staged prefetch, gradient sources, the
     backward's, the read). ``group``: the one group staged, or None: every group together
     (``_stage_all``; no gradient sources or backward's made before the read)."""
@@ -117,7 +117,7 @@ class _Staged:
 
 @dataclass
 class _StagedAll:
-    """The device half of a staged prefetch of every group at once (``_Collection._stage_all``),
+    """The device half of a staged prefetch of every group at once (``CollectionBase._stage_all``),
     padded to the batch's n ids. One dedup of all the ids (tables numbered across the groups, so the
     distinct pairs and the sorted ids come group by group), each group's probe written into ``slots``
     and ``values`` at its own pairs; then in each group's own numbering: ``tables`` of the pairs,
@@ -151,21 +151,21 @@ class _Lookup(torch.autograd.Function):
     """Forward: per-group lookups by address. Backward: the fused optimizer step (returns no grads)."""
 
     @staticmethod
-    def forward(ctx, dummy: torch.Tensor, module: _Collection, state: CollectionPrefetch):
+    def forward(ctx, dummy: torch.Tensor, module: CollectionBase, state: CollectionPrefetch):
         ctx.module, ctx.state = module, state
         # forward without backward (graph dropped) must still release the batch's locks
         state.finalizer = weakref.finalize(ctx, module._release, state)
         outs = module._lookups(state)
         state.out_rows = [o.shape[0] for o in outs]
-        if module._stash is not None:  # the rows are idle until this lookup's backward
-            with module._mutating():
-                module._stash.after_lookup(module)
+        if module.stash is not None:  # the rows are idle until this lookup's backward
+            with module.mutating():
+                module.stash.after_lookup(module)
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        if ctx.module._stash is not None:  # at the latest: the update needs the rows
-            ctx.module._stash.restore(ctx.module)
+        if ctx.module.stash is not None:  # at the latest: the update needs the rows
+            ctx.module.stash.restore(ctx.module)
         ctx.module._backward(ctx.state, grads)
         return None, None, None
 
@@ -188,7 +188,7 @@ class _Interleave(torch.autograd.Function):
         return None, *(grad.index_select(1, c) for c in ctx.columns)
 
 
-class _Collection(nn.Module):
+class CollectionBase(nn.Module):
     """Shared machinery of both collections (not public)."""
 
     def __init__(self, tables: list[TableConfig], optimizer: EmbeddingOptimizer | None = None,
@@ -220,9 +220,9 @@ class _Collection(nn.Module):
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
         members = _group_tables(tables)
-        self._groups = _build_groups(self.storage_mode, tables, members, optimizer, storage, self.seed,
+        self.tiers = _build_groups(self.storage_mode, tables, members, optimizer, storage, self.seed,
                                      self.device, self.kernels, self.world)
-        self._salts = [table_salts(g.names, self.device) for g in self._groups]
+        self._salts = [table_salts(g.names, self.device) for g in self.tiers]
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
@@ -241,14 +241,14 @@ class _Collection(nn.Module):
         self._lock = threading.RLock()
         self._mutated: torch.cuda.Event | None = None
         self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
-        self._stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
+        self.stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
         # the staged prefetch's device half, replayed from CUDA graphs, with Triton's kernels only (the
         # reference's read the device); inputs: values, lengths, weights, step, a padded batch's ids
         self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
                                                        torch.int64))
                           if capture_enabled(self.device) and self.kernels.name == "triton" else None)
         if self._captured is not None:  # and the insertion of misses, by the thread that may capture
-            for group in self._groups:
+            for group in self.tiers:
                 group.may_capture = self._on_forward_thread
         # a staged prefetch that found every key looks the batch up right after its read, so that the
         # host's work until the backward runs beside that kernel; its output stands only if no row
@@ -264,7 +264,7 @@ class _Collection(nn.Module):
         """Subclasses: precompute how outputs are assembled."""
 
     @contextmanager
-    def _mutating(self, first=None):
+    def mutating(self, first=None):
         """The lock, the deferred prefetches finished, and the stream ordered after the last change:
         a change to the tables may start. ``first``: a change made before those prefetches finish."""
         with self._lock:
@@ -289,7 +289,7 @@ class _Collection(nn.Module):
     def prefetch(self, kjt: object) -> None:
         """Resolve ``kjt``'s rows now (checks, dedup, insert, lock); the next forward of the same
         batch object uses them."""
-        with self._mutating():
+        with self.mutating():
             self._queued.append((kjt, self._resolve(kjt)))
 
     def prefetch_deferred(self, kjt: object) -> None:
@@ -302,19 +302,19 @@ class _Collection(nn.Module):
         that prefetches batch i+1 between forward i and backward i (``TrainPipeline``): backward i's
         launches then run while the device resolves batch i+1, and the host never waits for
         backward i's update."""
-        with self._mutating():
+        with self.mutating():
             self._queued.append((kjt, self._resolve(kjt, defer=True)))
 
     def _resolve(self, kjt: object, defer: bool = False) -> CollectionPrefetch | _Staged:
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if (self.training and self.process_group is None and all(g.can_stage() for g in self._groups)
+        if (self.training and self.process_group is None and all(g.can_stage() for g in self.tiers)
                 and self._stage_together):
             # one group whose features are the batch's: its own path, with the backward's work before
             # the read and the lookup right after it; else every group in one (``_stage_all``)
-            group = self._groups[0] if len(self._groups) == 1 and given.order.identity[0] else None
-            staged = self._stage(given, group, stream, defer and self._stash is None)
+            group = self.tiers[0] if len(self.tiers) == 1 and given.order.identity[0] else None
+            staged = self._stage(given, group, stream, defer and self.stash is None)
             return staged if staged.deferred else self._finish_staged(staged)
         with label("## check_batch ##"):
             staged = self._layout.put(given)
@@ -323,7 +323,7 @@ class _Collection(nn.Module):
         if training:
             self._clock += 1
         groups = []
-        for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
+        for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
             with label("## group.prefetch ##"):
                 if self.process_group is None:
                     groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock,
@@ -339,7 +339,7 @@ class _Collection(nn.Module):
         seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
         for ``_finish_staged`` to take later."""
         step = self._clock + 1
-        for g in self._groups if group is None else [group]:
+        for g in self.tiers if group is None else [group]:
             g.place_overflow()  # before a graph is chosen by the index's shape
         slot = self._replay_staged(given, group, step)
         if slot is None:
@@ -364,8 +364,8 @@ class _Collection(nn.Module):
         staged, pending, sources, backward, read = record.outputs
         group, slot, stream = record.group, record.slot, record.stream
         try:
-            if len(self._groups) == 1:  # its host work that waits for no value of the read, before it
-                self._groups[0].arm(pending, read[staged.summary.numel()])
+            if len(self.tiers) == 1:  # its host work that waits for no value of the read, before it
+                self.tiers[0].arm(pending, read[staged.summary.numel()])
             with label("## group.prefetch ##"):
                 if record.done is not None:
                     record.done.synchronize()
@@ -387,8 +387,8 @@ class _Collection(nn.Module):
             with label("## group.prefetch ##"):
                 gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
-            if len(self._groups) == 1:
-                self._groups[0].disarm()
+            if len(self.tiers) == 1:
+                self.tiers[0].disarm()
             if slot is not None:
                 self._captured.release(slot, stream)
             raise
@@ -439,7 +439,7 @@ class _Collection(nn.Module):
         a restore does, and the prefetch waits for it). A pipeline's worker prefetching batch i+1
         beside backward i on its own stream never looks early: its lookup could read rows before
         that backward's update, with the count already bumped."""
-        return (self._early_lookup and self._stash is None and self._on_forward_thread()
+        return (self._early_lookup and self.stash is None and self._on_forward_thread()
                 and self._updated_on in (None, stream))
 
     def _on_forward_thread(self) -> bool:
@@ -454,7 +454,7 @@ class _Collection(nn.Module):
         n = given.values.numel()
         if self._captured is None or n == 0:
             return None
-        indexes = tuple(g.index.capture_key for g in (self._groups if group is None else [group]))
+        indexes = tuple(g.index.capture_key for g in (self.tiers if group is None else [group]))
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
         inputs = (given.values, given.per_feature, given.weights, step)
         capture = self._on_forward_thread()
@@ -500,14 +500,14 @@ class _Collection(nn.Module):
         out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
         per_region, read = [], [staged.summary, count]
         with label("## resolve ##"):
-            for group, first in zip(self._groups, layout.first_table):
+            for group, first in zip(self.tiers, layout.first_table):
                 per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
                                                     out))
                 read += [per_region[-1], group.index.sizes_on_device]
         with label("## group.prefetch ##"):
             # each group's pairs come together, group by group: the first pair of each
             pairs = torch.stack([p[len(g.configs) : 2 * len(g.configs)].sum()
-                                 for g, p in zip(self._groups, per_region)])
+                                 for g, p in zip(self.tiers, per_region)])
             pair_starts = pairs.cumsum(0) - pairs
             ids, id_tables, weights, inverse, id_values, order, tables = kernels.regroup_ids(
                 layout.group_shifts(staged, pair_starts), staged.values, staged.tables, staged.weights,
@@ -524,7 +524,7 @@ class _Collection(nn.Module):
         """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
         each group finishes its slice of the pairs and ids as if it had been staged alone."""
         groups, pairs, ids, at = [], 0, 0, 1
-        for g, (group, gb) in enumerate(zip(self._groups, batch.groups)):
+        for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
             r = len(group.configs)
             misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
             at += 4 * r
@@ -558,7 +558,7 @@ class _Collection(nn.Module):
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
         (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
-        group = self._groups[g]
+        group = self.tiers[g]
         keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs),
                                                                   self.kernels)
         owner = owner_of(keys, self._salts[g][tables], self.world)
@@ -575,7 +575,7 @@ class _Collection(nn.Module):
         """Where the rows of group g's ids are: a row store and an address per id. Sharded: output
         dist first (the owners send the rows of this rank's distinct keys back)."""
         gpf = state.groups[g]
-        group = self._groups[g]
+        group = self.tiers[g]
         if isinstance(gpf, GroupPrefetch):
             return group.store, gpf.addresses[gpf.inverse] if gpf.id_addresses is None else gpf.id_addresses
         served = gpf.served
@@ -591,9 +591,9 @@ class _Collection(nn.Module):
         state = self._take_ready(kjt)
         if state is not None:
             return state
-        with self._mutating():
+        with self.mutating():
             state = self._take_prefetched_locked(kjt)
-            for group, gpf in zip(self._groups, state.groups):  # deferred insertions, if still due
+            for group, gpf in zip(self.tiers, state.groups):  # deferred insertions, if still due
                 group.settle(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
@@ -624,7 +624,7 @@ class _Collection(nn.Module):
         del self._queued[0]
         return state
 
-    def _finish_deferred(self, kjt: object) -> None:
+    def finish_prefetch(self, kjt: object) -> None:
         """Finish the deferred prefetches queued up to ``kjt``'s and raise its error if its host half
         failed (``TrainPipeline``: a bad batch fails before the model sees it)."""
         with self._lock:
@@ -633,7 +633,7 @@ class _Collection(nn.Module):
                 if queued is kjt and isinstance(state, _Failed):
                     raise state.error
 
-    def _withdraw(self, kjt: object) -> None:
+    def withdraw(self, kjt: object) -> None:
         """Drop ``kjt``'s queued prefetch (by identity) and release its locks and scratch rows
         (``TrainPipeline``: a batch its forward did not take, or in flight when it stops)."""
         with self._lock:
@@ -662,8 +662,8 @@ class _Collection(nn.Module):
 
     def _run(self, kjt: object) -> tuple[CollectionPrefetch, tuple[torch.Tensor, ...]]:
         self._forward_thread = threading.get_ident()
-        if self._stash is not None:  # stashed by a forward whose backward never came
-            self._stash.restore(self)
+        if self.stash is not None:  # stashed by a forward whose backward never came
+            self.stash.restore(self)
         state = self._take_prefetched(kjt)
         if state.training and torch.is_grad_enabled():
             return state, _Lookup.apply(self._dummy, self, state)
@@ -680,7 +680,7 @@ class _Collection(nn.Module):
         self._rows_changed += 1
         self._updated_on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for g, grad in enumerate(grads):
-            gpf, group = state.groups[g], self._groups[g]
+            gpf, group = state.groups[g], self.tiers[g]
             sharded = isinstance(gpf, ShardedPrefetch)
             if grad is None:
                 if not sharded:
@@ -706,10 +706,10 @@ class _Collection(nn.Module):
 
     def _release(self, state: CollectionPrefetch) -> None:
         parts = [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in state.groups]
-        held = [(group, part) for group, part in zip(self._groups, parts) if group.holds(part)]
+        held = [(group, part) for group, part in zip(self.tiers, parts) if group.holds(part)]
         # nothing to unlock or free (a warm hbm_direct batch): no lock to take, so no wait for the
         # prefetch thread resolving the next batch under it (0.9 ms a step, session 7)
-        with self._mutating(self._unlock_first(state, held)) if held else nullcontext():
+        with self.mutating(self._unlock_first(state, held)) if held else nullcontext():
             if state.released:
                 return
             state.released = True
@@ -750,7 +750,7 @@ class _Collection(nn.Module):
             self._early_lookup = False  # made for nothing (rows changed since): not again
             looked = None
         return tuple(looked if g == 0 and looked is not None else self._lookup(g, state)
-                     for g in range(len(self._groups)))
+                     for g in range(len(self.tiers)))
 
     def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
         raise NotImplementedError
@@ -768,7 +768,7 @@ class _Collection(nn.Module):
         if name not in self._where:
             raise ValueError(f"unknown table {name!r}; tables are {self._table_names}")
         g, i = self._where[name]
-        return self._groups[g], i, self._groups[g].configs[i]
+        return self.tiers[g], i, self.tiers[g].configs[i]
 
     def read(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Current weights of ``keys`` (float32 (n, D); zeros where not stored) and ``found`` (bool
@@ -776,7 +776,7 @@ class _Collection(nn.Module):
         with its own keys), answered by the keys' owners."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
-        with self._mutating():  # a cache-mode read may fetch from the backing store
+        with self.mutating():  # a cache-mode read may fetch from the backing store
             if self.process_group is None:
                 return group.read(i, keys)
             order, send, recv, rkeys = self._route(table, keys)
@@ -803,7 +803,7 @@ class _Collection(nn.Module):
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
         weights = weights.to(device=self.device, dtype=torch.float32)
-        with self._mutating():
+        with self.mutating():
             self._rows_changed += 1
             if self.process_group is not None:  # to the owners; a key two ranks write: the later rank's
                 order, send, recv, keys = self._route(table, keys)
@@ -835,34 +835,34 @@ class _Collection(nn.Module):
             return
         table_state.load(self, state_dict, prefix, error_msgs)
 
-    def _read_full_rows(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+    def read_full_rows(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         """Whole rows ([weights | optimizer state]) of keys this rank stores; zeros where absent."""
         group, i, _ = self._table(table)
-        with self._mutating():
+        with self.mutating():
             return group.read(i, keys.to(self.device), cols=group.width)[0]
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _checkpoint_meta(self) -> dict:
+    def checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
         self._settle()  # a deferred prefetch's clock counts, as its rows do
-        return {"step": self.step, "clock": self._retired_clock(), "seed": self.seed,
+        return {"step": self.step, "clock": self.retired_clock(), "seed": self.seed,
                 "optimizer": type(self.optimizer).__name__,
                 "tables": {t.name: {"dim": t.embedding_dim,
                                     "width": t.embedding_dim + self.optimizer.state_width(t.embedding_dim)}
                            for t in self.table_configs}}
 
-    def _checkpoint_chunks(self, table: str, rows: int):
+    def export_chunks(self, table: str, rows: int):
         """This rank's rows of ``table`` in chunks: (keys, full rows, scores) on the CPU."""
         group, i, _ = self._table(table)
-        with self._mutating():
+        with self.mutating():
             for keys, full, scores in group.export_chunks(i, rows):
                 yield keys.cpu(), full.cpu(), scores.cpu()
 
-    def _checkpoint_admission(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def admission_counts(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys counted toward admission and their counts as of the last step taken: the batches in
         flight counted theirs at prefetch, and a resumed run prefetches them again."""
         group, i, _ = self._table(table)
-        with self._mutating():
+        with self.mutating():
             keys, counts = group.admission_counts(i)
             keys, counts = keys.cpu(), counts.cpu().clone()
             for pf in self._in_flight_parts(group):
@@ -881,7 +881,7 @@ class _Collection(nn.Module):
     def _in_flight_parts(self, group: TableGroup) -> list[GroupPrefetch]:
         """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
         (sharded: what this rank serves)."""
-        g = self._groups.index(group)
+        g = self.tiers.index(group)
         parts = []
         for _, record in self._queued:
             if isinstance(record, CollectionPrefetch) and record.training and not record.released:
@@ -889,21 +889,23 @@ class _Collection(nn.Module):
                 parts.append(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
         return parts
 
-    def _retired_clock(self) -> int:
-        """The clock as of the last step taken: each training batch in flight advanced it by one
-        at its prefetch, which a resumed run redoes."""
-        self._settle()
-        return self._clock - sum(1 for _, r in self._queued
-                                 if isinstance(r, CollectionPrefetch) and r.training and not r.released)
+    def import_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """Store saved rows: keys int64 (n,), whole rows ([weights | optimizer state]) float (n, W),
+        scores int64 (n,) (checkpoints, ``load_state_dict``). Sharded: a collective, each row sent
+        to its owner."""
+        self._import(table, keys, rows, scores, admission=False)
 
-    def _restore_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
-                      admission: bool = False) -> None:
-        """Store saved rows (or, ``admission``, admission counts in ``scores``); sharded: a
-        collective, each row sent to its owner under this process group."""
+    def import_admission(self, table: str, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Restore the admission counts of keys not admitted yet. Sharded: a collective."""
+        rows = torch.empty(keys.numel(), self._table(table)[0].width)
+        self._import(table, keys, rows, counts, admission=True)
+
+    def _import(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                admission: bool) -> None:
         group, i, _ = self._table(table)
         keys = keys.to(self.device)
         rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
-        with self._mutating():
+        with self.mutating():
             self._rows_changed += 1
             if self.process_group is not None:
                 order, send, recv, keys = self._route(table, keys)
@@ -914,19 +916,35 @@ class _Collection(nn.Module):
             else:
                 group.import_rows(i, keys, rows, scores)
 
-    def _delete_rows(self, table: str, keys: torch.Tensor) -> None:
+    def restore_progress(self, step: int, clock: int) -> None:
+        """Set the optimizer steps taken and the LRU clock (prefetches taken) of a resumed run."""
+        with self.mutating():
+            self.step, self._clock = int(step), int(clock)
+
+    def retired_clock(self) -> int:
+        """The LRU clock as of the last step taken (what a checkpoint records): each training batch
+        in flight advanced it by one at its prefetch, which a resumed run redoes."""
+        with self.mutating():
+            return self._clock - sum(1 for _, r in self._queued
+                                     if isinstance(r, CollectionPrefetch) and r.training and not r.released)
+
+    def is_prefetched(self, kjt: object) -> bool:
+        """Whether ``kjt`` (this very object) waits in the queue of prefetched batches."""
+        return any(queued is kjt for queued, _ in self._queued)
+
+    def delete_rows(self, table: str, keys: torch.Tensor) -> None:
         """Remove stored rows (a checkpoint delta's deletions); sharded: a collective."""
         group, i, _ = self._table(table)
         keys = keys.to(self.device)
-        with self._mutating():
+        with self.mutating():
             self._rows_changed += 1
             if self.process_group is not None:
                 _, _, _, keys = self._route(table, keys)
             group.delete_rows(i, keys)
 
-    def _is_empty(self) -> bool:
-        with self._mutating():
-            return all(group.is_empty() for group in self._groups)
+    def is_empty(self) -> bool:
+        with self.mutating():
+            return all(group.is_empty() for group in self.tiers)
 
     def _route(self, table: str, keys: torch.Tensor):
         """Send ``keys`` of ``table`` to their owners (a collective: every rank calls it). Returns
@@ -938,31 +956,31 @@ class _Collection(nn.Module):
 
     def close(self) -> None:
         """Flush and close the backing stores (files, connections). The collection is unusable after."""
-        with self._mutating():
+        with self.mutating():
             self.flush()
-            for group in self._groups:
+            for group in self.tiers:
                 group.close()
 
     def flush(self) -> None:
         """Write every dirty cached row down to the backing store (in ``hbm_direct``: nothing to write;
         the free rows lent to released batches' insertions go back to the row store)."""
-        with self._mutating():
-            for group in self._groups:
+        with self.mutating():
+            for group in self.tiers:
                 group.flush()
 
     def export(self, table: str) -> TableRows:
         """Every stored row of ``table``: keys, weights, optimizer state and scores. Sharded: the
         rows this rank owns (the ranks' exports together hold each row once)."""
         group, i, _ = self._table(table)
-        with self._mutating():
+        with self.mutating():
             return group.export(i)
 
     def stats(self, all_ranks: bool = False):
         """Per table: rows per tier, lookups, hits, misses, evictions, bytes. Sharded: this rank's
         shard, i.e. its load (lookups it served, rows it holds, bytes it moved). ``all_ranks``
         (a collective when sharded): a list with every rank's, so imbalance shows."""
-        with self._mutating():
-            mine = {name: self._groups[g].stats(i) for name, (g, i) in self._where.items()}
+        with self.mutating():
+            mine = {name: self.tiers[g].stats(i) for name, (g, i) in self._where.items()}
         if not all_ranks:
             return mine
         if self.process_group is None:
@@ -974,6 +992,20 @@ class _Collection(nn.Module):
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)
         return f"tables=[{dims}], optimizer={self.optimizer}, storage_mode={self.storage_mode!r}"
+
+
+@contextmanager
+def dense_only(model: nn.Module):
+    """Within: the model's collections neither add nor expect table state in ``state_dict`` /
+    ``load_state_dict`` (``te.checkpoint`` streams the rows itself)."""
+    colls = [m for m in model.modules() if isinstance(m, CollectionBase)]
+    for c in colls:
+        c._rows_in_state_dict = False
+    try:
+        yield
+    finally:
+        for c in colls:
+            c._rows_in_state_dict = True
 
 
 _PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
@@ -1106,7 +1138,7 @@ def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]]
     return out
 
 
-class EmbeddingBagCollection(_Collection):
+class EmbeddingBagCollection(CollectionBase):
     """Pooled embedding lookups for several features over raw-ID tables, with a fused optimizer.
 
     Args:
@@ -1136,7 +1168,7 @@ class EmbeddingBagCollection(_Collection):
     def _prepare_outputs(self) -> None:
         # per group: a float32 (F_g,) flag of its features under mean pooling, or None (none are)
         self._mean = []
-        for group in self._groups:
+        for group in self.tiers:
             flags = [float(c.pooling == "mean") for c in group.configs for _ in c.feature_names]
             self._mean.append(torch.tensor(flags, device=self.device) if any(flags) else None)
         self._keys = [f for t in self.table_configs for f in t.feature_names]
@@ -1144,8 +1176,8 @@ class EmbeddingBagCollection(_Collection):
         # each group's lookup writes its bags sample-major, (B, F_g * D_g): the output's layout when
         # it is the only group; with several, ``_columns[g]`` are the output columns of its features
         # (in the group's order, which is the config order of its tables)
-        self._sample_major = [sum(len(c.feature_names) for c in group.configs) for group in self._groups]
-        columns: list[list[torch.Tensor]] = [[] for _ in self._groups]
+        self._sample_major = [sum(len(c.feature_names) for c in group.configs) for group in self.tiers]
+        columns: list[list[torch.Tensor]] = [[] for _ in self.tiers]
         at = 0
         for t in self.table_configs:
             for _ in t.feature_names:
@@ -1156,7 +1188,7 @@ class EmbeddingBagCollection(_Collection):
     def forward(self, kjt: object) -> KeyedTensor:
         state, outs = self._run(kjt)
         b = state.batch.batch_size
-        outs = [o.view(b, f * g.dim) for o, f, g in zip(outs, self._sample_major, self._groups)]
+        outs = [o.view(b, f * g.dim) for o, f, g in zip(outs, self._sample_major, self.tiers)]
         values = outs[0] if len(outs) == 1 else _Interleave.apply(self._columns, *outs)
         return KeyedTensor(self._keys, self._dims, values)
 
@@ -1167,7 +1199,7 @@ class EmbeddingBagCollection(_Collection):
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
                      scale: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.gather_pool(store, addresses, gb.offsets, scale, self._groups[g].dim,
+        return self.kernels.gather_pool(store, addresses, gb.offsets, scale, self.tiers[g].dim,
                                         self._sample_major[g])
 
     def _scale(self, g: int, gb: GroupBatch) -> torch.Tensor | None:
@@ -1187,7 +1219,7 @@ class EmbeddingBagCollection(_Collection):
         return rows, self._scale(g, gb)
 
 
-class EmbeddingCollection(_Collection):
+class EmbeddingCollection(CollectionBase):
     """Sequence (unpooled) embedding lookups: one row per id.
 
     Same arguments as ``EmbeddingBagCollection``. ``forward(kjt)`` returns ``dict[feature,
@@ -1199,7 +1231,7 @@ class EmbeddingCollection(_Collection):
         state, outs = self._run(kjt)
         b = state.batch.batch_size
         result: dict[str, JaggedTensor] = {}
-        for group, gb, out in zip(self._groups, state.batch.groups, outs):
+        for group, gb, out in zip(self.tiers, state.batch.groups, outs):
             features = [f for c in group.configs for f in c.feature_names]
             start = 0
             for i, (f, n) in enumerate(zip(features, gb.ids_per_feature)):
@@ -1213,7 +1245,7 @@ class EmbeddingCollection(_Collection):
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
                      scale: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.gather(store, addresses, self._groups[g].dim)
+        return self.kernels.gather(store, addresses, self.tiers[g].dim)
 
     def _grad_sources(self, g: int, gb: GroupBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.arange(gb.ids.numel(), device=self.device), None

@@ -23,8 +23,6 @@ holds the dense part only.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -36,7 +34,7 @@ class TableSlice:
     """Tensor-like handle of a column range of a table's rows, read ``narrow`` by ``narrow``."""
 
     def __init__(self, collection, table: str, keys: torch.Tensor, cols: tuple[int, int]) -> None:
-        self._collection, self._table, self._keys, self._cols = collection, table, keys, cols
+        self.collection, self._table, self._keys, self._cols = collection, table, keys, cols
         self.shape = torch.Size([keys.numel(), cols[1] - cols[0]])
         self.dtype = torch.float32
         self.device = torch.device("cpu")
@@ -68,7 +66,7 @@ class TableSlice:
         if start < 0 or length < 0 or start + length > n:
             raise ValueError(f"TableSlice.narrow: rows {start}..{start + length} out of 0..{n}")
         keys = self._keys[start : start + length]
-        rows = self._collection._read_full_rows(self._table, keys)
+        rows = self.collection.read_full_rows(self._table, keys)
         return rows[:, self._cols[0] : self._cols[1]].cpu()
 
     def materialize(self) -> torch.Tensor:
@@ -82,13 +80,13 @@ def save(collection, destination: dict, prefix: str) -> None:
     """Put the collection's table state into ``destination`` under ``prefix``."""
     for t in collection.table_configs:
         keys, scores = [], []
-        for k, _, s in collection._checkpoint_chunks(t.name, CHUNK_ROWS):
+        for k, _, s in collection.export_chunks(t.name, CHUNK_ROWS):
             keys.append(k)
             scores.append(s)
         keys = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
         dim = t.embedding_dim
         width = dim + collection.optimizer.state_width(dim)
-        adm_keys, adm_counts = collection._checkpoint_admission(t.name)
+        adm_keys, adm_counts = collection.admission_counts(t.name)
         p = f"{prefix}{t.name}."
         destination[p + "keys"] = keys
         destination[p + "scores"] = torch.cat(scores) if scores else torch.empty(0, dtype=torch.int64)
@@ -97,7 +95,7 @@ def save(collection, destination: dict, prefix: str) -> None:
         destination[p + "admission_keys"] = adm_keys
         destination[p + "admission_counts"] = adm_counts
     destination[prefix + "step"] = torch.tensor(collection.step)
-    destination[prefix + "clock"] = torch.tensor(collection._retired_clock())
+    destination[prefix + "clock"] = torch.tensor(collection.retired_clock())
 
 
 def expected_keys(collection, prefix: str) -> list[str]:
@@ -115,19 +113,16 @@ def load(collection, state: dict, prefix: str, error_msgs: list[str]) -> None:
         p = f"{prefix}{t.name}."
         keys, scores = state[p + "keys"], state[p + "scores"]
         weights, opt_state = state[p + "weights"], state[p + "optimizer_state"]
-        if any(isinstance(h, TableSlice) and h._collection is collection for h in (weights, opt_state)):
+        if any(isinstance(h, TableSlice) and h.collection is collection for h in (weights, opt_state)):
             weights, opt_state = _tensor(weights), _tensor(opt_state)  # its own state: read before clearing
         _clear(collection, t.name)
         for start in _chunk_starts(collection, keys.numel()):
             length = max(0, min(CHUNK_ROWS, keys.numel() - start))
             rows = torch.cat([weights.narrow(0, start, length), opt_state.narrow(0, start, length)], 1)
-            collection._restore_rows(t.name, keys[start : start + length], rows,
-                                     scores[start : start + length])
+            collection.import_rows(t.name, keys[start : start + length], rows, scores[start : start + length])
         adm_keys = state[p + "admission_keys"]
-        collection._restore_rows(t.name, adm_keys, torch.empty(adm_keys.numel(), weights.shape[1]),
-                                 state[p + "admission_counts"], admission=True)
-    collection.step = int(state[prefix + "step"])
-    collection._clock = int(state[prefix + "clock"])
+        collection.import_admission(t.name, adm_keys, state[p + "admission_counts"])
+    collection.restore_progress(int(state[prefix + "step"]), int(state[prefix + "clock"]))
 
 
 def _tensor(x) -> torch.Tensor:
@@ -152,9 +147,9 @@ def _check(collection, state: dict, prefix: str) -> str | None:
 
 def _clear(collection, table: str) -> None:
     """Remove the table's stored rows (a collective when sharded)."""
-    stored = [k for k, _, _ in collection._checkpoint_chunks(table, CHUNK_ROWS)]
+    stored = [k for k, _, _ in collection.export_chunks(table, CHUNK_ROWS)]
     keys = torch.cat(stored) if stored else torch.empty(0, dtype=torch.int64)
-    collection._delete_rows(table, keys)
+    collection.delete_rows(table, keys)
 
 
 def _chunk_starts(collection, n: int) -> range:
@@ -165,19 +160,3 @@ def _chunk_starts(collection, n: int) -> range:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=collection.process_group)
         chunks = int(count)
     return range(0, chunks * CHUNK_ROWS, CHUNK_ROWS)
-
-
-@contextlib.contextmanager
-def dense_only(model: torch.nn.Module):
-    """Within: the model's collections add nor expect table state in ``state_dict`` /
-    ``load_state_dict`` (``te.checkpoint`` stores the rows itself)."""
-    from tieredemb.modules.collection import _Collection
-
-    colls = [m for m in model.modules() if isinstance(m, _Collection)]
-    for c in colls:
-        c._rows_in_state_dict = False
-    try:
-        yield
-    finally:
-        for c in colls:
-            c._rows_in_state_dict = True

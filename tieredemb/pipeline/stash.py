@@ -105,7 +105,7 @@ class Stash:
             raise TypeError(f"stash must be a te.StashConfig, got {type(config).__name__}")
         self.config = config
         self._stores = _select(collections, config.tables)  # collection -> its row stores to stash
-        if any(c._stash is not None for c in self._stores):
+        if any(c.stash is not None for c in self._stores):
             raise ValueError("an embedding collection is already attached to a Stash; close() it first")
         devices = {c.device for c in self._stores}
         if len(devices) > 1:
@@ -126,7 +126,7 @@ class Stash:
         self.stats = {"steps": 0, "stashed_bytes": 0, "free_site": config.free_site,
                       "restore_site": config.restore_site, "copy_ms": None, "window_ms": None}
         for c in self._stores:
-            c._stash = self
+            c.stash = self
 
     # --------------------------------------------------------------------------- lifecycle
     def after_lookup(self, collection) -> None:
@@ -196,7 +196,7 @@ class Stash:
             stores = [s for s in self._stores.get(c, []) if s.stashed]
             if not stores:
                 continue
-            with c._mutating():  # after any prefetch that wrote the host copies
+            with c.mutating():  # after any prefetch that wrote the host copies
                 for store in stores:
                     into = self._unfreed(store)
                     self._stashed_bytes -= store.rows_by_placement().get("stashed", 0) * store.width * 4
@@ -223,7 +223,7 @@ class Stash:
             h.remove()
         self._handles = []
         for c in self._stores:
-            c._stash = None
+            c.stash = None
 
     # ------------------------------------------------------------------------------ sites
     @contextlib.contextmanager
@@ -321,9 +321,9 @@ def _select(collections: list, tables: list[str] | None) -> dict:
     out, wanted = {}, None if tables is None else set(tables)
     known = set()
     for c in collections:
-        known.update(c._table_names)
+        known.update(t.name for t in c.table_configs)
         stores = []
-        for group in c._groups:
+        for group in c.tiers:
             names = set(group.names)
             if wanted is None:
                 take = c.storage_mode == "hbm_direct"

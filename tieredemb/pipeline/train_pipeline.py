@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tieredemb.jagged import KeyedJaggedTensor
-from tieredemb.modules.collection import _Collection
+from tieredemb.modules.collection import CollectionBase
 from tieredemb.ops import resolve_device
 from tieredemb.pipeline.stash import Stash
 from tieredemb.profiling import label
@@ -43,7 +43,7 @@ class _InFlight:
     """
 
     batch: object
-    plan: list[tuple[_Collection, object]] = field(default_factory=list)
+    plan: list[tuple[CollectionBase, object]] = field(default_factory=list)
     copied: torch.cuda.Event | None = None
     prefetch: Future | None = None
     prefetched: torch.cuda.Event | None = None
@@ -144,7 +144,7 @@ class TrainPipeline:
         self._optimizer = optimizer
         self._autograd_threads = autograd_threads
         self.device = resolve_device(device) if device is not None else _default_device(model)
-        self._collections = [(m, _features(m)) for m in model.modules() if isinstance(m, _Collection)]
+        self._collections = [(m, _features(m)) for m in model.modules() if isinstance(m, CollectionBase)]
         self._stash = (Stash([c for c, _ in self._collections], stash, model)
                        if stash is not None else None)
         cuda = self.device.type == "cuda"
@@ -297,7 +297,7 @@ class TrainPipeline:
             if record.prefetch is not None:
                 record.prefetch.result()  # the worker's host work; raises the prefetch's error
             for collection, kjt in record.plan:  # an inline prefetch's read, deferred until now
-                collection._finish_deferred(kjt)
+                collection.finish_prefetch(kjt)
             training = _current_stream(self.device)
             _wait(training, record.copied)
             _wait(training, record.prefetched)
@@ -305,10 +305,10 @@ class TrainPipeline:
     def _forward(self, record: _InFlight) -> object:
         with label("## forward ##"), self._stash_tracking():
             output = self._model(record.batch)
-        unused = [(c, kjt) for c, kjt in record.plan if _is_queued(c, kjt)]
+        unused = [(c, kjt) for c, kjt in record.plan if c.is_prefetched(kjt)]
         if unused:
             for c, kjt in unused:
-                c._withdraw(kjt)
+                c.withdraw(kjt)
             raise RuntimeError(
                 f"the model's forward did not pass the batch's KeyedJaggedTensor with features "
                 f"{list(unused[0][1].keys())} to the embedding collection with those features; the "
@@ -332,9 +332,9 @@ class TrainPipeline:
                 self._optimizer.step()
 
     # ----------------------------------------------------------------------------------- helpers
-    def _plan(self, batch: object) -> list[tuple[_Collection, object]]:
+    def _plan(self, batch: object) -> list[tuple[CollectionBase, object]]:
         """(collection, KJT) for each top-level KJT of ``batch`` and each collection with its features."""
-        plan: list[tuple[_Collection, object]] = []
+        plan: list[tuple[CollectionBase, object]] = []
         seen: set[tuple[int, int]] = set()
         for name, value in _named_fields(batch):
             if not _is_kjt(value):
@@ -370,7 +370,7 @@ class TrainPipeline:
             if record.prefetch is not None:
                 wait_futures([record.prefetch])  # let a running prefetch end before cancelling it
             for collection, kjt in record.plan:
-                collection._withdraw(kjt)
+                collection.withdraw(kjt)
         self._batches.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -385,12 +385,12 @@ def _default_device(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
     for m in model.modules():
-        if isinstance(m, _Collection):
+        if isinstance(m, CollectionBase):
             return m.device
     return torch.device("cpu")
 
 
-def _features(collection: _Collection) -> frozenset[str]:
+def _features(collection: CollectionBase) -> frozenset[str]:
     return frozenset(f for t in collection.table_configs for f in t.feature_names)
 
 
@@ -467,13 +467,6 @@ def _loss_of(output: object) -> torch.Tensor:
             f"the model must return the loss (a tensor) or (loss, output), got {type(output).__name__}"
         )
     return loss
-
-
-# ------------------------------------------------------------------ the collections' prefetch queue
-# The collections have no public verb yet to ask about one queued prefetch; this is the only place
-# the pipeline reads their queue (a candidate for a _Collection method).
-def _is_queued(collection: _Collection, kjt: object) -> bool:
-    return any(queued is kjt for queued, _ in collection._queued)
 
 
 # ------------------------------------------------------------------------------ streams and events
