@@ -2,7 +2,7 @@
 cache-mode collection under a heavy dense MLP: plain loop vs pipeline (prefetch inline) vs pipeline
 with the prefetch thread, against the same model with every row in HBM.
 
-    python3 scripts/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
+    python3 tools/pipeline_overlap.py [--scale 0.1] [--hidden 8192] [--layers 6] [--steps 15]
                                         [--reserve] [--prefill] [--stages] [--autograd-threads]
                                         [--only LABEL_PART]
 """

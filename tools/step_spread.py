@@ -1,7 +1,7 @@
 """One line a result of a bench report: the median, p10, mean and max step, peak device memory and
-the process's huge pages (scripts/ab_bench.sh and scripts/spread_probe.sh print it after each run).
+the process's huge pages (tools/ab_bench.sh prints it after each run).
 
-    python3 scripts/step_spread.py REPORT.json TAG
+    python3 tools/step_spread.py REPORT.json TAG
 """
 
 import json

@@ -8,7 +8,7 @@ the reduction again with the keys renumbered table by table (what L2 locality of
 is worth); ``--overlap ORDER``: the whole step back to back with the next batch's prefetch in another
 order (``Overlapped``; ``deferred`` is TrainPipeline's inline prefetch).
 
-    python3 scripts/kernel_bench.py [--scale S] [--optimizer sgd|adam] [--table-order] [--profile]
+    python3 tools/kernel_bench.py [--scale S] [--optimizer sgd|adam] [--table-order] [--profile]
                                     [--set NAME=INT ...] [--overlap forward|backward|deferred|deferred-side]
 
 Run it with PYTHONPATH on an older package (``git archive REV tieredemb``) for a before/after;
@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from profile_step import Overlapped, print_top_gpu  # tools/: the directory of this script
 
 import tieredemb as te
 import tieredemb.ops.triton.embedding as E
@@ -162,51 +163,9 @@ def main() -> None:
     print("(step: drained median, back-to-back mean; reduce_update, then reduce_grads alone)")
 
 
-class Overlapped:
-    """Steps that prefetch the next batch on a high-priority side stream that waits only for this
-    step's forward, right after the forward (``after="forward"``: TrainPipeline's order, the
-    prefetch's device work beside the forward's, its read before the backward's launches) or after
-    the backward (the prefetch beside the backward's update); ``"deferred"``: ``prefetch_deferred``
-    right after the forward on the one stream (TrainPipeline's inline prefetch: the read waits for
-    the next forward); ``"deferred-side"``: the same on the side stream (its device work beside the
-    backward's). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)`` trains
-    ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
-
-    def __init__(self, ebc, grad, first, after: str = "backward") -> None:
-        self.ebc, self.grad, self.after = ebc, grad, after
-        self.side = torch.cuda.Stream(DEVICE, priority=-100) if after != "deferred" else None
-        self.main = torch.cuda.current_stream(DEVICE)
-        self.ready = None
-        self._prefetch(first, None)
-
-    def _prefetch(self, kjt, after) -> None:
-        if self.side is None:
-            self.ebc.prefetch_deferred(kjt)
-            return
-        if after is not None:
-            self.side.wait_event(after)
-        with torch.cuda.stream(self.side):
-            if self.after == "deferred-side":  # the collection orders its use on the main stream
-                self.ebc.prefetch_deferred(kjt)
-                return
-            self.ebc.prefetch(kjt)
-        self.ready = self.side.record_event()
-
-    def step(self, kjt, next_kjt) -> None:
-        if self.ready is not None:
-            self.main.wait_event(self.ready)
-        out = self.ebc(kjt).values()
-        after_forward = self.main.record_event()
-        if next_kjt is not None and self.after in ("forward", "deferred", "deferred-side"):
-            self._prefetch(next_kjt, after_forward)
-        out.backward(self.grad)
-        if next_kjt is not None and self.after == "backward":
-            self._prefetch(next_kjt, after_forward)
-
-
 def overlapped_steps(ebc, grad, kjts, after: str) -> float:
     """Mean ms a step of ``Overlapped`` steps over ``kjts``, back to back."""
-    run = Overlapped(ebc, grad, kjts[0], after)
+    run = Overlapped(ebc, grad, kjts[0], after, DEVICE)
     sync()
     t0 = time.perf_counter()
     for kjt, next_kjt in zip(kjts, [*kjts[1:], None]):
@@ -276,8 +235,6 @@ def profile(step, kjts) -> None:
         for kjt in kjts:
             step(kjt)
         sync()
-    from profile_step import print_top_gpu
-
     print_top_gpu(prof.key_averages(), len(kjts), "GPU time per step (ms), in-step:", top=14)
 
 

@@ -1,7 +1,7 @@
 """Profile steady-state steps of the ``hbm`` workload: where the training thread spends its time and
 how many host syncs a step makes. Writes the full table to $OUT/profile.txt; prints a summary.
 
-    python3 scripts/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python | --host]
+    python3 tools/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python | --host]
                                     [--autograd-threads]
 """
 
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
-                        "backward (kernel_bench.Overlapped)")
+                        "backward (Overlapped)")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
@@ -58,8 +58,6 @@ def main() -> None:
         ebc(kjt).values().backward(grad)
 
     if args.overlap:
-        from kernel_bench import Overlapped
-
         overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
 
         def step(i: int) -> None:  # noqa: F811 (the overlapped step instead)
@@ -143,6 +141,49 @@ def print_top_gpu(avg, steps: int, title: str = "top GPU time per step (ms):", t
     print(title)
     for e in sorted(avg, key=lambda e: -getattr(e, attr))[:top]:
         print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, attr) / 1e3 / steps:8.3f}")
+
+
+class Overlapped:
+    """Steps that prefetch the next batch on a high-priority side stream that waits only for this
+    step's forward, right after the forward (``after="forward"``: TrainPipeline's order, the
+    prefetch's device work beside the forward's, its read before the backward's launches) or after
+    the backward (the prefetch beside the backward's update); ``"deferred"``: ``prefetch_deferred``
+    right after the forward on the one stream (TrainPipeline's inline prefetch: the read waits for
+    the next forward); ``"deferred-side"``: the same on the side stream (its device work beside the
+    backward's). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)`` trains
+    ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
+
+    def __init__(self, ebc, grad, first, after: str = "backward",
+                 device: torch.device | str = "cuda") -> None:
+        self.ebc, self.grad, self.after = ebc, grad, after
+        self.side = torch.cuda.Stream(device, priority=-100) if after != "deferred" else None
+        self.main = torch.cuda.current_stream(device)
+        self.ready = None
+        self._prefetch(first, None)
+
+    def _prefetch(self, kjt, after) -> None:
+        if self.side is None:
+            self.ebc.prefetch_deferred(kjt)
+            return
+        if after is not None:
+            self.side.wait_event(after)
+        with torch.cuda.stream(self.side):
+            if self.after == "deferred-side":  # the collection orders its use on the main stream
+                self.ebc.prefetch_deferred(kjt)
+                return
+            self.ebc.prefetch(kjt)
+        self.ready = self.side.record_event()
+
+    def step(self, kjt, next_kjt) -> None:
+        if self.ready is not None:
+            self.main.wait_event(self.ready)
+        out = self.ebc(kjt).values()
+        after_forward = self.main.record_event()
+        if next_kjt is not None and self.after in ("forward", "deferred", "deferred-side"):
+            self._prefetch(next_kjt, after_forward)
+        out.backward(self.grad)
+        if next_kjt is not None and self.after == "backward":
+            self._prefetch(next_kjt, after_forward)
 
 
 def gpu_busy_ms(events) -> float:

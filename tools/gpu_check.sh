@@ -6,12 +6,12 @@
 # CACHE_TIMEOUT or what is left); --cache-only runs them alone. The hbm bench includes --pipeline and
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
-#   scripts/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
+#   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
 #                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
-# --ab OLD_DIR: tests/gpu (not with --bench-only), then `scripts/kernel_bench.py` SGD and Adam with the package in OLD_DIR
+# --ab OLD_DIR: tests/gpu (not with --bench-only), then `tools/kernel_bench.py` SGD and Adam with the package in OLD_DIR
 # (unpack it first: git archive REV tieredemb | tar -x -C OLD_DIR) and with this checkout (also with
 # each --variant's kernel_bench arguments, e.g. "--set _REDUCE_TILE=64" or "--no-early-lookup"),
 # alternating, in one call (machine starts differ by up to 30%: only one call's runs compare); last,
@@ -121,7 +121,7 @@ if [ -n "$ab_old" ]; then
     kb() {  # tag, package root, optimizer, more kernel_bench arguments: the step's line and the
             # reduction's (and a profile's kernel lines), tagged
         # shellcheck disable=SC2086 (ab_args is a list of arguments)
-        (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/scripts/kernel_bench.py" --optimizer "$3" \
+        (cd /tmp && PYTHONPATH="$2" timeout 90 python3 "$here/tools/kernel_bench.py" --optimizer "$3" \
             --repeats 10 $ab_args "${@:4}" 2>&1) | grep -E "^step|^reduce_update|Error|^  " | sed "s/^/$1 $3 /"
     }
     echo "== kernel_bench, new ($here) / new with each variant / old ($old_root)"
@@ -226,7 +226,7 @@ fi
 
 if [ "$run_profile" = 1 ]; then
     echo "== profile of steady-state steps (adam, scale $scale)"
-    timeout "$PROFILE_TIMEOUT" python3 scripts/profile_step.py --scale "$scale" 2>&1 | tee "$OUT/profile.log"
+    timeout "$PROFILE_TIMEOUT" python3 tools/profile_step.py --scale "$scale" 2>&1 | tee "$OUT/profile.log"
 fi
 
 echo
