@@ -192,7 +192,7 @@ def check_loads(loads: list, world: int, msg: str) -> None:
     assert {t: sum(load[t] for load in loads[0]) for t in ids} == ids, msg
 
 
-# gloo on CPU everywhere; NCCL on GPUs where the machine has enough of them (scripts/gpu_check.sh)
+# gloo on CPU everywhere; NCCL on GPUs where the machine has enough of them (tools/gpu_check.sh)
 DEVICES = [("cpu", w) for w in (2, 3)] + [("cuda", w) for w in (2, 4) if torch.cuda.device_count() >= w]
 
 

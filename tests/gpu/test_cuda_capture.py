@@ -12,7 +12,7 @@ import tieredemb as te
 import tieredemb.modules.table as table_module
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 from tests.gpu.test_cuda_syncs import _Model  # noqa: E402 (the embedding-only model, loss = sum of squares)
 

@@ -6,7 +6,7 @@ empty bags and an all-empty batch, sum and mean pooling, per-id weights, tables 
 table shared by two features, raw int64 ids and a bounded-id table, prefetch on some steps. Every
 step's outputs and, at the end, every stored key, row, optimizer state and score must agree; so must
 an eval forward afterwards. The module is skipped where there is no GPU (run it through
-scripts/gpu_check.sh).
+tools/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.conftest import (
 from tieredemb.modules.table import TableGroup
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import torch
 from tieredemb.ops.triton.embedding import _PIECE, TritonKernels
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 
 def test_reduce_grads_is_deterministic_and_exact_to_fp32_rounding():

@@ -11,7 +11,7 @@ from torch import nn
 import tieredemb as te
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 DIM, ROWS, STEPS, BATCH = 32, 5000, 20, 64
 

@@ -2,8 +2,8 @@
 debug mode: every operation that makes the host wait for the device warns once. The staged prefetch (of
 one table group, or of several together) reads the device once a step (the batch checks, the number of
 distinct keys and the misses together); forward and backward read nothing. (torch calls the mode a
-prototype that does not see every synchronizing operation; the profiler's count agrees here:
-`benchmarks/results/2026-11-21-hbm-h200-profile-sgd-staged.txt`.)"""
+prototype that does not see every synchronizing operation; the profiler's count of
+`cudaStreamSynchronize` agrees here: `python3 tools/profile_step.py` prints it.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import tieredemb as te
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 DEV = torch.device("cuda")
 

@@ -9,7 +9,7 @@ import torch
 import tieredemb as te
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA (run through scripts/gpu_check.sh)", allow_module_level=True)
+    pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
 DIM, ROWS = 16, 2000
 

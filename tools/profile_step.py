@@ -1,0 +1,424 @@
+"""Profile steady-state steps of the ``hbm`` workload: where the training thread spends its time and
+how many host syncs a step makes. Writes the full table to $OUT/profile.txt; prints a summary.
+
+    python3 tools/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python | --host]
+                                    [--autograd-threads]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tieredemb as te
+from tieredemb.bench.cache import RankBatches, cache_shape, prefill
+from tieredemb.bench.cache import table_configs as cache_table_configs
+from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
+from tieredemb.bench.workloads import HbmBatches, HbmShape
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
+               "aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::_unique2")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
+    p.add_argument("--host", action="store_true",
+                   help="host time of each labelled stage, timed without a profiler")
+    p.add_argument("--launches", action="store_true",
+                   help="with --host: also each Triton kernel's launch and a few torch calls, by name")
+    p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
+    p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
+                   help="each step prefetches the next batch on a side stream after its forward or "
+                        "backward (Overlapped)")
+    p.add_argument("--autograd-threads", action="store_true",
+                   help="backward on autograd's device threads (default: the calling thread, as the bench)")
+    args = p.parse_args()
+    torch.autograd.set_multithreading_enabled(args.autograd_threads)
+    dev = torch.device("cuda")
+    ebc, shape, batches = build(args, dev)
+    grad = upstream_grad(shape, dev, 0)
+
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 1)]  # made outside the profile
+    torch.cuda.synchronize()
+
+    def step(i: int) -> None:
+        kjt = kjts[i]
+        ebc.prefetch(kjt)
+        ebc(kjt).values().backward(grad)
+
+    if args.overlap:
+        overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
+
+        def step(i: int) -> None:  # noqa: F811 (the overlapped step instead)
+            overlapped.step(kjts[i], kjts[i + 1])
+
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    if args.python:
+        python_profile(step, args)
+    elif args.host:
+        host_times(ebc, kjts, grad, args)
+    else:
+        torch_profile(step, args)
+
+
+def build(args, dev: torch.device):
+    """The collection of the workload, its shape and its batches."""
+    if args.workload == "hbm":
+        shape = HbmShape().scaled(args.scale)
+        ebc = te.EmbeddingBagCollection(shape.table_configs(),
+                                        optimizer=OPTIMIZERS[args.optimizer][0](), device=dev)
+        t0 = time.perf_counter()
+        preinsert_rows(ebc, shape, dev, 0)
+        torch.cuda.synchronize()
+        print(f"preinsert {shape.num_tables} x {shape.rows} rows: {time.perf_counter() - t0:.1f} s")
+        batches = HbmBatches(shape, dev, 0)
+    else:  # cache mode over host memory, 10% of the footprint on the device
+        shape = cache_shape(args.scale)
+        configs = cache_table_configs(shape)
+        footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
+        backing = te.storage.HostMemory(reserve_rows=shape.rows if args.reserve else 0)
+        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=backing)
+        ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                        storage=storage, device=dev)
+        prefill(ebc, shape, shape.rows // 10, dev, 0)  # the bench's steady state: the cache full
+        batches = RankBatches(shape, dev, 0)
+    return ebc, shape, batches
+
+
+def torch_profile(step, args) -> None:
+    """The torch profiler over the timed steps: syncs, stages, top GPU and CPU ops."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps * 1e3
+    avg = prof.key_averages()
+    out = os.environ.get("OUT", ".")
+    prof.export_chrome_trace(os.path.join(out, f"trace-{args.workload}.json"))
+    busy = gpu_busy_ms(prof.events())
+    with open(os.path.join(out, "profile.txt"), "w") as f:
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=60))
+        f.write("\n\n")
+        f.write(avg.table(sort_by="self_cuda_time_total", row_limit=40))
+    print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps under the profiler), "
+          f"GPU busy {busy / args.steps:.2f} ms a step (union of kernel and copy intervals)")
+    print("per step:  event | count | self CPU ms")
+    for e in avg:
+        if e.key in SYNC_EVENTS:
+            ms = e.self_cpu_time_total / 1e3 / args.steps
+            print(f"  {e.key:32s} {e.count / args.steps:8.1f} {ms:8.2f}")
+    print("labelled stages per step (CPU total ms):")
+    for e in sorted(avg, key=lambda e: -e.cpu_time_total):
+        if e.key.startswith("##"):
+            print(f"  {e.key:32s} {e.count / args.steps:8.1f} {e.cpu_time_total / 1e3 / args.steps:8.2f}")
+    print_top_gpu(avg, args.steps)
+    print_stage_ops(prof.events(), args.steps)
+    print_gaps(prof.events(), args.steps)
+    top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
+    print("top self-CPU ops per step (ms):")
+    for e in top:
+        ms = e.self_cpu_time_total / 1e3 / args.steps
+        print(f"  {e.key[:48]:48s} {e.count / args.steps:8.1f} {ms:8.2f}")
+
+
+def print_top_gpu(avg, steps: int, title: str = "top GPU time per step (ms):", top: int = 15) -> None:
+    """The ``top`` entries of ``avg`` (the profiler's ``key_averages()``) by GPU time, per step."""
+    attr = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+    print(title)
+    for e in sorted(avg, key=lambda e: -getattr(e, attr))[:top]:
+        print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, attr) / 1e3 / steps:8.3f}")
+
+
+class Overlapped:
+    """Steps that prefetch the next batch on a high-priority side stream that waits only for this
+    step's forward, right after the forward (``after="forward"``: TrainPipeline's order, the
+    prefetch's device work beside the forward's, its read before the backward's launches) or after
+    the backward (the prefetch beside the backward's update); ``"deferred"``: ``prefetch_deferred``
+    right after the forward on the one stream (TrainPipeline's inline prefetch: the read waits for
+    the next forward); ``"deferred-side"``: the same on the side stream (its device work beside the
+    backward's). ``first``: the first batch, prefetched now; each ``step(kjt, next_kjt)`` trains
+    ``kjt`` and prefetches ``next_kjt`` (None: nothing)."""
+
+    def __init__(self, ebc, grad, first, after: str = "backward",
+                 device: torch.device | str = "cuda") -> None:
+        self.ebc, self.grad, self.after = ebc, grad, after
+        self.side = torch.cuda.Stream(device, priority=-100) if after != "deferred" else None
+        self.main = torch.cuda.current_stream(device)
+        self.ready = None
+        self._prefetch(first, None)
+
+    def _prefetch(self, kjt, after) -> None:
+        if self.side is None:
+            self.ebc.prefetch_deferred(kjt)
+            return
+        if after is not None:
+            self.side.wait_event(after)
+        with torch.cuda.stream(self.side):
+            if self.after == "deferred-side":  # the collection orders its use on the main stream
+                self.ebc.prefetch_deferred(kjt)
+                return
+            self.ebc.prefetch(kjt)
+        self.ready = self.side.record_event()
+
+    def step(self, kjt, next_kjt) -> None:
+        if self.ready is not None:
+            self.main.wait_event(self.ready)
+        out = self.ebc(kjt).values()
+        after_forward = self.main.record_event()
+        if next_kjt is not None and self.after in ("forward", "deferred", "deferred-side"):
+            self._prefetch(next_kjt, after_forward)
+        out.backward(self.grad)
+        if next_kjt is not None and self.after == "backward":
+            self._prefetch(next_kjt, after_forward)
+
+
+def gpu_busy_ms(events) -> float:
+    """Time in ms during which at least one kernel or copy ran on the device (union of intervals;
+    the labels' device ranges left out)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("##"))
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy / 1e3
+
+
+def print_gaps(events, steps: int, top: int = 12) -> None:
+    """Where the GPU waits: idle gaps between kernels/copies (over 3 us), summed by the kernel that
+    ended each gap (what the device waited for the host to issue), per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("##"))
+    waits: dict[str, list[float]] = {}
+    end = None
+    for a, b, name in spans:
+        if end is not None and a - end > 3:
+            cell = waits.setdefault(name[:56], [0.0, 0])
+            cell[0] += a - end
+            cell[1] += 1
+        end = b if end is None else max(end, b)
+    total = sum(v[0] for v in waits.values()) / 1e3 / steps
+    print(f"GPU idle gaps over 3 us: {total:.3f} ms a step; by the kernel that ended the gap:")
+    for name, (us, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {name:56s} {count / steps:6.1f} {us / 1e3 / steps:8.3f}")
+
+
+def print_summary(prof, steps: int) -> None:
+    """A profiled loop of ``steps`` steps, a step: its host syncs, the GPU's idle gaps and its top
+    kernels (after the caller's first line)."""
+    for e in prof.key_averages():
+        if e.key in SYNC_EVENTS:
+            ms = e.self_cpu_time_total / 1e3 / steps
+            print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
+    print_gaps(prof.events(), steps, top=6)
+    print_top_gpu(prof.key_averages(), steps, top=14)
+
+
+def python_profile(step, args) -> None:
+    """Where the training thread's Python time goes (syncs show as time in item/tolist)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for i in range(args.warmup, args.warmup + args.steps):
+        step(i)
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"{args.optimizer}: {(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step under cProfile")
+    prof.dump_stats(os.path.join(os.environ.get("OUT", "."), f"pyprof-{args.workload}.pstats"))
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumtime").print_stats(45)
+
+
+def host_times(ebc, kjts, grad, args) -> None:
+    """Wall time of the training thread in prefetch, forward and backward, and in each ``## stage ##``
+    label inside them, timed with perf_counter (``label`` swapped for a timer): what the
+    host spends where when no profiler slows each call down."""
+    import contextlib
+
+    from tieredemb.modules import cache_table, collection, table
+
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def timer(name):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            calls[name] = calls.get(name, 0) + 1
+
+    for mod in (collection, table, cache_table):
+        mod.label = timer
+
+    def timed(owner, attr, label, static=False):
+        fn = getattr(owner, attr, None)
+        if fn is None:  # an older checkout's package (an A/B run) may lack it
+            return
+
+        def wrapper(*a, **k):
+            with timer(label):
+                return fn(*a, **k)
+
+        setattr(owner, attr, staticmethod(wrapper) if static else wrapper)
+
+    marks: dict[str, float] = {}
+    inner = collection._Lookup.backward
+
+    def lookup_backward(*a):  # engine latency: backward() call -> here, and here -> return
+        marks["in"] = time.perf_counter()
+        try:
+            return inner(*a)
+        finally:
+            marks["out"] = time.perf_counter()
+
+    collection._Lookup.backward = staticmethod(lookup_backward)
+    timed(collection._Collection, "_backward", "  _Collection._backward")
+    timed(type(ebc), "_grad_sources", "  _grad_sources")
+    timed(collection._Collection, "_take_prefetched", "  _take_prefetched")
+    timed(type(ebc), "_lookup", "  _lookup")
+    timed(ebc._layout, "finish", "  layout.finish")
+    timed(torch.Tensor, "tolist", "  tolist (host read)")
+    extra_timers(ebc, args, timed, timer)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    per_step: list[dict[str, float]] = []  # each step's own times: the median step leaves out rare ones
+    for i in range(args.warmup, args.warmup + args.steps):
+        before = dict(spent)
+        t_step = time.perf_counter()
+        kjt = kjts[i]
+        with timer("prefetch"):
+            ebc.prefetch(kjt)
+        with timer("forward"):
+            out = ebc(kjt).values()
+        t_call = time.perf_counter()
+        with timer("backward"):
+            out.backward(grad)
+        t_back = time.perf_counter()
+        for name, took in (("  engine: call -> Function", marks["in"] - t_call),
+                           ("  _Lookup.backward", marks["out"] - marks["in"]),
+                           ("  engine: Function -> return", t_back - marks["out"])):
+            spent[name] = spent.get(name, 0.0) + took
+        del out
+        per_step.append({k: v - before.get(k, 0.0) for k, v in spent.items()})
+        per_step[-1]["step (host)"] = time.perf_counter() - t_step
+    with timer("final sync"):
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps, timers only)")
+    print("host ms a step: mean, median over the steps (labels nest inside prefetch/forward/backward), "
+          "calls a step:")
+    for name, s in spent.items():
+        median = statistics.median(p.get(name, 0.0) for p in per_step) * 1e3
+        mean, n = s / args.steps * 1e3, calls.get(name, 0) / args.steps
+        print(f"  {name:40s} {mean:8.3f} {median:8.3f} {n:6.1f}")
+    print("host ms of each step:", " ".join(f"{p['step (host)'] * 1e3:.2f}" for p in per_step))
+
+
+def extra_timers(ebc, args, timed, timer) -> None:
+    """The cache's and the index's own calls (cache workload); each launch with ``--launches``."""
+    from tieredemb.modules import cache_table, collection
+
+    if args.workload == "cache":
+        for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
+            timed(cache_table.CacheGroup, name, f"    cache {name}")
+        for name in ("find_touch", "complete", "_insert", "find"):
+            timed(ebc._groups[0].index.__class__, name, f"    index {name}")
+        # the release and the device insertion, call by call
+        for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
+                     "_to_host", "_device_graphs_for", "_place", "_insert_on_device", "arm"):
+            timed(cache_table.CacheGroup, name, f"    cache {name}")
+        from tieredemb.modules.capture import CapturedStages
+        from tieredemb.storage import host
+        from tieredemb.storage.row_store import RowStore
+        for name in ("acquire", "release"):
+            timed(CapturedStages, name, f"    graphs {name}")
+        timed(torch.cuda.CUDAGraph, "replay", "    graph replay")
+        for name in ("_finish_staged", "_stage", "_replay_staged"):
+            timed(collection._Collection, name, f"    collection {name}")
+        timed(type(ebc._groups[0]), "finish_prefetch", "    group finish_prefetch")
+        for name in ("peek", "free"):
+            timed(RowStore, name, f"    rows {name}")
+        for name in ("settle", "room_for", "written"):
+            timed(host.HostMemoryGroup, name, f"    host store {name}")
+    if args.launches:
+        time_launches(timer)
+
+
+def time_launches(timer) -> None:
+    """Time every Triton launch (by kernel) and a few torch calls on the host (``--launches``)."""
+    try:  # every kernel launches through FastLaunch.launch (direct or not); older checkouts: Triton's run
+        from tieredemb.ops.triton.launch import FastLaunch as owner
+        attr = "launch"
+    except ImportError:
+        from triton.runtime.jit import JITFunction as owner
+        attr = "run"
+    run = getattr(owner, attr)
+
+    def timed_run(self, *a, **k):
+        with timer(f"    launch {self.fn.__name__}"):
+            return run(self, *a, **k)
+
+    setattr(owner, attr, timed_run)
+    for name in ("sort", "argsort", "cumsum", "cat", "empty", "full", "zeros", "arange"):
+        fn = getattr(torch, name)
+
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            with timer(f"    torch.{_name}"):
+                return _fn(*a, **k)
+
+        setattr(torch, name, wrapper)
+
+
+def print_stage_ops(events, steps: int, top: int = 12) -> None:
+    """Per labelled stage (``## name ##``), the ops under it by GPU time per step (self time of each
+    op and its descendants' kernels), and how many host syncs happened inside it."""
+    stages: dict[str, dict[str, list[float]]] = {}
+
+    def walk(e, acc):
+        cell = acc.setdefault(e.name, [0.0, 0])
+        cell[0] += getattr(e, "self_device_time_total", 0) or 0
+        cell[1] += 1
+        for c in e.cpu_children:
+            if not c.name.startswith("##"):
+                walk(c, acc)
+
+    for e in events:
+        if e.name.startswith("##"):
+            acc = stages.setdefault(e.name, {})
+            for c in e.cpu_children:
+                if not c.name.startswith("##"):
+                    walk(c, acc)
+    for name, acc in stages.items():
+        total = sum(v[0] for v in acc.values()) / 1e3 / steps
+        syncs = sum(v[1] for k, v in acc.items() if k in ("cudaStreamSynchronize", "aten::item",
+                                                           "aten::_local_scalar_dense")) / steps
+        print(f"stage {name}: {total:.3f} ms GPU a step, {syncs:.1f} sync-ish calls a step")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]:
+            if v[0] > 0:
+                print(f"    {k[:56]:56s} {v[1] / steps:6.1f} {v[0] / 1e3 / steps:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
