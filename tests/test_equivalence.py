@@ -740,7 +740,7 @@ def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
         outs = []
         for c in paths:
             c.prefetch(batch)
-            assert (c._queued[-1][1].looked is not None) == found, f"step {i}"
+            assert (c._queue.newest().looked is not None) == found, f"step {i}"
             outs.append(c(batch))
         upstream = torch.randn(values_of(outs[0]).shape, generator=gen).to(device)
         for out in outs:
@@ -764,13 +764,13 @@ def test_a_lookup_made_before_rows_changed_is_not_used():
     ebc.write("s", torch.tensor([1]), torch.ones(1, 4))
     out_a = ebc(a)
     ebc.prefetch(b)
-    assert ebc._queued[-1][1].looked is not None
+    assert ebc._queue.newest().looked is not None
     out_a.values().sum().backward()  # rows 1 and 2 change
     rows, _ = ebc.read("s", torch.tensor([2, 1]))
     torch.testing.assert_close(ebc(b).values(), rows)
     assert not ebc._early_lookup
     ebc.prefetch(b)
-    assert ebc._queued[-1][1].looked is None
+    assert ebc._queue.newest().looked is None
     ebc(b)
 
     again = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5))
@@ -790,10 +790,10 @@ def test_a_prefetch_on_another_thread_never_looks_early():
     worker = threading.Thread(target=ebc.prefetch, args=(a,))
     worker.start()
     worker.join()
-    assert ebc._queued[-1][1].looked is None
+    assert ebc._queue.newest().looked is None
     ebc(a).values().sum().backward()
     ebc.prefetch(a)
-    assert ebc._queued[-1][1].looked is not None
+    assert ebc._queue.newest().looked is not None
     rows, _ = ebc.read("s", torch.tensor([1, 2]))
     torch.testing.assert_close(ebc(a).values(), rows)  # one id a bag
 
@@ -830,7 +830,7 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
     row and no counter changed, and the collection trains on. A deferred batch of new keys is settled
     (its host half run: keys inserted and counted) by whatever touches the tables first (stats(),
     read(), write(), the next prefetch) and trains as after a plain prefetch."""
-    from tieredemb.modules.collection import _Staged
+    from tieredemb.modules.in_flight import StagedRecord
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tables = [te.TableConfig("s", 4, ["a", "b"])]
@@ -849,11 +849,11 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
     before, stats = sorted_export(ebc, "s"), ebc.stats()["s"]
     bad = kjt([1, te.RESERVED_KEY, 3, 4])
     ebc.prefetch_deferred(bad)
-    assert isinstance(ebc._queued[0][1], _Staged)  # nothing read, nothing raised yet
+    assert isinstance(ebc._queue.oldest()[1], StagedRecord)  # nothing read, nothing raised yet
     with pytest.raises(ValueError, match="RESERVED_KEY"):
         ebc(bad)
     assert all(torch.equal(a, b) for a, b in zip(before, sorted_export(ebc, "s")))
-    assert ebc.stats()["s"] == stats and not ebc._queued
+    assert ebc.stats()["s"] == stats and not ebc._queue
     ebc(good).values().sum().backward()  # trains on
 
     settles = {"stats": lambda c: c.stats(), "read": lambda c: c.read("s", torch.tensor([9])),
@@ -863,9 +863,9 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
         want, got = trained(), trained()
         want.prefetch(new)
         got.prefetch_deferred(new)
-        assert isinstance(got._queued[0][1], _Staged), name
+        assert isinstance(got._queue.oldest()[1], StagedRecord), name
         settle(got)
-        assert not isinstance(got._queued[0][1], _Staged), name
+        assert not isinstance(got._queue.oldest()[1], StagedRecord), name
         if name == "write":
             want.write("s", torch.tensor([9]), torch.ones(1, 4))
         for c in (want, got):

@@ -390,7 +390,7 @@ def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeyp
 
     def counted(kjt):
         inner(kjt)
-        deferred.append(captured._queued[-1][1].__class__.__name__ == "_Staged")
+        deferred.append(captured._queue.newest().__class__.__name__ == "StagedRecord")
 
     captured.prefetch_deferred = counted
     pipeline = te.TrainPipeline(_Model(captured), None, device=DEV)
@@ -488,7 +488,7 @@ def test_early_lookup_after_a_captured_prefetch(module, monkeypatch):
         for c in (eager, captured):
             c.prefetch(kjt)
             if c is captured:
-                used.append(c._queued[-1][1].looked is not None)
+                used.append(c._queue.newest().looked is not None)
             out = values(c(kjt))
             (out * up.view(-1)[: out.numel()].view_as(out)).sum().backward()
             outs.append(out.detach())

@@ -457,7 +457,7 @@ class CacheGroup(TableGroup):
         # in the order of its host rows (the order they move fastest). First, on this stream: the
         # misses located (the upsert then changes the host index), the victims' rows gathered (the
         # fetch then overwrites them). The read then runs beside the initial rows and the upsert: the
-        # two directions share one limit of host access (~52 GB/s together, scripts/uva_bench.py),
+        # two directions share one limit of host access (~52 GB/s together on an H200),
         # so the link is best kept busy from the read's start; and the victims' write slows every
         # kernel beside it (x10-x25: its stores to host memory hold the SMs' memory pipes).
         vtables, victim = tables[pos], evicted != RESERVED_KEY

@@ -1,6 +1,6 @@
 """The device half of a staged training prefetch as a replayed CUDA graph.
 
-A warm ``hbm`` step spends most of its host time launching (session 8: ~0.95 ms of a ~1.4 ms step
+A warm ``hbm`` step spends most of its host time launching (~0.95 ms of a ~1.4 ms step
 in prefetch, for ~0.4 ms of GPU work): the batch checks, the dedup's sort and runs, the probe, each
 id's row and bag, and the read's concatenation are ~25 launches and as many Python calls. They read
 nothing on the host and their shapes follow from the batch's shape alone, so for a shape seen

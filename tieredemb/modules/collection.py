@@ -3,7 +3,7 @@
 The data path of one step (DESIGN section 3):
 
     prefetch(kjt)   check the batch, dedup ids per table, resolve every unique key to a row address
-                    (insert, initialize, admit, lock)            -> CollectionPrefetch
+                    (insert, initialize, admit, lock)            -> InFlightBatch
     forward(kjt)    gather (and pool) rows by address; no hashing, no branching on storage
     backward        sum gradients per unique key, fused optimizer update of those rows, unlock
 
@@ -19,7 +19,6 @@ import dataclasses
 import threading
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch import nn
 
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
-from tieredemb.jagged import JaggedTensor, KeyedTensor, as_kjt
+from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
     Batch,
@@ -39,119 +38,39 @@ from tieredemb.modules.batch import (
     check_keys,
     check_tables,
 )
-from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
 from tieredemb.modules.capture import padded_size as _bucket
+from tieredemb.modules.in_flight import (
+    FailedRecord,
+    InFlightBatch,
+    InFlightQueue,
+    ShardedPrefetch,
+    StagedAll,
+    StagedRecord,
+    hand_over,
+    same_batch,
+)
 from tieredemb.modules.table import (
     GroupPrefetch,
-    IdOrder,
     StagedPrefetch,
     TableGroup,
     TableRows,
     unique_pairs,
 )
+from tieredemb.modules.tiers import build_tiers, group_tables, select_mode
 from tieredemb.ops import resolve_device, select_kernels
 from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
-from tieredemb.storage.backends import HostMemory
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
-
-
-@dataclass
-class ShardedPrefetch:
-    """A group of a batch after input dist. Requester side: this rank's distinct pairs
-    (``unique_keys`` (u,)), ``inverse`` (n,) id -> pair, ``send_order`` (u,) the pairs in owner
-    order, the split sizes of the exchange; owner side: ``served``, what this rank resolved for the
-    pairs it received (its ``inverse`` maps each received pair to the owner's distinct pairs)."""
-
-    unique_keys: torch.Tensor
-    inverse: torch.Tensor
-    send_order: torch.Tensor
-    send_splits: list[int]
-    recv_splits: list[int]
-    served: GroupPrefetch
-    sorted_ids: IdOrder | None = None
-
-
-@dataclass
-class CollectionPrefetch:
-    """A batch resolved by prefetch: its layout and each group's addresses (or, sharded, what the
-    input dist resolved)."""
-
-    batch: Batch
-    groups: list[GroupPrefetch | ShardedPrefetch]
-    training: bool
-    released: bool = False
-    finalizer: weakref.finalize | None = field(default=None, repr=False)
-    out_rows: list[int] = field(default_factory=list)  # rows of each group's output (forward)
-    stream: object | None = None  # the CUDA stream the batch was resolved on, then the one using it
-    # each group's (gradient source of each id, scale), when made before the host read
-    grad_sources: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-    graph_slot: Slot | None = None  # the captured prefetch whose outputs hold the batch, if one does
-    # the first group's lookup, made right after the prefetch's read (every key found), while the rows
-    # were as of ``looked_at`` (``CollectionBase._rows_changed``)
-    looked: torch.Tensor | None = None
-    looked_at: int = -1
-
-
-@dataclass
-class _Staged:
-    """A staged prefetch, its device half launched; ``deferred``: its host half is still to come
-    (``CollectionBase.prefetch_deferred``), its one read copied behind it (``host``: pinned memory on
-    CUDA, ready at ``done``). ``outputs``: (staged batch, staged prefetch, gradient sources, the
-    backward's, the read). ``group``: the one group staged, or None: every group together
-    (``_stage_all``; no gradient sources or backward's made before the read)."""
-
-    group: TableGroup | None
-    step: int
-    slot: Slot | None
-    outputs: tuple
-    stream: object
-    deferred: bool = False
-    host: torch.Tensor | None = None
-    done: torch.cuda.Event | None = None
-    training: bool = True
-
-
-@dataclass
-class _StagedAll:
-    """The device half of a staged prefetch of every group at once (``CollectionBase._stage_all``),
-    padded to the batch's n ids. One dedup of all the ids (tables numbered across the groups, so the
-    distinct pairs and the sorted ids come group by group), each group's probe written into ``slots``
-    and ``values`` at its own pairs; then in each group's own numbering: ``tables`` of the pairs,
-    ``inverse`` and ``id_values`` of its ids (laid out group by group: ``grouped``), ``order``
-    (the sorted ids, positions among the group's). ``per_region``: each group's counts (misses,
-    pairs and contested pairs per region); ``plans``: each group's reduction plan (``reduce_plan``)."""
-
-    keys: torch.Tensor
-    tables: torch.Tensor
-    inverse: torch.Tensor
-    counts: torch.Tensor
-    order: torch.Tensor
-    slots: torch.Tensor
-    values: torch.Tensor
-    id_values: torch.Tensor
-    grouped: GroupMajor
-    per_region: list[torch.Tensor]
-    plans: list[tuple[torch.Tensor, ...] | None]
-    step: int
-
-
-@dataclass
-class _Failed:
-    """A deferred prefetch whose host half raised: the error waits for the batch's forward."""
-
-    error: BaseException
-    training: bool = True
 
 
 class _Lookup(torch.autograd.Function):
     """Forward: per-group lookups by address. Backward: the fused optimizer step (returns no grads)."""
 
     @staticmethod
-    def forward(ctx, dummy: torch.Tensor, module: CollectionBase, state: CollectionPrefetch):
+    def forward(ctx, dummy: torch.Tensor, module: CollectionBase, state: InFlightBatch):
         ctx.module, ctx.state = module, state
         # forward without backward (graph dropped) must still release the batch's locks
         state.finalizer = weakref.finalize(ctx, module._release, state)
@@ -216,11 +135,11 @@ class CollectionBase(nn.Module):
         self.optimizer = optimizer
         self.storage = storage
         self.seed = int(seed)
-        self.storage_mode = _select_mode(tables, optimizer, storage, self.world)
+        self.storage_mode = select_mode(tables, optimizer, storage, self.world)
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
-        members = _group_tables(tables)
-        self.tiers = _build_groups(self.storage_mode, tables, members, optimizer, storage, self.seed,
+        members = group_tables(tables)
+        self.tiers = build_tiers(self.storage_mode, tables, members, optimizer, storage, self.seed,
                                      self.device, self.kernels, self.world)
         self._salts = [table_salts(g.names, self.device) for g in self.tiers]
         # table name -> (group, position in the group)
@@ -231,7 +150,7 @@ class CollectionBase(nn.Module):
         self._stage_together = len(tables) == 1 or dedup_key_bits(len(tables))[0] > 0
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
-        self._queued: list[tuple[object, CollectionPrefetch | _Staged | _Failed]] = []
+        self._queue = InFlightQueue()  # batches prefetched, not yet taken by their forward
         self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads (prefetch_deferred)
         # autograd needs an input that requires grad to call our backward
         self._dummy = torch.zeros(1, requires_grad=True)
@@ -290,7 +209,7 @@ class CollectionBase(nn.Module):
         """Resolve ``kjt``'s rows now (checks, dedup, insert, lock); the next forward of the same
         batch object uses them."""
         with self.mutating():
-            self._queued.append((kjt, self._resolve(kjt)))
+            self._queue.push(kjt, self._resolve(kjt))
 
     def prefetch_deferred(self, kjt: object) -> None:
         """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
@@ -303,9 +222,9 @@ class CollectionBase(nn.Module):
         launches then run while the device resolves batch i+1, and the host never waits for
         backward i's update."""
         with self.mutating():
-            self._queued.append((kjt, self._resolve(kjt, defer=True)))
+            self._queue.push(kjt, self._resolve(kjt, defer=True))
 
-    def _resolve(self, kjt: object, defer: bool = False) -> CollectionPrefetch | _Staged:
+    def _resolve(self, kjt: object, defer: bool = False) -> InFlightBatch | StagedRecord:
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -330,9 +249,10 @@ class CollectionBase(nn.Module):
                                                  training))
                 else:
                     groups.append(self._prefetch_sharded(g, gb, training))
-        return CollectionPrefetch(batch, groups, training, stream=stream)
+        return InFlightBatch(batch, groups, training, stream=stream)
 
-    def _stage(self, given: BatchInput, group: TableGroup | None, stream: object, defer: bool) -> _Staged:
+    def _stage(self, given: BatchInput, group: TableGroup | None, stream: object,
+               defer: bool) -> StagedRecord:
         """The device half of a staged prefetch (a training batch of stageable groups, with one host
         read for the checks, the dedup and the probe together instead of one each; ``group``: the
         only one, or None for every group together): a replayed CUDA graph when the batch's shape was
@@ -349,7 +269,7 @@ class CollectionBase(nn.Module):
                 outputs = (staged, *self._stage_device(staged, group, step))
         else:
             outputs = _trimmed(slot.outputs, given.values.numel(), step)
-        record = _Staged(group, step, slot, outputs, stream, deferred=defer)
+        record = StagedRecord(group, step, slot, outputs, stream, deferred=defer)
         read = outputs[-1]
         if defer and stream is not None:
             record.host = self._read_buffer(read)
@@ -358,7 +278,7 @@ class CollectionBase(nn.Module):
             record.done.record(stream)
         return record
 
-    def _finish_staged(self, record: _Staged) -> CollectionPrefetch:
+    def _finish_staged(self, record: StagedRecord) -> InFlightBatch:
         """The host half of a staged prefetch: its read, then the insertion. The probe changed
         nothing unless the checks passed, so a bad batch raises here with no state changed."""
         staged, pending, sources, backward, read = record.outputs
@@ -379,7 +299,7 @@ class CollectionBase(nn.Module):
             if group is None:
                 with label("## group.prefetch ##"):
                     groups = self._finish_all(pending, batch, host[checks:])
-                return CollectionPrefetch(batch, groups, True, stream=stream, graph_slot=slot)
+                return InFlightBatch(batch, groups, True, stream=stream, graph_slot=slot)
             looked, looked_at = None, self._rows_changed
             if self._may_look_early(stream) and pending.id_values is not None and \
                     group.every_pair_found(host[checks:]):
@@ -393,7 +313,7 @@ class CollectionBase(nn.Module):
                 self._captured.release(slot, stream)
             raise
         gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
-        return CollectionPrefetch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
+        return InFlightBatch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
                                   looked=looked, looked_at=looked_at)
 
     def _read_buffer(self, read: torch.Tensor) -> torch.Tensor:
@@ -407,17 +327,11 @@ class CollectionBase(nn.Module):
     def _settle(self) -> None:
         """Finish the deferred prefetches in the queue, oldest first, each on its own stream (ordered
         after the last change to the tables); one whose host half raises keeps its error for its
-        forward (``_Failed``), so whatever settled it goes on."""
+        forward (``FailedRecord``), so whatever settled it goes on."""
         with self._lock:
-            for i, (kjt, record) in enumerate(self._queued):
-                if isinstance(record, _Staged):
-                    try:
-                        self._queued[i] = (kjt, self._settled(record))
-                    except BaseException as e:  # an interrupt: no half-finished entry stays queued
-                        self._queued[i] = (kjt, _Failed(e))
-                        raise
+            self._queue.settle(self._settled)
 
-    def _settled(self, record: _Staged) -> CollectionPrefetch | _Failed:
+    def _settled(self, record: StagedRecord) -> InFlightBatch | FailedRecord:
         """``record``'s host half on its stream, a change to the tables like any other (its event)."""
         stream = record.stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -426,7 +340,7 @@ class CollectionBase(nn.Module):
             try:
                 return self._finish_staged(record)
             except Exception as e:  # noqa: BLE001 (raised at the batch's forward)
-                return _Failed(e)
+                return FailedRecord(e)
             finally:
                 if stream is not None:
                     self._mutated.record(stream)
@@ -516,11 +430,11 @@ class CollectionBase(nn.Module):
             plans = [kernels.reduce_plan(counts[(start + arange).clamp_(max=n - 1)], pairs[g : g + 1])
                      for g, start in enumerate(pair_starts)]
             grouped = GroupMajor(ids, id_tables, weights, *layout.group_bags(staged))
-            pending = _StagedAll(keys, tables, inverse, counts, order, *out, id_values, grouped, per_region,
+            pending = StagedAll(keys, tables, inverse, counts, order, *out, id_values, grouped, per_region,
                                  plans, step)
         return pending, None, None, torch.cat(read)
 
-    def _finish_all(self, pending: _StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:
+    def _finish_all(self, pending: StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:
         """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
         each group finishes its slice of the pairs and ids as if it had been staged alone."""
         groups, pairs, ids, at = [], 0, 0, 1
@@ -571,7 +485,7 @@ class CollectionBase(nn.Module):
                                 self._clock, training, occurrences=rcounts)
         return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
 
-    def _addressed(self, g: int, state: CollectionPrefetch) -> tuple[RowStore, torch.Tensor]:
+    def _addressed(self, g: int, state: InFlightBatch) -> tuple[RowStore, torch.Tensor]:
         """Where the rows of group g's ids are: a row store and an address per id. Sharded: output
         dist first (the owners send the rows of this rank's distinct keys back)."""
         gpf = state.groups[g]
@@ -585,7 +499,7 @@ class CollectionBase(nn.Module):
         mine[gpf.send_order] = back
         return RowStore.over(mine), gpf.inverse
 
-    def _take_prefetched(self, kjt: object) -> CollectionPrefetch:
+    def _take_prefetched(self, kjt: object) -> InFlightBatch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
         and forward see batches in the same order. Without a pending prefetch, resolve now."""
         state = self._take_ready(kjt)
@@ -598,21 +512,21 @@ class CollectionBase(nn.Module):
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             if stream != state.stream:  # prefetched on another stream
-                _hand_over(state, stream)
+                hand_over(state, stream)
                 state.stream = stream  # used here from now on
         return state
 
-    def _take_ready(self, kjt: object) -> CollectionPrefetch | None:
+    def _take_ready(self, kjt: object) -> InFlightBatch | None:
         """The oldest prefetched batch when taking it changes nothing: ``kjt`` itself, prefetched in
         this mode on this stream (the last change to the tables too), no insertion deferred; then no
-        lock and no event (the step's path from its read to the backward: ~0.04 ms of host, session
-        9's profile). None: take it under the lock."""
-        if not self._queued:
+        lock and no event (the step's path from its read to the backward: ~0.04 ms of host in
+        a profile). None: take it under the lock."""
+        if not self._queue:
             return None
-        if isinstance(self._queued[0][1], _Staged):
+        if isinstance(self._queue.oldest()[1], StagedRecord):
             self._settle()
-        queued, state = self._queued[0]  # only this thread takes from the queue
-        if queued is not kjt or state.training != self.training or isinstance(state, _Failed):
+        queued, state = self._queue.oldest()  # only this thread takes from the queue
+        if queued is not kjt or state.training != self.training or isinstance(state, FailedRecord):
             return None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
@@ -621,7 +535,7 @@ class CollectionBase(nn.Module):
         parts = [g.served if isinstance(g, ShardedPrefetch) else g for g in state.groups]
         if any(part.deferred is not None for part in parts):
             return None
-        del self._queued[0]
+        self._queue.pop_oldest()
         return state
 
     def finish_prefetch(self, kjt: object) -> None:
@@ -629,38 +543,35 @@ class CollectionBase(nn.Module):
         failed (``TrainPipeline``: a bad batch fails before the model sees it)."""
         with self._lock:
             self._settle()
-            for queued, state in self._queued:
-                if queued is kjt and isinstance(state, _Failed):
-                    raise state.error
+            state = self._queue.record_of(kjt)
+            if isinstance(state, FailedRecord):
+                raise state.error
 
     def withdraw(self, kjt: object) -> None:
         """Drop ``kjt``'s queued prefetch (by identity) and release its locks and scratch rows
         (``TrainPipeline``: a batch its forward did not take, or in flight when it stops)."""
         with self._lock:
             self._settle()
-            for i, (queued, state) in enumerate(self._queued):
-                if queued is kjt:
-                    del self._queued[i]
-                    if not isinstance(state, _Failed):
-                        self._release(state)
-                    return
+            state = self._queue.remove(kjt)
+            if isinstance(state, InFlightBatch):
+                self._release(state)
 
-    def _take_prefetched_locked(self, kjt: object) -> CollectionPrefetch:
-        if not self._queued or (not self.training and self._queued[0][1].training):
+    def _take_prefetched_locked(self, kjt: object) -> InFlightBatch:
+        if not self._queue or (not self.training and self._queue.oldest()[1].training):
             return self._resolve(kjt)  # nothing prefetched, or an eval forward between training steps
-        queued, state = self._queued[0]
-        if queued is not kjt and not _same_batch(queued, kjt):
+        queued, state = self._queue.oldest()
+        if queued is not kjt and not same_batch(queued, kjt):
             raise RuntimeError("forward got a batch other than the oldest prefetched one: prefetch "
                                "and forward must see the same batches in the same order")
-        del self._queued[0]
-        if isinstance(state, _Failed):
+        self._queue.pop_oldest()
+        if isinstance(state, FailedRecord):
             raise state.error
         if state.training == self.training:
             return state
         self._release(state)  # prefetched in the other mode: resolve again
         return self._resolve(kjt)
 
-    def _run(self, kjt: object) -> tuple[CollectionPrefetch, tuple[torch.Tensor, ...]]:
+    def _run(self, kjt: object) -> tuple[InFlightBatch, tuple[torch.Tensor, ...]]:
         self._forward_thread = threading.get_ident()
         if self.stash is not None:  # stashed by a forward whose backward never came
             self.stash.restore(self)
@@ -672,7 +583,7 @@ class CollectionBase(nn.Module):
         finally:
             self._release(state)  # no backward will come
 
-    def _backward(self, state: CollectionPrefetch, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _backward(self, state: InFlightBatch, grads: tuple[torch.Tensor | None, ...]) -> None:
         if state.released:
             raise RuntimeError("backward ran twice through one embedding lookup (retain_graph?): "
                                "the fused optimizer steps once per forward")
@@ -704,11 +615,11 @@ class CollectionBase(nn.Module):
         with label("## release ##"):
             self._release(state)
 
-    def _release(self, state: CollectionPrefetch) -> None:
+    def _release(self, state: InFlightBatch) -> None:
         parts = [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in state.groups]
         held = [(group, part) for group, part in zip(self.tiers, parts) if group.holds(part)]
         # nothing to unlock or free (a warm hbm_direct batch): no lock to take, so no wait for the
-        # prefetch thread resolving the next batch under it (0.9 ms a step, session 7)
+        # prefetch thread resolving the next batch under it (0.9 ms a step)
         with self.mutating(self._unlock_first(state, held)) if held else nullcontext():
             if state.released:
                 return
@@ -720,14 +631,14 @@ class CollectionBase(nn.Module):
             if state.graph_slot is not None:  # its outputs take another batch once the stream is past here
                 self._captured.release(state.graph_slot, state.stream)
 
-    def _unlock_first(self, state: CollectionPrefetch, held: list):
+    def _unlock_first(self, state: InFlightBatch, held: list):
         """What ``_release`` does before the deferred prefetches of later batches finish: give the
         batch's locks back (``TableGroup.release_locks``), so that their insertion of a bounded
         table's misses meets the buckets as a plain loop would, with no pair left to wait for
         ``settle``. Only where those prefetches were staged on this stream, after the last change
         (their probe is ordered before the unlock); else None, and the locks go with the release."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        staged = [record for _, record in self._queued if isinstance(record, _Staged)]
+        staged = self._queue.staged()
         if not staged or any(r.stream != stream for r in staged) or self._mutated_on not in (None, stream):
             return None
 
@@ -740,7 +651,7 @@ class CollectionBase(nn.Module):
     # Subclasses: how one group's rows are looked up and how gradients map back to ids.
     _uses_weights = False
 
-    def _lookups(self, state: CollectionPrefetch) -> tuple[torch.Tensor, ...]:
+    def _lookups(self, state: InFlightBatch) -> tuple[torch.Tensor, ...]:
         """Each group's lookup of the batch (the first group's made with the prefetch, if it was and
         no row changed since)."""
         # taken out of the record: the output gets this lookup's autograd node, which holds the
@@ -752,7 +663,7 @@ class CollectionBase(nn.Module):
         return tuple(looked if g == 0 and looked is not None else self._lookup(g, state)
                      for g in range(len(self.tiers)))
 
-    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+    def _lookup(self, g: int, state: InFlightBatch) -> torch.Tensor:
         raise NotImplementedError
 
     def _lookup_rows(self, g: int, store: RowStore, addresses: torch.Tensor, gb: GroupBatch,
@@ -882,12 +793,8 @@ class CollectionBase(nn.Module):
         """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
         (sharded: what this rank serves)."""
         g = self.tiers.index(group)
-        parts = []
-        for _, record in self._queued:
-            if isinstance(record, CollectionPrefetch) and record.training and not record.released:
-                gpf = record.groups[g]
-                parts.append(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
-        return parts
+        parts = [record.groups[g] for record in self._queue.resolved_training()]
+        return [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in parts]
 
     def import_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
         """Store saved rows: keys int64 (n,), whole rows ([weights | optimizer state]) float (n, W),
@@ -925,12 +832,11 @@ class CollectionBase(nn.Module):
         """The LRU clock as of the last step taken (what a checkpoint records): each training batch
         in flight advanced it by one at its prefetch, which a resumed run redoes."""
         with self.mutating():
-            return self._clock - sum(1 for _, r in self._queued
-                                     if isinstance(r, CollectionPrefetch) and r.training and not r.released)
+            return self._clock - len(self._queue.resolved_training())
 
     def is_prefetched(self, kjt: object) -> bool:
         """Whether ``kjt`` (this very object) waits in the queue of prefetched batches."""
-        return any(queued is kjt for queued, _ in self._queued)
+        return self._queue.holds(kjt)
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:
         """Remove stored rows (a checkpoint delta's deletions); sharded: a collective."""
@@ -1022,120 +928,13 @@ def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
     staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
                                  weights=cut(staged.weights))
     cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
-    if isinstance(pending, _StagedAll):
+    if isinstance(pending, StagedAll):
         pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values),
                                       grouped=pending.grouped.cut(n))
         return staged, pending, None, None, read
     pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
     (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
     return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
-
-
-def _hand_over(state: CollectionPrefetch, stream: torch.cuda.Stream) -> None:
-    """A prefetched batch's tensors may have been allocated on the prefetch stream; forward, backward
-    and release read them on ``stream``. record_stream keeps the caching allocator from handing their
-    blocks to the prefetch stream again before ``stream``'s use is done (the per-batch tensors are
-    small and freed at unpredictable times by autograd, which rules out an event per buffer here).
-    Every device tensor the batch holds, found by walking it (a list of fields had missed the lent
-    pool and the deferred misses, session 24). A captured prefetch's outputs are the graph's own
-    (``graph_slot``, released on ``stream``) and are not walked."""
-    seen: set[int] = set()
-    pending: list[object] = [state.batch, state.groups, state.grad_sources, state.looked]
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.is_cuda and id(obj) not in seen:
-                seen.add(id(obj))
-                obj.record_stream(stream)
-        elif isinstance(obj, (list, tuple)):
-            pending.extend(obj)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, (type, Slot)) and id(obj) not in seen:
-            seen.add(id(obj))
-            pending.extend(getattr(obj, f.name) for f in fields(obj))
-
-
-def _same_batch(a: object, b: object) -> bool:
-    """Two batches with the same features, ids, lengths and weights."""
-    a, b = as_kjt(a), as_kjt(b)
-    if a.keys() != b.keys():
-        return False
-    pairs = [(a.values(), b.values()), (a.lengths(), b.lengths())]
-    wa, wb = a.weights_or_none(), b.weights_or_none()
-    if (wa is None) != (wb is None):
-        return False
-    if wa is not None:
-        pairs.append((wa, wb))
-    return all(x.shape == y.shape and torch.equal(x, y.to(x.device)) for x, y in pairs)
-
-
-def _row_bytes(t: TableConfig, optimizer: EmbeddingOptimizer) -> int:
-    return (t.embedding_dim + optimizer.state_width(t.embedding_dim)) * 4
-
-
-def _shard_rows(t: TableConfig, world: int) -> int | None:
-    """Rows one rank's shard of ``t`` can hold: ``max_capacity`` (a bound per shard), else its share
-    of ``num_embeddings``, else None (unbounded)."""
-    if t.max_capacity is not None:
-        return t.max_capacity
-    return None if t.num_embeddings is None else -(-t.num_embeddings // world)
-
-
-def _select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer, storage: StorageConfig,
-                 world: int = 1) -> str:
-    """``hbm_direct`` when there is no budget or the footprint (of one rank's shard) fits it; over
-    it, ``cache`` or ``hybrid`` by ``storage.caching`` (DESIGN section 3)."""
-    if storage.hbm_budget is None:
-        return "hbm_direct"
-    rows = [_shard_rows(t, world) for t in tables]
-    footprint = sum(float("inf") if r is None else r * _row_bytes(t, optimizer) for r, t in zip(rows, tables))
-    if footprint <= storage.hbm_budget:
-        return "hbm_direct"
-    if not storage.caching and not isinstance(storage.backing, HostMemory):
-        raise ValueError("hybrid mode (caching=False) keeps its overflow rows in host memory: its "
-                         f"backing must be te.storage.HostMemory(), got {storage.backing!r}")
-    return "cache" if storage.caching else "hybrid"
-
-
-def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budget: int,
-                 world: int = 1) -> list[int]:
-    """Rows of each table on the device under ``budget`` bytes: shared in proportion to the tables'
-    (shards') footprints when every table is bounded, else in equal bytes."""
-    sizes = [_shard_rows(t, world) for t in tables]
-    if all(s is not None for s in sizes):
-        total = sum(s * _row_bytes(t, optimizer) for s, t in zip(sizes, tables))
-        shares = [s * _row_bytes(t, optimizer) / total for s, t in zip(sizes, tables)]
-    else:
-        shares = [1.0 / len(tables)] * len(tables)
-    return [max(1, int(budget * f) // _row_bytes(t, optimizer)) for f, t in zip(shares, tables)]
-
-
-def _group_tables(tables: list[TableConfig]) -> list[list[int]]:
-    """Tables batched together: those of one embedding dim (so one row width), in config order."""
-    groups: dict[int, list[int]] = {}
-    for t, config in enumerate(tables):
-        groups.setdefault(config.embedding_dim, []).append(t)
-    return list(groups.values())
-
-
-def _build_groups(mode: str, tables: list[TableConfig], members: list[list[int]],
-                  optimizer: EmbeddingOptimizer, storage: StorageConfig, seed: int, device: torch.device,
-                  kernels, world: int = 1) -> list[TableGroup]:
-    """One storage object per group, of the mode's class."""
-    common = dict(optimizer=optimizer, seed=seed, device=device, kernels=kernels,
-                  bucket_width=storage.bucket_width, segment_rows=storage.segment_rows)
-    if mode == "hbm_direct":
-        return [TableGroup([tables[t] for t in m], **common) for m in members]
-    rows = _budget_rows(tables, optimizer, storage.hbm_budget, world)
-    if mode == "hybrid":
-        return [TableGroup([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
-                for m in members]
-    out = []
-    for m in members:
-        width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
-        below = storage.backing.open_group([tables[t].name for t in m], width, device)
-        out.append(CacheGroup([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
-                              below=below))
-    return out
 
 
 class EmbeddingBagCollection(CollectionBase):
@@ -1192,7 +991,7 @@ class EmbeddingBagCollection(CollectionBase):
         values = outs[0] if len(outs) == 1 else _Interleave.apply(self._columns, *outs)
         return KeyedTensor(self._keys, self._dims, values)
 
-    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+    def _lookup(self, g: int, state: InFlightBatch) -> torch.Tensor:
         gb = state.batch.groups[g]
         store, addresses = self._addressed(g, state)
         return self._lookup_rows(g, store, addresses, gb, self._scale(g, gb))
@@ -1239,7 +1038,7 @@ class EmbeddingCollection(CollectionBase):
                 start += n
         return {f: result[f] for t in self.table_configs for f in t.feature_names}
 
-    def _lookup(self, g: int, state: CollectionPrefetch) -> torch.Tensor:
+    def _lookup(self, g: int, state: InFlightBatch) -> torch.Tensor:
         store, addresses = self._addressed(g, state)
         return self._lookup_rows(g, store, addresses, state.batch.groups[g], None)
 
