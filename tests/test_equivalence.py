@@ -937,7 +937,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
     import types
     from types import SimpleNamespace
 
-    from tieredemb.modules import collection as C
+    from tieredemb.modules.capture import padded_size
 
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -948,7 +948,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
         n = given.values.numel()
         if n == 0:
             return None
-        bucket = C._bucket(n) + 3
+        bucket = padded_size(n) + 3
         values = torch.randint(0, 50, (bucket,), device=device)  # what the last batch left there
         values[:n] = given.values.to(device)
         weights = None
@@ -961,8 +961,9 @@ def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
         return SimpleNamespace(outputs=outputs)
 
     def prepare(padded):  # the Triton collection; the reference stays unpadded
-        monkeypatch.setattr(padded, "_replay_staged", types.MethodType(padded_replay, padded))
-        padded._captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
+        stager = padded._stager
+        monkeypatch.setattr(stager, "_replay_staged", types.MethodType(padded_replay, stager))
+        stager.captured = SimpleNamespace(release=lambda slot, stream: None)  # no graph to hand back
 
     tables = [te.TableConfig("s", dims[0], ["a", "b"], pooling="mean" if pooled else "sum"),
               te.TableConfig("t", dims[1], ["c"])]

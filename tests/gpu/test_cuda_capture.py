@@ -26,7 +26,7 @@ def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", di
     if module is te.EmbeddingCollection:
         tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
     collection = module(tables, optimizer=optimizer, device=DEV, seed=3, **kw)
-    assert (collection._captured is not None) == capture
+    assert (collection._stager.captured is not None) == capture
     return collection
 
 
@@ -88,7 +88,7 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
     batches = [batch(gen, lengths, 1000 + 4000 * i) for i in range(10)]
     _, captured = train_both(module, optimizer, monkeypatch, batches)
     assert captured.tiers[0].index.generation >= 2, "the index grew less than twice: the test misses it"
-    stages = captured._captured
+    stages = captured._stager.captured
     assert (stages.captures, stages.replays) == (1, 9), (stages.captures, stages.replays)
 
 
@@ -103,7 +103,7 @@ def test_captured_prefetch_of_two_table_groups(optimizer, monkeypatch):
     _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, dims=(16, 32, 16))
     assert len(captured.tiers) == 2
     assert all(g.index.generation > 0 for g in captured.tiers), "an index never grew"
-    assert (captured._captured.captures, captured._captured.replays) == (1, 9)
+    assert (captured._stager.captured.captures, captured._stager.captured.replays) == (1, 9)
 
 
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
@@ -250,7 +250,7 @@ def test_captured_prefetch_with_weights_and_pooling(pooling, monkeypatch):
     batches = [batch(gen, lengths, 200, weighted=True) for _ in range(6)]
     _, captured = train_both(te.EmbeddingBagCollection, te.optim.RowWiseAdagrad(lr=0.1), monkeypatch,
                              batches, pooling=pooling)
-    assert captured._captured.replays >= 4
+    assert captured._stager.captured.replays >= 4
 
 
 def test_shapes_that_change_are_captured_each_or_padded(monkeypatch):
@@ -261,7 +261,7 @@ def test_shapes_that_change_are_captured_each_or_padded(monkeypatch):
     b = torch.randint(1, 6, (3 * 32,), generator=gen)
     batches = [batch(gen, a if i % 2 == 0 else b, 150) for i in range(10)]
     _, captured = train_both(te.EmbeddingBagCollection, te.optim.Adagrad(lr=0.1), monkeypatch, batches)
-    assert captured._captured.captures == 2 and captured._captured.replays == 8
+    assert captured._stager.captured.captures == 2 and captured._stager.captured.replays == 8
 
     fresh = []
     for i in range(6):  # one more id each step: n = 96 .. 101, in the buckets 96, 100 (x4), 104
@@ -269,7 +269,7 @@ def test_shapes_that_change_are_captured_each_or_padded(monkeypatch):
         lengths[0] += i
         fresh.append(batch(gen, lengths, 150))
     _, captured = train_both(te.EmbeddingBagCollection, te.optim.Adagrad(lr=0.1), monkeypatch, fresh)
-    assert captured._captured.captures == 1 and captured._captured.replays == 3
+    assert captured._stager.captured.captures == 1 and captured._stager.captured.replays == 3
 
 
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
@@ -284,7 +284,7 @@ def test_jagged_batches_replay_a_padded_graph(optimizer, monkeypatch):
         batches.append(batch(gen, lengths, 400, weighted=True))
     assert [kjt.values().numel() for kjt in batches] == list(range(3000, 3010))
     _, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch, batches, pooling="mean")
-    stages = captured._captured
+    stages = captured._stager.captured
     assert stages.captures == 1 and stages.replays == 9, (stages.captures, stages.replays)
 
 
@@ -293,13 +293,13 @@ def test_a_bad_batch_in_a_captured_shape_raises_and_changes_nothing(monkeypatch)
     lengths = torch.randint(1, 5, (3 * 64,), generator=gen)
     batches = [batch(gen, lengths, 100) for _ in range(4)]
     eager, captured = train_both(te.EmbeddingBagCollection, te.optim.Adam(lr=0.01), monkeypatch, batches)
-    replays = captured._captured.replays
+    replays = captured._stager.captured.replays
     bad = batch(gen, lengths, 100)
     bad.values()[5] = te.RESERVED_KEY
     before = captured.export("t0")
     with pytest.raises(ValueError, match="RESERVED_KEY"):
         captured.prefetch(bad)
-    assert captured._captured.replays == replays + 1  # it went through the graph
+    assert captured._stager.captured.replays == replays + 1  # it went through the graph
     after = captured.export("t0")
     assert torch.equal(before.scores.sort().values, after.scores.sort().values)
     # the slot came back, and training goes on exactly as the eager collection's
@@ -332,7 +332,7 @@ def test_more_batches_in_flight_than_slots(monkeypatch):
             (want * up).sum().backward()
             (got * up).sum().backward()
     assert_same_tables(eager, captured)
-    stages = captured._captured
+    stages = captured._stager.captured
     assert stages.captures == 3 and stages.replays == 6, (stages.captures, stages.replays)
 
 
@@ -356,7 +356,7 @@ def test_a_prefetch_thread_replays_but_never_captures(monkeypatch):
     captured.prefetch(batches[2])
     for kjt in batches[1:3]:
         captured(kjt).values().square().sum().backward()
-    stages = captured._captured
+    stages = captured._stager.captured
     assert (stages.captures, stages.replays) == (2, 2)
     pipeline = te.TrainPipeline(_Model(captured), None, device=DEV, prefetch_in_thread=True)
     it = iter([{"kjt": kjt} for kjt in batches[3:]])
@@ -401,8 +401,9 @@ def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeyp
         except StopIteration:
             break
     assert len(deferred) == len(batches) and all(deferred)
-    assert 1 <= len(captured._read_buffers) <= 2  # pinned read buffers kept and reused, not one a batch
-    assert captured._captured.replays > 0 and captured._captured.failed is None
+    # pinned read buffers kept and reused, not one a batch
+    assert 1 <= len(captured._stager._read_buffers) <= 2
+    assert captured._stager.captured.replays > 0 and captured._stager.captured.failed is None
     assert_same_tables(eager, captured)
 
 
@@ -494,5 +495,5 @@ def test_early_lookup_after_a_captured_prefetch(module, monkeypatch):
             outs.append(out.detach())
         assert torch.equal(outs[1], outs[0])
     assert used == [False, True, True, True, False, True, True], used
-    assert captured._captured.replays >= 5
+    assert captured._stager.captured.replays >= 5
     assert_same_tables(eager, captured)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
+import tieredemb as te
+from tieredemb.modules.capture import CapturedStages, Slot, capture_default
 
 
 def stages(**kw) -> CapturedStages:
@@ -51,16 +52,22 @@ def test_shapes_that_keep_changing_are_forgotten():
     assert len(st._seen) <= 65
 
 
-def test_capture_is_for_cuda_and_can_be_turned_off(monkeypatch):
-    assert not capture_enabled(torch.device("cpu"))
+def test_capture_is_for_cuda_with_triton_and_can_be_turned_off(monkeypatch):
+    """The default comes from TIEREDEMB_CAPTURE; an explicit ``capture`` wins; a CPU collection never
+    captures (it still takes the staged path)."""
+    monkeypatch.delenv("TIEREDEMB_CAPTURE", raising=False)
+    assert capture_default()
     monkeypatch.setenv("TIEREDEMB_CAPTURE", "0")
-    assert not capture_enabled(torch.device("cuda"))
+    assert not capture_default()
     monkeypatch.setenv("TIEREDEMB_CAPTURE", "1")
-    assert capture_enabled(torch.device("cuda"))
+    assert capture_default()
+    tables = [te.TableConfig("t", 4, ["f"])]
+    cpu = te.EmbeddingBagCollection(tables, device="cpu", capture=True)
+    assert cpu._stager is not None and cpu._stager.captured is None
 
 
 def test_buckets_of_a_padded_capture_hold_the_batch_with_little_padding():
-    from tieredemb.modules.collection import _bucket
+    from tieredemb.modules.capture import padded_size as _bucket
 
     buckets = [_bucket(n) for n in range(1, 5000)]
     assert all(b >= n and b - n <= max(1, n // 16) for n, b in zip(range(1, 5000), buckets))

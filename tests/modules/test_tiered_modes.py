@@ -197,16 +197,16 @@ def test_tables_of_two_dims_in_cache_mode_stage_together(cache_buckets, pipeline
     """Tables of two dims form two cache groups, whose prefetches stage together (one dedup, a
     probe per group, one read): trained as hbm_direct, through evictions of both caches, and after
     flush each table's backend holds exactly its own rows."""
-    from tieredemb.modules.collection import CollectionBase
+    from tieredemb.modules.staged import StagedPrefetcher
 
     staged_together = []
-    stage_all = CollectionBase._stage_all
+    stage_all = StagedPrefetcher._stage_all
 
     def spy(self, *args):
         staged_together.append(1)
         return stage_all(self, *args)
 
-    monkeypatch.setattr(CollectionBase, "_stage_all", spy)
+    monkeypatch.setattr(StagedPrefetcher, "_stage_all", spy)
     optimizer = te.optim.Adam(lr=0.05)
     tables = [te.TableConfig("t", DIM, ["a"], num_embeddings=ROWS, initializer=te.init.Normal(0.0, 0.1)),
               te.TableConfig("u", 2 * DIM, ["b"], num_embeddings=ROWS, eviction="lfu")]

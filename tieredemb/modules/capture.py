@@ -44,9 +44,9 @@ import torch
 ENV = "TIEREDEMB_CAPTURE"
 
 
-def capture_enabled(device: torch.device) -> bool:
-    """Capture on CUDA unless ``TIEREDEMB_CAPTURE=0``."""
-    return device.type == "cuda" and os.environ.get(ENV, "1") != "0"
+def capture_default() -> bool:
+    """A collection's ``capture`` when its constructor is given none: on unless ``TIEREDEMB_CAPTURE=0``."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def padded_size(n: int) -> int:
@@ -236,4 +236,4 @@ class CapturedStages:
                 hand_back(device, pool)
 
 
-__all__ = ["CapturedStages", "Slot", "capture_enabled", "padded_size"]
+__all__ = ["CapturedStages", "Slot", "capture_default", "padded_size"]

@@ -29,30 +29,24 @@ from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, ta
 from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
-    Batch,
-    BatchInput,
     GroupBatch,
-    GroupMajor,
     Layout,
-    StagedBatch,
     check_keys,
     check_tables,
 )
-from tieredemb.modules.capture import CapturedStages, Slot, capture_enabled
-from tieredemb.modules.capture import padded_size as _bucket
+from tieredemb.modules.capture import CapturedStages, capture_default
 from tieredemb.modules.in_flight import (
     FailedRecord,
     InFlightBatch,
     InFlightQueue,
     ShardedPrefetch,
-    StagedAll,
     StagedRecord,
     hand_over,
     same_batch,
 )
+from tieredemb.modules.staged import StagedPrefetcher
 from tieredemb.modules.table import (
     GroupPrefetch,
-    StagedPrefetch,
     TableGroup,
     TableRows,
     unique_pairs,
@@ -112,7 +106,8 @@ class CollectionBase(nn.Module):
 
     def __init__(self, tables: list[TableConfig], optimizer: EmbeddingOptimizer | None = None,
                  storage: StorageConfig | None = None, device: torch.device | str | None = None,
-                 seed: int = 0, process_group: object | None = None, kernels: str = "auto") -> None:
+                 seed: int = 0, process_group: object | None = None, kernels: str = "auto",
+                 capture: bool | None = None) -> None:
         super().__init__()
         tables = list(tables)
         check_tables(tables)
@@ -145,13 +140,9 @@ class CollectionBase(nn.Module):
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
-        # several groups stage together when one dedup sorts their ids group by group: the tables,
-        # numbered across the groups, are the top bits of its sort key (up to 2**16 tables)
-        self._stage_together = len(tables) == 1 or dedup_key_bits(len(tables))[0] > 0
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
         self._queue = InFlightQueue()  # batches prefetched, not yet taken by their forward
-        self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads (prefetch_deferred)
         # autograd needs an input that requires grad to call our backward
         self._dummy = torch.zeros(1, requires_grad=True)
         # prefetch may run on another thread and CUDA stream than forward/backward (TrainPipeline's
@@ -161,14 +152,7 @@ class CollectionBase(nn.Module):
         self._mutated: torch.cuda.Event | None = None
         self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
         self.stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
-        # the staged prefetch's device half, replayed from CUDA graphs, with Triton's kernels only (the
-        # reference's read the device); inputs: values, lengths, weights, step, a padded batch's ids
-        self._captured = (CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64,
-                                                       torch.int64))
-                          if capture_enabled(self.device) and self.kernels.name == "triton" else None)
-        if self._captured is not None:  # and the insertion of misses, by the thread that may capture
-            for group in self.tiers:
-                group.may_capture = self._on_forward_thread
+        self._stager = self._choose_prefetch(capture_default() if capture is None else bool(capture))
         # a staged prefetch that found every key looks the batch up right after its read, so that the
         # host's work until the backward runs beside that kernel; its output stands only if no row
         # changed before the forward (``_rows_changed``: backward updates, writes, restores). Once an
@@ -181,6 +165,23 @@ class CollectionBase(nn.Module):
 
     def _prepare_outputs(self) -> None:
         """Subclasses: precompute how outputs are assembled."""
+
+    def _choose_prefetch(self, capture: bool) -> StagedPrefetcher | None:
+        """The staged prefetch for training batches, where every tier takes it (no admission policy,
+        no bounded table in a cache), the batch is not sharded and one dedup can sort the ids of all
+        groups (the tables, numbered across the groups, are the top bits of its sort key: up to
+        2**16 tables); None: the eager path. Its device half is replayed from CUDA graphs where
+        ``capture`` is on, on CUDA with Triton's kernels (the reference's read the device)."""
+        together = len(self.table_configs) == 1 or dedup_key_bits(len(self.table_configs))[0] > 0
+        if self.process_group is not None or not together or not all(g.can_stage() for g in self.tiers):
+            return None
+        captured = None
+        if capture and self.device.type == "cuda" and self.kernels.name == "triton":
+            # inputs: values, lengths, weights, step, a padded batch's ids
+            captured = CapturedStages(self.device, (torch.int64,) * 2 + (torch.float32,) + (torch.int64,) * 2)
+            for group in self.tiers:  # and the insertion of misses, by the thread that may capture
+                group.may_capture = self._on_forward_thread
+        return StagedPrefetcher(self, captured)
 
     @contextmanager
     def mutating(self, first=None):
@@ -228,13 +229,12 @@ class CollectionBase(nn.Module):
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if (self.training and self.process_group is None and all(g.can_stage() for g in self.tiers)
-                and self._stage_together):
+        if self.training and self._stager is not None:
             # one group whose features are the batch's: its own path, with the backward's work before
             # the read and the lookup right after it; else every group in one (``_stage_all``)
             group = self.tiers[0] if len(self.tiers) == 1 and given.order.identity[0] else None
-            staged = self._stage(given, group, stream, defer and self.stash is None)
-            return staged if staged.deferred else self._finish_staged(staged)
+            staged = self._stager.stage(given, group, self._clock + 1, stream, defer and self.stash is None)
+            return staged if staged.deferred else self._stager.finish(staged)
         with label("## check_batch ##"):
             staged = self._layout.put(given)
         batch = self._layout.finish(staged, staged.summary.tolist())
@@ -251,79 +251,6 @@ class CollectionBase(nn.Module):
                     groups.append(self._prefetch_sharded(g, gb, training))
         return InFlightBatch(batch, groups, training, stream=stream)
 
-    def _stage(self, given: BatchInput, group: TableGroup | None, stream: object,
-               defer: bool) -> StagedRecord:
-        """The device half of a staged prefetch (a training batch of stageable groups, with one host
-        read for the checks, the dedup and the probe together instead of one each; ``group``: the
-        only one, or None for every group together): a replayed CUDA graph when the batch's shape was
-        seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
-        for ``_finish_staged`` to take later."""
-        step = self._clock + 1
-        for g in self.tiers if group is None else [group]:
-            g.place_overflow()  # before a graph is chosen by the index's shape
-        slot = self._replay_staged(given, group, step)
-        if slot is None:
-            with label("## check_batch ##"):
-                staged = self._layout.put(given)
-            with label("## group.prefetch ##"):
-                outputs = (staged, *self._stage_device(staged, group, step))
-        else:
-            outputs = _trimmed(slot.outputs, given.values.numel(), step)
-        record = StagedRecord(group, step, slot, outputs, stream, deferred=defer)
-        read = outputs[-1]
-        if defer and stream is not None:
-            record.host = self._read_buffer(read)
-            record.host.copy_(read, non_blocking=True)
-            record.done = torch.cuda.Event()
-            record.done.record(stream)
-        return record
-
-    def _finish_staged(self, record: StagedRecord) -> InFlightBatch:
-        """The host half of a staged prefetch: its read, then the insertion. The probe changed
-        nothing unless the checks passed, so a bad batch raises here with no state changed."""
-        staged, pending, sources, backward, read = record.outputs
-        group, slot, stream = record.group, record.slot, record.stream
-        try:
-            if len(self.tiers) == 1:  # its host work that waits for no value of the read, before it
-                self.tiers[0].arm(pending, read[staged.summary.numel()])
-            with label("## group.prefetch ##"):
-                if record.done is not None:
-                    record.done.synchronize()
-                host = (read if record.host is None else record.host).tolist()
-                if record.done is not None:  # its copy is done and read: the next one may take it
-                    self._read_buffers.append(record.host)
-            checks = staged.summary.numel()
-            grouped = pending.grouped if group is None else None
-            batch = self._layout.finish(staged, host[:checks], grouped)  # raises on a bad batch
-            self._clock = record.step
-            if group is None:
-                with label("## group.prefetch ##"):
-                    groups = self._finish_all(pending, batch, host[checks:])
-                return InFlightBatch(batch, groups, True, stream=stream, graph_slot=slot)
-            looked, looked_at = None, self._rows_changed
-            if self._may_look_early(stream) and pending.id_values is not None and \
-                    group.every_pair_found(host[checks:]):
-                looked = self._lookup_rows(0, group.store, pending.id_values, batch.groups[0], sources[1])
-            with label("## group.prefetch ##"):
-                gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
-        except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
-            if len(self.tiers) == 1:
-                self.tiers[0].disarm()
-            if slot is not None:
-                self._captured.release(slot, stream)
-            raise
-        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
-        return InFlightBatch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
-                                  looked=looked, looked_at=looked_at)
-
-    def _read_buffer(self, read: torch.Tensor) -> torch.Tensor:
-        """Pinned host memory for a deferred read of ``read``'s size: one kept from an earlier read
-        (allocated once, DESIGN section 4 rule 2), or a new one."""
-        for k, buffer in enumerate(self._read_buffers):
-            if buffer.shape == read.shape:
-                return self._read_buffers.pop(k)
-        return torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
-
     def _settle(self) -> None:
         """Finish the deferred prefetches in the queue, oldest first, each on its own stream (ordered
         after the last change to the tables); one whose host half raises keeps its error for its
@@ -338,7 +265,7 @@ class CollectionBase(nn.Module):
             if stream is not None and self._mutated_on not in (None, stream):
                 stream.wait_event(self._mutated)
             try:
-                return self._finish_staged(record)
+                return self._stager.finish(record)
             except Exception as e:  # noqa: BLE001 (raised at the batch's forward)
                 return FailedRecord(e)
             finally:
@@ -360,114 +287,6 @@ class CollectionBase(nn.Module):
         """Whether this thread runs the forward (and so the backward's launches come before, in host
         order): the only one that captures a graph or looks a batch up early."""
         return threading.get_ident() == self._forward_thread
-
-    def _replay_staged(self, given: BatchInput, group: TableGroup | None, step: int) -> Slot | None:
-        """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
-        of its shape padded to a bucket of ids (batches whose id count changes every step); None:
-        run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
-        n = given.values.numel()
-        if self._captured is None or n == 0:
-            return None
-        indexes = tuple(g.index.capture_key for g in (self.tiers if group is None else [group]))
-        shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
-        inputs = (given.values, given.per_feature, given.weights, step)
-        capture = self._on_forward_thread()
-
-        def stage(*static):
-            return self._captured_stage(given, group, *static)
-
-        slot = self._captured.acquire((*shape, n), stage, *inputs, None, capture=capture)
-        if slot is None:
-            bucket = _bucket(n)
-            slot = self._captured.acquire((*shape, "padded", bucket), stage, *inputs, n,
-                                          lengths=(bucket, None, bucket), capture=capture)
-        return slot
-
-    def _stage_device(self, staged: StagedBatch, group: TableGroup | None, step: int | torch.Tensor,
-                      id_count: torch.Tensor | None = None):
-        """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
-        gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
-        tensor to read: the checks' summary and the probe's counts). ``id_count``: the batch's ids
-        (int64 () on the device), the rest padding. ``group`` None: every group (``_stage_all``)."""
-        if group is None:
-            return self._stage_all(staged, step, id_count)
-        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
-                                             id_count=id_count)
-        # the backward's work that needs only the batch, queued before the read
-        sources = self._grad_sources(0, staged.first_group())
-        src, scale = sources
-        backward = (src[pending.order], None if scale is None else scale[pending.order],
-                    self.kernels.reduce_plan(pending.counts, info[0]))
-        return pending, sources, backward, torch.cat([staged.summary, *info])
-
-    def _stage_all(self, staged: StagedBatch, step: int | torch.Tensor, id_count: torch.Tensor | None):
-        """``_stage_device`` of every group at once: one dedup of the batch's ids, whose sort key has
-        the table (numbered across the groups) on top, so it orders them group by group; each group's
-        probe of its own pairs among them into one pair of outputs; then, still on the device, the
-        ids laid out group by group and every index renumbered within its group, and each group's
-        reduction plan, so that the host half only slices."""
-        kernels, n, layout = self.kernels, staged.values.numel(), self._layout
-        with label("## dedup ##"):
-            order, skeys, stables = kernels.id_order(staged.values, staged.tables, len(self.table_configs),
-                                                     id_count)
-            keys, tables, inverse, counts, count = kernels.sorted_runs_padded(skeys, stables, order, id_count)
-        out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
-        per_region, read = [], [staged.summary, count]
-        with label("## resolve ##"):
-            for group, first in zip(self.tiers, layout.first_table):
-                per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
-                                                    out))
-                read += [per_region[-1], group.index.sizes_on_device]
-        with label("## group.prefetch ##"):
-            # each group's pairs come together, group by group: the first pair of each
-            pairs = torch.stack([p[len(g.configs) : 2 * len(g.configs)].sum()
-                                 for g, p in zip(self.tiers, per_region)])
-            pair_starts = pairs.cumsum(0) - pairs
-            ids, id_tables, weights, inverse, id_values, order, tables = kernels.regroup_ids(
-                layout.group_shifts(staged, pair_starts), staged.values, staged.tables, staged.weights,
-                inverse, out[1], order, tables, layout.table_first_dev, count)
-            arange = torch.arange(n, device=self.device)
-            plans = [kernels.reduce_plan(counts[(start + arange).clamp_(max=n - 1)], pairs[g : g + 1])
-                     for g, start in enumerate(pair_starts)]
-            grouped = GroupMajor(ids, id_tables, weights, *layout.group_bags(staged))
-            pending = StagedAll(keys, tables, inverse, counts, order, *out, id_values, grouped, per_region,
-                                 plans, step)
-        return pending, None, None, torch.cat(read)
-
-    def _finish_all(self, pending: StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:
-        """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
-        each group finishes its slice of the pairs and ids as if it had been staged alone."""
-        groups, pairs, ids, at = [], 0, 0, 1
-        for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
-            r = len(group.configs)
-            misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
-            at += 4 * r
-            u, m = sum(present), gb.ids.numel()
-            mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
-            part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],
-                                  pending.counts[mine], pending.order[its], pending.slots[mine],
-                                  pending.values[mine], pending.per_region[g], pending.step,
-                                  pending.id_values[its])
-            gpf = group.finish_prefetch(part, [u, *misses, *sizes, *contested], gb.ids_per_table)
-            gpf.sorted_ids.plan = pending.plans[g]
-            groups.append(gpf)
-            pairs, ids = pairs + u, ids + m
-        if pairs != info[0]:
-            raise RuntimeError(f"internal error: the groups' probes found {pairs} distinct pairs, the dedup "
-                               f"{info[0]}")
-        return groups
-
-    def _captured_stage(self, given: BatchInput, group: TableGroup | None, values: torch.Tensor,
-                        per_feature: torch.Tensor, weights: torch.Tensor | None, step: torch.Tensor,
-                        id_count: torch.Tensor | None):
-        """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
-        batch fills only that many of the static ids (and weights), the rest becomes padding here."""
-        if id_count is not None:
-            real = torch.arange(values.numel(), device=values.device) < id_count
-            values = torch.where(real, values, _PADDING)
-            weights = None if weights is None else torch.where(real, weights, 0.0)
-        staged = self._layout.stage_on_device(given, values, per_feature, weights, id_count)
-        return (staged, *self._stage_device(staged, group, step, id_count))
 
     def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
         """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
@@ -629,7 +448,7 @@ class CollectionBase(nn.Module):
             for group, part in held:
                 group.release(part)
             if state.graph_slot is not None:  # its outputs take another batch once the stream is past here
-                self._captured.release(state.graph_slot, state.stream)
+                self._stager.captured.release(state.graph_slot, state.stream)
 
     def _unlock_first(self, state: InFlightBatch, held: list):
         """What ``_release`` does before the deferred prefetches of later batches finish: give the
@@ -914,29 +733,6 @@ def dense_only(model: nn.Module):
             c._rows_in_state_dict = True
 
 
-_PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
-
-
-def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
-    """A replayed staged prefetch's outputs for a batch of n ids (a padded graph's are longer), with
-    the host's step: (staged batch, staged prefetch, gradient sources, the backward's, the read)."""
-    staged, pending, sources, backward, read = outputs
-
-    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[:n]
-
-    staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
-                                 weights=cut(staged.weights))
-    cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
-    if isinstance(pending, StagedAll):
-        pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values),
-                                      grouped=pending.grouped.cut(n))
-        return staged, pending, None, None, read
-    pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
-    (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
-    return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
-
-
 class EmbeddingBagCollection(CollectionBase):
     """Pooled embedding lookups for several features over raw-ID tables, with a fused optimizer.
 
@@ -949,6 +745,8 @@ class EmbeddingBagCollection(CollectionBase):
         process_group: a ``torch.distributed`` group: every table is sharded row-wise over its ranks
             (``docs/distributed.md``). Every rank runs the same steps; each trains on its own batch.
         kernels: ``"auto"`` (Triton on CUDA), ``"torch"`` (the reference) or ``"triton"``.
+        capture: replay the training prefetch's device work from CUDA graphs (CUDA, Triton's kernels);
+            None: on, unless the environment sets ``TIEREDEMB_CAPTURE=0``.
 
     ``forward(kjt)`` returns a ``te.KeyedTensor`` of shape (B, sum of dims), features in table-config
     order. ``loss.backward()`` updates the touched rows; the dense optimizer never sees them.

@@ -1,0 +1,248 @@
+"""The staged prefetch of a training batch: the device half (checks, dedup, probe, the backward's
+work that needs only the batch) launched with one host read at its end instead of one each, then the
+host half (the read, the insertion of the misses). A collection uses it when every tier can take it
+(no admission policy, no bounded table in a cache) and the batch is not sharded; the eager path
+(``CollectionBase._resolve``) is the reference it is tested equal to.
+
+On CUDA with Triton's kernels the device half is replayed from a CUDA graph (``capture.py``) when the
+batch's shape, or its shape padded to a bucket of ids, was seen before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tieredemb.modules.batch import Batch, BatchInput, GroupMajor, StagedBatch
+from tieredemb.modules.capture import CapturedStages, Slot
+from tieredemb.modules.capture import padded_size as _bucket
+from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
+from tieredemb.modules.table import GroupPrefetch, StagedPrefetch, TableGroup
+from tieredemb.profiling import label
+
+
+class StagedPrefetcher:
+    """The staged prefetch of one collection (``owner``): its layout, tiers and kernels, the CUDA
+    graphs of its device half (``captured``: None where capture is off), and the pinned buffers its
+    deferred reads land in (allocated once, kept and reused)."""
+
+    def __init__(self, owner, captured: CapturedStages | None) -> None:
+        self.owner = owner
+        self.layout = owner._layout
+        self.tiers = owner.tiers
+        self.kernels = owner.kernels
+        self.device = owner.device
+        self.captured = captured
+        self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads
+
+    def stage(self, given: BatchInput, group: TableGroup | None, step: int, stream: object,
+              defer: bool) -> StagedRecord:
+        """The device half of a staged prefetch (a training batch of stageable groups, with one host
+        read for the checks, the dedup and the probe together instead of one each; ``group``: the
+        only one, or None for every group together): a replayed CUDA graph when the batch's shape was
+        seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
+        for ``_finish_staged`` to take later."""
+        for g in self.tiers if group is None else [group]:
+            g.place_overflow()  # before a graph is chosen by the index's shape
+        slot = self._replay_staged(given, group, step)
+        if slot is None:
+            with label("## check_batch ##"):
+                staged = self.layout.put(given)
+            with label("## group.prefetch ##"):
+                outputs = (staged, *self._stage_device(staged, group, step))
+        else:
+            outputs = _trimmed(slot.outputs, given.values.numel(), step)
+        record = StagedRecord(group, step, slot, outputs, stream, deferred=defer)
+        read = outputs[-1]
+        if defer and stream is not None:
+            record.host = self._read_buffer(read)
+            record.host.copy_(read, non_blocking=True)
+            record.done = torch.cuda.Event()
+            record.done.record(stream)
+        return record
+
+
+    def finish(self, record: StagedRecord) -> InFlightBatch:
+        """The host half of a staged prefetch: its read, then the insertion. The probe changed
+        nothing unless the checks passed, so a bad batch raises here with no state changed."""
+        staged, pending, sources, backward, read = record.outputs
+        group, slot, stream = record.group, record.slot, record.stream
+        try:
+            if len(self.tiers) == 1:  # its host work that waits for no value of the read, before it
+                self.tiers[0].arm(pending, read[staged.summary.numel()])
+            with label("## group.prefetch ##"):
+                if record.done is not None:
+                    record.done.synchronize()
+                host = (read if record.host is None else record.host).tolist()
+                if record.done is not None:  # its copy is done and read: the next one may take it
+                    self._read_buffers.append(record.host)
+            checks = staged.summary.numel()
+            grouped = pending.grouped if group is None else None
+            batch = self.layout.finish(staged, host[:checks], grouped)  # raises on a bad batch
+            self.owner._clock = record.step
+            if group is None:
+                with label("## group.prefetch ##"):
+                    groups = self._finish_all(pending, batch, host[checks:])
+                return InFlightBatch(batch, groups, True, stream=stream, graph_slot=slot)
+            looked, looked_at = None, self.owner._rows_changed
+            if self.owner._may_look_early(stream) and pending.id_values is not None and \
+                    group.every_pair_found(host[checks:]):
+                looked = self.owner._lookup_rows(0, group.store, pending.id_values, batch.groups[0],
+                                                 sources[1])
+            with label("## group.prefetch ##"):
+                gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
+        except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
+            if len(self.tiers) == 1:
+                self.tiers[0].disarm()
+            if slot is not None:
+                self.captured.release(slot, stream)
+            raise
+        gpf.sorted_ids.sources, gpf.sorted_ids.scales, gpf.sorted_ids.plan = backward
+        return InFlightBatch(batch, [gpf], True, stream=stream, grad_sources=[sources], graph_slot=slot,
+                                  looked=looked, looked_at=looked_at)
+
+
+    def _read_buffer(self, read: torch.Tensor) -> torch.Tensor:
+        """Pinned host memory for a deferred read of ``read``'s size: one kept from an earlier read
+        (allocated once, DESIGN section 4 rule 2), or a new one."""
+        for k, buffer in enumerate(self._read_buffers):
+            if buffer.shape == read.shape:
+                return self._read_buffers.pop(k)
+        return torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
+
+
+    def _replay_staged(self, given: BatchInput, group: TableGroup | None, step: int) -> Slot | None:
+        """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
+        of its shape padded to a bucket of ids (batches whose id count changes every step); None:
+        run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
+        n = given.values.numel()
+        if self.captured is None or n == 0:
+            return None
+        indexes = tuple(g.index.capture_key for g in (self.tiers if group is None else [group]))
+        shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
+        inputs = (given.values, given.per_feature, given.weights, step)
+        capture = self.owner._on_forward_thread()
+
+        def stage(*static):
+            return self._captured_stage(given, group, *static)
+
+        slot = self.captured.acquire((*shape, n), stage, *inputs, None, capture=capture)
+        if slot is None:
+            bucket = _bucket(n)
+            slot = self.captured.acquire((*shape, "padded", bucket), stage, *inputs, n,
+                                          lengths=(bucket, None, bucket), capture=capture)
+        return slot
+
+
+    def _stage_device(self, staged: StagedBatch, group: TableGroup | None, step: int | torch.Tensor,
+                      id_count: torch.Tensor | None = None):
+        """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
+        gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
+        tensor to read: the checks' summary and the probe's counts). ``id_count``: the batch's ids
+        (int64 () on the device), the rest padding. ``group`` None: every group (``_stage_all``)."""
+        if group is None:
+            return self._stage_all(staged, step, id_count)
+        pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
+                                             id_count=id_count)
+        # the backward's work that needs only the batch, queued before the read
+        sources = self.owner._grad_sources(0, staged.first_group())
+        src, scale = sources
+        backward = (src[pending.order], None if scale is None else scale[pending.order],
+                    self.kernels.reduce_plan(pending.counts, info[0]))
+        return pending, sources, backward, torch.cat([staged.summary, *info])
+
+
+    def _stage_all(self, staged: StagedBatch, step: int | torch.Tensor, id_count: torch.Tensor | None):
+        """``_stage_device`` of every group at once: one dedup of the batch's ids, whose sort key has
+        the table (numbered across the groups) on top, so it orders them group by group; each group's
+        probe of its own pairs among them into one pair of outputs; then, still on the device, the
+        ids laid out group by group and every index renumbered within its group, and each group's
+        reduction plan, so that the host half only slices."""
+        kernels, n, layout = self.kernels, staged.values.numel(), self.layout
+        with label("## dedup ##"):
+            tables = len(self.owner.table_configs)
+            order, skeys, stables = kernels.id_order(staged.values, staged.tables, tables, id_count)
+            keys, tables, inverse, counts, count = kernels.sorted_runs_padded(skeys, stables, order, id_count)
+        out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
+        per_region, read = [], [staged.summary, count]
+        with label("## resolve ##"):
+            for group, first in zip(self.tiers, layout.first_table):
+                per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
+                                                    out))
+                read += [per_region[-1], group.index.sizes_on_device]
+        with label("## group.prefetch ##"):
+            # each group's pairs come together, group by group: the first pair of each
+            pairs = torch.stack([p[len(g.configs) : 2 * len(g.configs)].sum()
+                                 for g, p in zip(self.tiers, per_region)])
+            pair_starts = pairs.cumsum(0) - pairs
+            ids, id_tables, weights, inverse, id_values, order, tables = kernels.regroup_ids(
+                layout.group_shifts(staged, pair_starts), staged.values, staged.tables, staged.weights,
+                inverse, out[1], order, tables, layout.table_first_dev, count)
+            arange = torch.arange(n, device=self.device)
+            plans = [kernels.reduce_plan(counts[(start + arange).clamp_(max=n - 1)], pairs[g : g + 1])
+                     for g, start in enumerate(pair_starts)]
+            grouped = GroupMajor(ids, id_tables, weights, *layout.group_bags(staged))
+            pending = StagedAll(keys, tables, inverse, counts, order, *out, id_values, grouped, per_region,
+                                 plans, step)
+        return pending, None, None, torch.cat(read)
+
+
+    def _finish_all(self, pending: StagedAll, batch: Batch, info: list[int]) -> list[GroupPrefetch]:
+        """The host half of ``_stage_all`` (``info``: the host copy of its read after the checks):
+        each group finishes its slice of the pairs and ids as if it had been staged alone."""
+        groups, pairs, ids, at = [], 0, 0, 1
+        for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
+            r = len(group.configs)
+            misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
+            at += 4 * r
+            u, m = sum(present), gb.ids.numel()
+            mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
+            part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],
+                                  pending.counts[mine], pending.order[its], pending.slots[mine],
+                                  pending.values[mine], pending.per_region[g], pending.step,
+                                  pending.id_values[its])
+            gpf = group.finish_prefetch(part, [u, *misses, *sizes, *contested], gb.ids_per_table)
+            gpf.sorted_ids.plan = pending.plans[g]
+            groups.append(gpf)
+            pairs, ids = pairs + u, ids + m
+        if pairs != info[0]:
+            raise RuntimeError(f"internal error: the groups' probes found {pairs} distinct pairs, the dedup "
+                               f"{info[0]}")
+        return groups
+
+
+    def _captured_stage(self, given: BatchInput, group: TableGroup | None, values: torch.Tensor,
+                        per_feature: torch.Tensor, weights: torch.Tensor | None, step: torch.Tensor,
+                        id_count: torch.Tensor | None):
+        """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
+        batch fills only that many of the static ids (and weights), the rest becomes padding here."""
+        if id_count is not None:
+            real = torch.arange(values.numel(), device=values.device) < id_count
+            values = torch.where(real, values, _PADDING)
+            weights = None if weights is None else torch.where(real, weights, 0.0)
+        staged = self.layout.stage_on_device(given, values, per_feature, weights, id_count)
+        return (staged, *self._stage_device(staged, group, step, id_count))
+
+
+_PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
+
+
+def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
+    """A replayed staged prefetch's outputs for a batch of n ids (a padded graph's are longer), with
+    the host's step: (staged batch, staged prefetch, gradient sources, the backward's, the read)."""
+    staged, pending, sources, backward, read = outputs
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:n]
+
+    staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
+                                 weights=cut(staged.weights))
+    cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
+    if isinstance(pending, StagedAll):
+        pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values),
+                                      grouped=pending.grouped.cut(n))
+        return staged, pending, None, None, read
+    pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
+    (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
+    return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read
