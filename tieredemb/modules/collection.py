@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tieredemb.config import StorageConfig, TableConfig
-from tieredemb.distributed import exchange, owner_of, per_rank_backing, plan, table_salts
+from tieredemb.distributed import per_rank_backing
+from tieredemb.distributed.sharding import RowWiseSharding
 from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
@@ -39,24 +40,23 @@ from tieredemb.modules.in_flight import (
     FailedRecord,
     InFlightBatch,
     InFlightQueue,
-    ShardedPrefetch,
     StagedRecord,
     hand_over,
     same_batch,
 )
+from tieredemb.modules.placement import LocalPlacement
+from tieredemb.modules.staged import Collection as StagedCollection
 from tieredemb.modules.staged import StagedPrefetcher
 from tieredemb.modules.table import (
     GroupPrefetch,
     TableGroup,
     TableRows,
-    unique_pairs,
 )
 from tieredemb.modules.tiers import build_tiers, group_tables, select_mode
 from tieredemb.ops import resolve_device, select_kernels
 from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
-from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 
 
@@ -117,14 +117,10 @@ class CollectionBase(nn.Module):
         storage = StorageConfig() if storage is None else storage
         self.process_group = process_group
         self.world, self.rank = 1, 0
-        if process_group is not None:
+        if process_group is not None:  # each rank's shard in a store of its own
             self.world = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
             storage = dataclasses.replace(storage, backing=per_rank_backing(storage.backing, self.rank))
-            # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
-            # races the forward's and backward's exchanges on one group (each group's collectives
-            # keep one order on every rank). Every process of the default group takes part here.
-            self._input_group = dist.new_group(dist.get_process_group_ranks(process_group))
         self.device = resolve_device(device)
         self.table_configs = tables
         self.optimizer = optimizer
@@ -136,7 +132,9 @@ class CollectionBase(nn.Module):
         members = group_tables(tables)
         self.tiers = build_tiers(self.storage_mode, tables, members, optimizer, storage, self.seed,
                                      self.device, self.kernels, self.world)
-        self._salts = [table_salts(g.names, self.device) for g in self.tiers]
+        # where the keys live: this process, or the ranks of the group (each rank's tiers its shard)
+        self.placement = (LocalPlacement(self.tiers) if process_group is None
+                          else RowWiseSharding(self.tiers, self.kernels, self.device, process_group))
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
@@ -181,7 +179,14 @@ class CollectionBase(nn.Module):
             captured = CapturedStages(self.device, (torch.int64,) * 2 + (torch.float32,) + (torch.int64,) * 2)
             for group in self.tiers:  # and the insertion of misses, by the thread that may capture
                 group.may_capture = self._on_forward_thread
-        return StagedPrefetcher(self, captured)
+        def clock_to(step: int) -> None:
+            self._clock = step
+
+        of = StagedCollection(
+            self._layout, self.tiers, self.kernels, self.device, len(self.table_configs), self._grad_sources,
+            lambda store, addresses, gb, scale: self._lookup_rows(0, store, addresses, gb, scale),
+            self._may_look_early, lambda: self._rows_changed, self._on_forward_thread, clock_to)
+        return StagedPrefetcher(of, captured)
 
     @contextmanager
     def mutating(self, first=None):
@@ -242,13 +247,9 @@ class CollectionBase(nn.Module):
         if training:
             self._clock += 1
         groups = []
-        for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
+        for g, gb in enumerate(batch.groups):
             with label("## group.prefetch ##"):
-                if self.process_group is None:
-                    groups.append(group.prefetch(gb.ids, gb.tables, gb.ids_per_table, self._clock,
-                                                 training))
-                else:
-                    groups.append(self._prefetch_sharded(g, gb, training))
+                groups.append(self.placement.input_dist(g, gb, self._clock, training))
         return InFlightBatch(batch, groups, training, stream=stream)
 
     def _settle(self) -> None:
@@ -288,35 +289,10 @@ class CollectionBase(nn.Module):
         order): the only one that captures a graph or looks a batch up early."""
         return threading.get_ident() == self._forward_thread
 
-    def _prefetch_sharded(self, g: int, gb: GroupBatch, training: bool) -> ShardedPrefetch:
-        """Input dist: this rank's distinct (table, key) pairs with their counts go to their owners
-        (an all-to-all of split sizes, then of the pairs); each rank resolves what it received."""
-        group = self.tiers[g]
-        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(group.configs),
-                                                                  self.kernels)
-        owner = owner_of(keys, self._salts[g][tables], self.world)
-        send_order, send_splits, recv_splits = plan(owner, self.world, self._input_group)
-        pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
-        got = exchange(pairs, send_splits, recv_splits, self._input_group)
-        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        lookups = torch.zeros(len(group.configs), dtype=torch.int64, device=self.device)
-        served = group.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(),
-                                self._clock, training, occurrences=rcounts)
-        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
-
     def _addressed(self, g: int, state: InFlightBatch) -> tuple[RowStore, torch.Tensor]:
-        """Where the rows of group g's ids are: a row store and an address per id. Sharded: output
-        dist first (the owners send the rows of this rank's distinct keys back)."""
-        gpf = state.groups[g]
-        group = self.tiers[g]
-        if isinstance(gpf, GroupPrefetch):
-            return group.store, gpf.addresses[gpf.inverse] if gpf.id_addresses is None else gpf.id_addresses
-        served = gpf.served
-        rows = self.kernels.gather(group.store, served.addresses[served.inverse], group.dim)
-        back = exchange(rows, gpf.recv_splits, gpf.send_splits, self.process_group)
-        mine = torch.empty_like(back)
-        mine[gpf.send_order] = back
-        return RowStore.over(mine), gpf.inverse
+        """Where the rows of group g's ids are: a row store and an address per id (sharded: after
+        the owners sent the rows of this rank's distinct keys back)."""
+        return self.placement.output(g, state.groups[g])
 
     def _take_prefetched(self, kjt: object) -> InFlightBatch:
         """The oldest prefetched batch, which must be ``kjt`` (the same object, or equal): prefetch
@@ -327,7 +303,7 @@ class CollectionBase(nn.Module):
         with self.mutating():
             state = self._take_prefetched_locked(kjt)
             for group, gpf in zip(self.tiers, state.groups):  # deferred insertions, if still due
-                group.settle(gpf.served if isinstance(gpf, ShardedPrefetch) else gpf)
+                group.settle(self.placement.served(gpf))
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             if stream != state.stream:  # prefetched on another stream
@@ -351,7 +327,7 @@ class CollectionBase(nn.Module):
             stream = torch.cuda.current_stream(self.device)
             if state.stream != stream or self._mutated_on not in (None, stream):  # then the lock orders
                 return None
-        parts = [g.served if isinstance(g, ShardedPrefetch) else g for g in state.groups]
+        parts = [self.placement.served(part) for part in state.groups]
         if any(part.deferred is not None for part in parts):
             return None
         self._queue.pop_oldest()
@@ -410,23 +386,17 @@ class CollectionBase(nn.Module):
         self._rows_changed += 1
         self._updated_on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for g, grad in enumerate(grads):
-            gpf, group = state.groups[g], self.tiers[g]
-            sharded = isinstance(gpf, ShardedPrefetch)
-            if grad is None:
-                if not sharded:
+            group = self.tiers[g]
+            if grad is None:  # sharded: still exchanged, as zeros
+                grad = self.placement.absent_grad(g, state.out_rows[g])
+                if grad is None:
                     continue
-                grad = torch.zeros(state.out_rows[g], group.dim, device=self.device)  # still exchanged
             if state.grad_sources is not None:
                 src, scale = state.grad_sources[g]
             else:
                 src, scale = self._grad_sources(g, state.batch.groups[g])
-            if sharded:  # gradients of this rank's distinct keys to their owners, summed there
-                with label("## reduce ##"):
-                    reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, gpf.inverse,
-                                                        gpf.unique_keys.numel(), gpf.sorted_ids)
-                grad = exchange(reduced[gpf.send_order], gpf.send_splits, gpf.recv_splits, self.process_group)
-                gpf = gpf.served
-                src, scale = torch.arange(grad.shape[0], device=self.device), None
+            with label("## grad_dist ##"):  # sharded: summed per distinct key, sent to the owners
+                grad, src, scale, gpf = self.placement.grad_dist(g, state.groups[g], grad, src, scale)
             with label("## reduce+update ##"):  # the sums go straight into the rows' update
                 self.kernels.reduce_update(grad.contiguous(), src, scale, gpf.inverse,
                                            gpf.unique_keys.numel(), gpf.sorted_ids, group.store,
@@ -435,7 +405,7 @@ class CollectionBase(nn.Module):
             self._release(state)
 
     def _release(self, state: InFlightBatch) -> None:
-        parts = [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in state.groups]
+        parts = [self.placement.served(part) for part in state.groups]
         held = [(group, part) for group, part in zip(self.tiers, parts) if group.holds(part)]
         # nothing to unlock or free (a warm hbm_direct batch): no lock to take, so no wait for the
         # prefetch thread resolving the next batch under it (0.9 ms a step)
@@ -507,15 +477,7 @@ class CollectionBase(nn.Module):
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         with self.mutating():  # a cache-mode read may fetch from the backing store
-            if self.process_group is None:
-                return group.read(i, keys)
-            order, send, recv, rkeys = self._route(table, keys)
-            weights, found = group.read(i, rkeys)
-            back = exchange(torch.cat([weights, found[:, None].to(weights.dtype)], 1), recv, send,
-                            self.process_group)
-            out = torch.empty_like(back)
-            out[order] = back
-            return out[:, :-1], out[:, -1] > 0.5
+            return self.placement.read(*self._where[table], keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
         """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
@@ -535,12 +497,7 @@ class CollectionBase(nn.Module):
         weights = weights.to(device=self.device, dtype=torch.float32)
         with self.mutating():
             self._rows_changed += 1
-            if self.process_group is not None:  # to the owners; a key two ranks write: the later rank's
-                order, send, recv, keys = self._route(table, keys)
-                weights = exchange(weights[order], send, recv, self.process_group)
-                last = last_of_duplicates(keys)
-                keys, weights = keys[last], weights[last]
-            group.write(i, keys, weights, self._clock)
+            self.placement.write(*self._where[table], keys, weights, self._clock)
 
     # ------------------------------------------------------------------------------ state_dict
     _rows_in_state_dict = True  # off inside te.checkpoint (it streams the rows itself)
@@ -612,8 +569,7 @@ class CollectionBase(nn.Module):
         """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
         (sharded: what this rank serves)."""
         g = self.tiers.index(group)
-        parts = [record.groups[g] for record in self._queue.resolved_training()]
-        return [gpf.served if isinstance(gpf, ShardedPrefetch) else gpf for gpf in parts]
+        return [self.placement.served(record.groups[g]) for record in self._queue.resolved_training()]
 
     def import_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
         """Store saved rows: keys int64 (n,), whole rows ([weights | optimizer state]) float (n, W),
@@ -628,19 +584,12 @@ class CollectionBase(nn.Module):
 
     def _import(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                 admission: bool) -> None:
-        group, i, _ = self._table(table)
+        self._table(table)  # a known table
         keys = keys.to(self.device)
         rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
         with self.mutating():
             self._rows_changed += 1
-            if self.process_group is not None:
-                order, send, recv, keys = self._route(table, keys)
-                rows = exchange(rows[order], send, recv, self.process_group)
-                scores = exchange(scores[order], send, recv, self.process_group)
-            if admission:
-                group.import_admission(i, keys, scores)
-            else:
-                group.import_rows(i, keys, rows, scores)
+            self.placement.import_rows(*self._where[table], keys, rows, scores, admission)
 
     def restore_progress(self, step: int, clock: int) -> None:
         """Set the optimizer steps taken and the LRU clock (prefetches taken) of a resumed run."""
@@ -659,25 +608,15 @@ class CollectionBase(nn.Module):
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:
         """Remove stored rows (a checkpoint delta's deletions); sharded: a collective."""
-        group, i, _ = self._table(table)
+        self._table(table)  # a known table
         keys = keys.to(self.device)
         with self.mutating():
             self._rows_changed += 1
-            if self.process_group is not None:
-                _, _, _, keys = self._route(table, keys)
-            group.delete_rows(i, keys)
+            self.placement.delete_rows(*self._where[table], keys)
 
     def is_empty(self) -> bool:
         with self.mutating():
             return all(group.is_empty() for group in self.tiers)
-
-    def _route(self, table: str, keys: torch.Tensor):
-        """Send ``keys`` of ``table`` to their owners (a collective: every rank calls it). Returns
-        (order: the keys by owner, send and receive split sizes, the keys this rank received)."""
-        g, i = self._where[table]
-        owner = owner_of(keys, self._salts[g][i].expand(keys.numel()), self.world)
-        order, send, recv = plan(owner, self.world, self.process_group)
-        return order, send, recv, exchange(keys[order], send, recv, self.process_group)
 
     def close(self) -> None:
         """Flush and close the backing stores (files, connections). The collection is unusable after."""
@@ -706,13 +645,7 @@ class CollectionBase(nn.Module):
         (a collective when sharded): a list with every rank's, so imbalance shows."""
         with self.mutating():
             mine = {name: self.tiers[g].stats(i) for name, (g, i) in self._where.items()}
-        if not all_ranks:
-            return mine
-        if self.process_group is None:
-            return [mine]
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        return everyone
+        return self.placement.all_stats(mine) if all_ranks else mine
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{t.name}:{t.embedding_dim}" for t in self.table_configs)

@@ -19,23 +19,7 @@ import torch
 from tieredemb.jagged import as_kjt
 from tieredemb.modules.batch import Batch, GroupMajor
 from tieredemb.modules.capture import Slot
-from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup
-
-
-@dataclass
-class ShardedPrefetch:
-    """A group of a batch after input dist. Requester side: this rank's distinct pairs
-    (``unique_keys`` (u,)), ``inverse`` (n,) id -> pair, ``send_order`` (u,) the pairs in owner
-    order, the split sizes of the exchange; owner side: ``served``, what this rank resolved for the
-    pairs it received (its ``inverse`` maps each received pair to the owner's distinct pairs)."""
-
-    unique_keys: torch.Tensor
-    inverse: torch.Tensor
-    send_order: torch.Tensor
-    send_splits: list[int]
-    recv_splits: list[int]
-    served: GroupPrefetch
-    sorted_ids: IdOrder | None = None
+from tieredemb.modules.table import TableGroup
 
 
 @dataclass
@@ -44,7 +28,7 @@ class InFlightBatch:
     input dist resolved)."""
 
     batch: Batch
-    groups: list[GroupPrefetch | ShardedPrefetch]
+    groups: list[object]  # each group's part, as the placement resolved it
     training: bool
     released: bool = False
     finalizer: weakref.finalize | None = field(default=None, repr=False)

@@ -11,28 +11,48 @@ batch's shape, or its shape padded to a bucket of ids, was seen before.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from tieredemb.modules.batch import Batch, BatchInput, GroupMajor, StagedBatch
+from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, GroupMajor, Layout, StagedBatch
 from tieredemb.modules.capture import CapturedStages, Slot
 from tieredemb.modules.capture import padded_size as _bucket
 from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
 from tieredemb.modules.table import GroupPrefetch, StagedPrefetch, TableGroup
 from tieredemb.profiling import label
+from tieredemb.storage.row_store import RowStore
+
+
+@dataclass
+class Collection:
+    """What the staged prefetch uses of the collection it serves."""
+
+    layout: Layout
+    tiers: list[TableGroup]
+    kernels: object
+    device: torch.device
+    num_tables: int
+    # (g, group g's ids) -> (the gradient source of each id, its scale): the backward's, made early
+    grad_sources: Callable[[int, GroupBatch], tuple[torch.Tensor, torch.Tensor | None]]
+    # (group 0's row store, an address per id, its ids, their scale) -> the forward's lookup
+    lookup: Callable[[RowStore, torch.Tensor, GroupBatch, torch.Tensor | None], torch.Tensor]
+    # (the stream resolving) -> whether a lookup launched now reads the rows the forward would
+    may_look_early: Callable[[object], bool]
+    rows_changed: Callable[[], int]  # the count of changes to the rows (an early lookup's stamp)
+    may_capture: Callable[[], bool]  # whether this thread may capture a CUDA graph
+    clock_to: Callable[[int], None]  # the batch's checks passed: the LRU clock moves to its step
 
 
 class StagedPrefetcher:
-    """The staged prefetch of one collection (``owner``): its layout, tiers and kernels, the CUDA
-    graphs of its device half (``captured``: None where capture is off), and the pinned buffers its
-    deferred reads land in (allocated once, kept and reused)."""
+    """The staged prefetch of one collection (``of``), the CUDA graphs of its device half
+    (``captured``: None where capture is off), and the pinned buffers its deferred reads land in
+    (allocated once, kept and reused)."""
 
-    def __init__(self, owner, captured: CapturedStages | None) -> None:
-        self.owner = owner
-        self.layout = owner._layout
-        self.tiers = owner.tiers
-        self.kernels = owner.kernels
-        self.device = owner.device
+    def __init__(self, of: Collection, captured: CapturedStages | None) -> None:
+        self.of = of
+        self.layout, self.tiers, self.kernels, self.device = of.layout, of.tiers, of.kernels, of.device
         self.captured = captured
         self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads
 
@@ -80,16 +100,15 @@ class StagedPrefetcher:
             checks = staged.summary.numel()
             grouped = pending.grouped if group is None else None
             batch = self.layout.finish(staged, host[:checks], grouped)  # raises on a bad batch
-            self.owner._clock = record.step
+            self.of.clock_to(record.step)
             if group is None:
                 with label("## group.prefetch ##"):
                     groups = self._finish_all(pending, batch, host[checks:])
                 return InFlightBatch(batch, groups, True, stream=stream, graph_slot=slot)
-            looked, looked_at = None, self.owner._rows_changed
-            if self.owner._may_look_early(stream) and pending.id_values is not None and \
+            looked, looked_at = None, self.of.rows_changed()
+            if self.of.may_look_early(stream) and pending.id_values is not None and \
                     group.every_pair_found(host[checks:]):
-                looked = self.owner._lookup_rows(0, group.store, pending.id_values, batch.groups[0],
-                                                 sources[1])
+                looked = self.of.lookup(group.store, pending.id_values, batch.groups[0], sources[1])
             with label("## group.prefetch ##"):
                 gpf = group.finish_prefetch(pending, host[checks:], batch.groups[0].ids_per_table)
         except BaseException:  # a bad batch, a failing insertion: the slot holds no batch
@@ -122,7 +141,7 @@ class StagedPrefetcher:
         indexes = tuple(g.index.capture_key for g in (self.tiers if group is None else [group]))
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
         inputs = (given.values, given.per_feature, given.weights, step)
-        capture = self.owner._on_forward_thread()
+        capture = self.of.may_capture()
 
         def stage(*static):
             return self._captured_stage(given, group, *static)
@@ -146,7 +165,7 @@ class StagedPrefetcher:
         pending, info = group.stage_prefetch(staged.values, staged.tables, step, staged.guard(),
                                              id_count=id_count)
         # the backward's work that needs only the batch, queued before the read
-        sources = self.owner._grad_sources(0, staged.first_group())
+        sources = self.of.grad_sources(0, staged.first_group())
         src, scale = sources
         backward = (src[pending.order], None if scale is None else scale[pending.order],
                     self.kernels.reduce_plan(pending.counts, info[0]))
@@ -161,8 +180,8 @@ class StagedPrefetcher:
         reduction plan, so that the host half only slices."""
         kernels, n, layout = self.kernels, staged.values.numel(), self.layout
         with label("## dedup ##"):
-            tables = len(self.owner.table_configs)
-            order, skeys, stables = kernels.id_order(staged.values, staged.tables, tables, id_count)
+            order, skeys, stables = kernels.id_order(staged.values, staged.tables, self.of.num_tables,
+                                                     id_count)
             keys, tables, inverse, counts, count = kernels.sorted_runs_padded(skeys, stables, order, id_count)
         out = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind(0)
         per_region, read = [], [staged.summary, count]

@@ -1,0 +1,160 @@
+"""Row-wise sharding of a collection's tables over a process group (TorchRec's ``ShardedModule``
+stages: ``input_dist``, ``compute``, ``output_dist``).
+
+Each rank's tiers hold the keys it owns (``owner_of``: a hash of table and key). A step, per group:
+
+    input_dist   this rank's distinct (table, key) pairs with their counts go to their owners (an
+                 all-to-all of split sizes, then of the pairs); each owner resolves what it received
+                 like a local batch (insert, fetch, lock)
+    compute      the owner gathers the rows of the pairs it received
+    output_dist  the rows go back to the ranks that asked (one all-to-all); the requester pools or
+                 gathers them for its ids
+    grad_dist    in the backward: the requester sums its gradients per distinct pair and sends them
+                 to the owners (one all-to-all); each owner applies the fused update
+
+The unsharded placement (``tieredemb.modules.placement.LocalPlacement``) has the same verbs; the
+sharded collection is tested equal to it (``tests/distributed``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tieredemb.distributed import exchange, owner_of, plan, table_salts
+from tieredemb.modules.batch import GroupBatch
+from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, unique_pairs
+from tieredemb.storage.host import last_of_duplicates
+from tieredemb.storage.row_store import RowStore
+
+
+@dataclass
+class ShardedPrefetch:
+    """A group of a batch after input dist. Requester side: this rank's distinct pairs
+    (``unique_keys`` (u,)), ``inverse`` (n,) id -> pair, ``send_order`` (u,) the pairs in owner
+    order, the split sizes of the exchange; owner side: ``served``, what this rank resolved for the
+    pairs it received (its ``inverse`` maps each received pair to the owner's distinct pairs)."""
+
+    unique_keys: torch.Tensor
+    inverse: torch.Tensor
+    send_order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    served: GroupPrefetch
+    sorted_ids: IdOrder | None = None
+
+
+class RowWiseSharding:
+    """The placement of a collection whose tables are sharded row-wise over ``process_group``.
+
+    Args:
+        tiers: this rank's tier of each table group (its shard).
+        kernels: the collection's kernel set.
+        device: the compute device (NCCL exchanges CUDA tensors, gloo CPU ones).
+        process_group: the group the tables are sharded over; every rank runs the same steps.
+    """
+
+    def __init__(self, tiers: list[TableGroup], kernels, device: torch.device, process_group) -> None:
+        self.tiers, self.kernels, self.device = tiers, kernels, device
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.salts = [table_salts(t.names, device) for t in tiers]
+        # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
+        # races the forward's and backward's exchanges on one group (each group's collectives keep
+        # one order on every rank). Every process of the default group takes part here.
+        self.input_group = dist.new_group(dist.get_process_group_ranks(process_group))
+
+    # ------------------------------------------------------------------------------- the step
+    def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ShardedPrefetch:
+        """Group g's ids to their owners; this rank resolves the pairs it received."""
+        tier = self.tiers[g]
+        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
+                                                                  self.kernels)
+        owner = owner_of(keys, self.salts[g][tables], self.world)
+        send_order, send_splits, recv_splits = plan(owner, self.world, self.input_group)
+        pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
+        got = exchange(pairs, send_splits, recv_splits, self.input_group)
+        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
+        lookups = torch.zeros(len(tier.configs), dtype=torch.int64, device=self.device)
+        served = tier.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(), clock,
+                               training, occurrences=rcounts)
+        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
+
+    def served(self, part: ShardedPrefetch) -> GroupPrefetch:
+        return part.served
+
+    def compute(self, g: int, part: ShardedPrefetch) -> torch.Tensor:
+        """float32 (r, D): the rows of the pairs this rank received, in the order received."""
+        tier, served = self.tiers[g], part.served
+        return self.kernels.gather(tier.store, served.addresses[served.inverse], tier.dim)
+
+    def output_dist(self, g: int, part: ShardedPrefetch, rows: torch.Tensor) -> tuple[RowStore, torch.Tensor]:
+        """The rows back to the ranks that asked: this rank's distinct pairs' rows (a row store over
+        them) and int64 (n,) the row of each of its ids."""
+        back = exchange(rows, part.recv_splits, part.send_splits, self.group)
+        mine = torch.empty_like(back)
+        mine[part.send_order] = back
+        return RowStore.over(mine), part.inverse
+
+    def output(self, g: int, part: ShardedPrefetch) -> tuple[RowStore, torch.Tensor]:
+        return self.output_dist(g, part, self.compute(g, part))
+
+    def absent_grad(self, g: int, rows: int) -> torch.Tensor:
+        """A group whose output got no gradient still takes part in the exchange: zeros."""
+        return torch.zeros(rows, self.tiers[g].dim, device=self.device)
+
+    def grad_dist(self, g: int, part: ShardedPrefetch, grad: torch.Tensor, src: torch.Tensor,
+                  scale: torch.Tensor | None):
+        """This rank's gradients summed per distinct pair, sent to the owners: (the gradients this
+        rank received, one per received pair, their sources, no scale, the part it serves)."""
+        reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, part.inverse,
+                                            part.unique_keys.numel(), part.sorted_ids)
+        got = exchange(reduced[part.send_order], part.send_splits, part.recv_splits, self.group)
+        return got, torch.arange(got.shape[0], device=self.device), None, part.served
+
+    # ------------------------------------------------------------------------ rows by key
+    def _route(self, g: int, i: int, keys: torch.Tensor):
+        """Send ``keys`` of table i of group g to their owners (a collective). Returns (the keys by
+        owner, send and receive split sizes, the keys this rank received)."""
+        owner = owner_of(keys, self.salts[g][i].expand(keys.numel()), self.world)
+        order, send, recv = plan(owner, self.world, self.group)
+        return order, send, recv, exchange(keys[order], send, recv, self.group)
+
+    def read(self, g: int, i: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collective: each rank's keys answered by their owners."""
+        order, send, recv, rkeys = self._route(g, i, keys)
+        weights, found = self.tiers[g].read(i, rkeys)
+        back = exchange(torch.cat([weights, found[:, None].to(weights.dtype)], 1), recv, send, self.group)
+        out = torch.empty_like(back)
+        out[order] = back
+        return out[:, :-1], out[:, -1] > 0.5
+
+    def write(self, g: int, i: int, keys: torch.Tensor, weights: torch.Tensor, clock: int) -> None:
+        """A collective: the rows go to their owners; a key two ranks write keeps the later rank's."""
+        order, send, recv, keys = self._route(g, i, keys)
+        weights = exchange(weights[order], send, recv, self.group)
+        last = last_of_duplicates(keys)
+        self.tiers[g].write(i, keys[last], weights[last], clock)
+
+    def import_rows(self, g: int, i: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                    admission: bool) -> None:
+        """A collective: each saved row (or admission count, in ``scores``) to its owner."""
+        order, send, recv, keys = self._route(g, i, keys)
+        rows = exchange(rows[order], send, recv, self.group)
+        scores = exchange(scores[order], send, recv, self.group)
+        if admission:
+            self.tiers[g].import_admission(i, keys, scores)
+        else:
+            self.tiers[g].import_rows(i, keys, rows, scores)
+
+    def delete_rows(self, g: int, i: int, keys: torch.Tensor) -> None:
+        _, _, _, keys = self._route(g, i, keys)
+        self.tiers[g].delete_rows(i, keys)
+
+    def all_stats(self, mine: dict) -> list[dict]:
+        """Every rank's stats (a collective)."""
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone

@@ -1,0 +1,65 @@
+"""Where a collection's keys live: all of them in this process (``LocalPlacement``, here), or spread
+over the ranks of a process group (``tieredemb.distributed.sharding.RowWiseSharding``). The
+collection picks one at construction and runs every step through it; both have the same verbs:
+
+    input_dist(g, gb, clock, training) -> part   resolve group g's ids of a batch (sharded: their
+                                                 owners resolve them)
+    output(g, part) -> (store, addresses)        where each id's row is, for the lookup
+    grad_dist(g, part, grad, src, scale)         the gradient as the owner applies it
+    served(part)                                 what this process's tier resolved (to settle, release)
+    read / write / import_rows / delete_rows     row access by key (sharded: collectives)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tieredemb.modules.batch import GroupBatch
+from tieredemb.modules.table import GroupPrefetch, TableGroup
+from tieredemb.storage.row_store import RowStore
+
+
+class LocalPlacement:
+    """Every key of every table is this process's: each tier resolves, serves and updates its own."""
+
+    def __init__(self, tiers: list[TableGroup]) -> None:
+        self.tiers = tiers
+
+    def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> GroupPrefetch:
+        return self.tiers[g].prefetch(gb.ids, gb.tables, gb.ids_per_table, clock, training)
+
+    def served(self, part: GroupPrefetch) -> GroupPrefetch:
+        return part
+
+    def output(self, g: int, part: GroupPrefetch) -> tuple[RowStore, torch.Tensor]:
+        """The tier's row store and int64 (n,) the row address of each id."""
+        addresses = part.addresses[part.inverse] if part.id_addresses is None else part.id_addresses
+        return self.tiers[g].store, addresses
+
+    def absent_grad(self, g: int, rows: int) -> torch.Tensor | None:
+        """The gradient of a group whose output got none: nothing to update."""
+        return None
+
+    def grad_dist(self, g: int, part: GroupPrefetch, grad: torch.Tensor, src: torch.Tensor,
+                  scale: torch.Tensor | None):
+        """(grad, gradient source of each id, its scale, the part the update applies to)."""
+        return grad, src, scale, part
+
+    def read(self, g: int, i: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tiers[g].read(i, keys)
+
+    def write(self, g: int, i: int, keys: torch.Tensor, weights: torch.Tensor, clock: int) -> None:
+        self.tiers[g].write(i, keys, weights, clock)
+
+    def import_rows(self, g: int, i: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                    admission: bool) -> None:
+        if admission:
+            self.tiers[g].import_admission(i, keys, scores)
+        else:
+            self.tiers[g].import_rows(i, keys, rows, scores)
+
+    def delete_rows(self, g: int, i: int, keys: torch.Tensor) -> None:
+        self.tiers[g].delete_rows(i, keys)
+
+    def all_stats(self, mine: dict) -> list[dict]:
+        return [mine]
