@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.storage.backend import Backend, Fetched, GroupStore, add_bytes

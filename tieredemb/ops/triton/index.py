@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import Claim, KeyIndex, device_tensor
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops.triton.hashing import bucket_of as _bucket_of
 from tieredemb.ops.triton.hashing import buckets
 from tieredemb.ops.triton.launch import fast_launch
