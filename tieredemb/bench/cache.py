@@ -39,15 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 import tieredemb as te
-from tieredemb.bench.hbm import (
-    allocated_bytes,
-    free_memory,
-    peak_device_bytes,
-    reset_peak,
-    synchronize,
-    time_ms,
-    upstream_grad,
-)
+from tieredemb.bench.hbm import upstream_grad
 from tieredemb.bench.report import (
     Measurement,
     fill_ratios,
@@ -55,6 +47,14 @@ from tieredemb.bench.report import (
     huge_page_bytes,
     peak_host_rss_bytes,
     python_loop_ms,
+)
+from tieredemb.bench.timing import (
+    allocated_bytes,
+    free_memory,
+    peak_device_bytes,
+    reset_peak,
+    synchronize,
+    time_ms,
 )
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
 from tieredemb.modules.cache_table import CacheGroup

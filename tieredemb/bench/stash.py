@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 import tieredemb as te
-from tieredemb.bench.hbm import free_memory, preinsert_rows, time_ms
+from tieredemb.bench.hbm import preinsert_rows
 from tieredemb.bench.report import host_rss_bytes, machine_info, report_path, write_report
+from tieredemb.bench.timing import free_memory, time_ms
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 from tieredemb.pipeline.batches import pin_batch
 
