@@ -6,12 +6,12 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tieredemb.keys import RESERVED_KEY as RESERVED_KEY  # re-exported: tieredemb.config.RESERVED_KEY
+
 if TYPE_CHECKING:
     from tieredemb.init import Initializer
     from tieredemb.storage.backends import BackendSpec
 
-RESERVED_KEY = -(2**63)
-"""The one int64 value no table accepts as an id: it marks an empty slot in every index."""
 
 _POOLINGS = ("sum", "mean")
 _EVICTIONS = ("lru", "lfu")

@@ -9,33 +9,12 @@ on CPU and CUDA); the float transforms run in float64 and round once to float32.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_MUL1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MUL2 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finalizer on int64 tensors (wrapping arithmetic)."""
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
-
-
-def stable_name_hash(name: str) -> int:
-    """A process-independent int64 hash of a string (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+from tieredemb.keys import GOLDEN, shr, splitmix64, stable_name_hash
 
 
 @functools.lru_cache(maxsize=256)
@@ -60,7 +39,7 @@ def random_bits(seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
         return _triton_hashing().random_bits(bases, keys, dim, tables)
     base = bases[0] if tables is None else bases[tables]
     per_key = splitmix64(keys.to(torch.int64) ^ base)  # (n,)
-    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * _GOLDEN  # (dim,)
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * GOLDEN  # (dim,)
     return splitmix64(per_key[:, None] + cols[None, :])
 
 
@@ -76,7 +55,7 @@ def _triton_hashing():
 
 def uniform01(bits: torch.Tensor) -> torch.Tensor:
     """int64 bits -> float64 in [0, 1) with 53 random bits."""
-    return _shr(bits, 11).to(torch.float64) * (2.0**-53)
+    return shr(bits, 11).to(torch.float64) * (2.0**-53)
 
 
 class Initializer:

@@ -106,7 +106,7 @@ def main() -> None:
     grad = upstream_grad(shape, dev, 0)
     kernels = ebc.kernels
     captured = capture(kernels, ("gather_pool", "reduce_update", "id_order", "sorted_runs_padded"))
-    index = ebc._groups[0].index
+    index = ebc.tiers[0].index
     found = capture(index, ("find_touch",))
     kjts = [batches.batch(i).kjt for i in range(args.steps * 2 + 5)]
 

@@ -294,9 +294,9 @@ def host_times(ebc, kjts, grad, args) -> None:
             marks["out"] = time.perf_counter()
 
     collection._Lookup.backward = staticmethod(lookup_backward)
-    timed(collection._Collection, "_backward", "  _Collection._backward")
+    timed(collection.CollectionBase, "_backward", "  CollectionBase._backward")
     timed(type(ebc), "_grad_sources", "  _grad_sources")
-    timed(collection._Collection, "_take_prefetched", "  _take_prefetched")
+    timed(collection.CollectionBase, "_take_prefetched", "  _take_prefetched")
     timed(type(ebc), "_lookup", "  _lookup")
     timed(ebc._layout, "finish", "  layout.finish")
     timed(torch.Tensor, "tolist", "  tolist (host read)")
@@ -344,7 +344,7 @@ def extra_timers(ebc, args, timed, timer) -> None:
         for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
             timed(cache_table.CacheGroup, name, f"    cache {name}")
         for name in ("find_touch", "complete", "_insert", "find"):
-            timed(ebc._groups[0].index.__class__, name, f"    index {name}")
+            timed(ebc.tiers[0].index.__class__, name, f"    index {name}")
         # the release and the device insertion, call by call
         for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
                      "_to_host", "_device_graphs_for", "_place", "_insert_on_device", "arm"):
@@ -356,8 +356,8 @@ def extra_timers(ebc, args, timed, timer) -> None:
             timed(CapturedStages, name, f"    graphs {name}")
         timed(torch.cuda.CUDAGraph, "replay", "    graph replay")
         for name in ("_finish_staged", "_stage", "_replay_staged"):
-            timed(collection._Collection, name, f"    collection {name}")
-        timed(type(ebc._groups[0]), "finish_prefetch", "    group finish_prefetch")
+            timed(collection.CollectionBase, name, f"    collection {name}")
+        timed(type(ebc.tiers[0]), "finish_prefetch", "    group finish_prefetch")
         for name in ("peek", "free"):
             timed(RowStore, name, f"    rows {name}")
         for name in ("settle", "room_for", "written"):

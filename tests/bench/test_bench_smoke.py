@@ -16,18 +16,15 @@ import pytest
 import torch
 
 from tieredemb.bench import main
-from tieredemb.bench.hbm import (
+from tieredemb.bench.hbm import HbmOptions, initial_rows, sgd_reference, upstream_grad
+from tieredemb.bench.hbm_checks import (
     CHECK_ATOL,
     CHECK_RTOL,
     EXACT_RTOL,
-    HbmOptions,
     RowSnapshot,
     check_ranks,
     compare_bounded,
     compare_rows,
-    initial_rows,
-    sgd_reference,
-    upstream_grad,
 )
 from tieredemb.bench.workloads import HbmBatches, HbmShape, ZipfSampler, scramble
 

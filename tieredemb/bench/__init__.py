@@ -63,6 +63,24 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tieredemb bench",
                                      description="Benchmark workloads against their peers.")
     sub = parser.add_subparsers(dest="workload", required=True)
+    timed = [_add_hbm(sub)]
+    for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
+                                 "footprint over host memory, vs all in HBM (DESIGN section 7)"),
+                       ("ssd", "as cache, backing RocksDB on local disk, plus raw rocksdict rates")):
+        timed.append(_add_cache(sub, name, text))
+    _add_dist(sub)
+    timed.append(_add_stash(sub))
+    for p in timed:
+        p.add_argument("--autograd-threads", action="store_true",
+                       help="run backward on autograd's per-device threads (torch's default); without "
+                            "it every configuration, ours and the peers', runs backward on the calling "
+                            "thread, as TrainPipeline does")
+    _add_plot(sub)
+    _add_checkpoint(sub)
+    return parser
+
+
+def _add_hbm(sub) -> argparse.ArgumentParser:
     hbm = sub.add_parser("hbm", help="10 tables x 1.68M rows x D=128 in device memory, Zipf ids "
                                      "(DESIGN section 7)")
     hbm.add_argument("--scale", type=float, default=1.0,
@@ -90,40 +108,46 @@ def _parser() -> argparse.ArgumentParser:
                      help="each table's init_capacity: rows and index allocated up front (with "
                           "--no-preinsert, a table that grows without rehashing up to it)")
     hbm.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
-    for name, text in (("cache", "10 tables x 10M rows, RowWiseAdagrad, device cache of 10%% of the "
-                                 "footprint over host memory, vs all in HBM (DESIGN section 7)"),
-                       ("ssd", "as cache, backing RocksDB on local disk, plus raw rocksdict rates")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--scale", type=float, default=1.0,
-                       help="multiplies rows and batch size (e.g. 0.001 for a CPU smoke run)")
-        p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                       help="default: cuda when available, else cpu")
-        p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
-        p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
-        p.add_argument("--budget-fraction", type=float, default=0.1,
-                       help="HBM budget as a fraction of the tables' footprint")
-        p.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
-        p.add_argument("--alpha", type=float, default=None, help="Zipf exponent of the ids (default 1.05)")
-        p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run")
-        p.add_argument("--no-prefill", dest="prefill", action="store_false",
-                       help="start empty (default: the hottest cache-rows ranks written first)")
-        p.add_argument("--interleave", type=int, default=10,
-                       help="build ours and the all-in-HBM peer both, then time them in turns of this "
-                            "many steps, so both see the same machine (default %(default)s; 0: one "
-                            "after the other, each built only while it runs: less device memory)")
-        p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
-        if name == "cache":
-            p.add_argument("--reserve", action="store_true",
-                           help="size the stores up front: the host store's rows page-locked and its "
-                                "index (HostMemory(reserve_rows=rows)), the all-in-HBM peer's rows and "
-                                "index (init_capacity=rows)")
-        if name == "ssd":
-            p.add_argument("--dir", default=None,
-                           help="RocksDB directory on the disk to test (default: a fresh temporary "
-                                "directory under /tmp, removed after)")
-            p.add_argument("--shards", type=int, default=8, help="RocksDB shards (= threads)")
-            p.add_argument("--raw-rows", type=int, default=None,
-                           help="rows of the raw rocksdict baseline (default: 1M x scale)")
+    return hbm
+
+
+def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """``cache`` or ``ssd``: the same options, and each its own few."""
+    p = sub.add_parser(name, help=text)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies rows and batch size (e.g. 0.001 for a CPU smoke run)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available, else cpu")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    p.add_argument("--budget-fraction", type=float, default=0.1,
+                   help="HBM budget as a fraction of the tables' footprint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batches and initial rows")
+    p.add_argument("--alpha", type=float, default=None, help="Zipf exponent of the ids (default 1.05)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run")
+    p.add_argument("--no-prefill", dest="prefill", action="store_false",
+                   help="start empty (default: the hottest cache-rows ranks written first)")
+    p.add_argument("--interleave", type=int, default=10,
+                   help="build ours and the all-in-HBM peer both, then time them in turns of this "
+                        "many steps, so both see the same machine (default %(default)s; 0: one "
+                        "after the other, each built only while it runs: less device memory)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
+    if name == "cache":
+        p.add_argument("--reserve", action="store_true",
+                       help="size the stores up front: the host store's rows page-locked and its "
+                            "index (HostMemory(reserve_rows=rows)), the all-in-HBM peer's rows and "
+                            "index (init_capacity=rows)")
+    if name == "ssd":
+        p.add_argument("--dir", default=None,
+                       help="RocksDB directory on the disk to test (default: a fresh temporary "
+                            "directory under /tmp, removed after)")
+        p.add_argument("--shards", type=int, default=8, help="RocksDB shards (= threads)")
+        p.add_argument("--raw-rows", type=int, default=None,
+                       help="rows of the raw rocksdict baseline (default: 1M x scale)")
+    return p
+
+
+def _add_dist(sub) -> None:
     d = sub.add_parser("dist", help="weak scaling of hbm, row-wise sharded over 1, 2, 4 ... GPUs (NCCL)")
     d.add_argument("--workload", dest="dist_workload", choices=["hbm", "cache"], default="hbm",
                    help="the workload sharded (default %(default)s)")
@@ -136,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: NCCL over GPUs (default when available); cpu: gloo processes (a smoke run)")
+
+
+def _add_stash(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stash", help="embedding memory stashing on a DLRM-style model: off vs each "
                                      "free strategy (DESIGN section 5)")
     s.add_argument("--scale", type=float, default=1.0, help="multiplies rows and batch size")
@@ -148,15 +175,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="then train the fastest strategy and stash off this many steps and compare rows")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
-    for p in (hbm, sub.choices["cache"], sub.choices["ssd"], s):
-        p.add_argument("--autograd-threads", action="store_true",
-                       help="run backward on autograd's per-device threads (torch's default); without "
-                            "it every configuration, ours and the peers', runs backward on the calling "
-                            "thread, as TrainPipeline does")
+    return s
+
+
+def _add_plot(sub) -> None:
     pl = sub.add_parser("plot", help="PNG plots of bench reports: step time by configuration; from several "
                                      "cache reports, step time and hit rate against cache size or alpha")
     pl.add_argument("reports", nargs="+", help="JSON reports of tieredemb bench")
     pl.add_argument("--out", default=None, help="directory of the sweep plots (default: the first report's)")
+
+
+def _add_checkpoint(sub) -> None:
     c = sub.add_parser("checkpoint", help="te.checkpoint save/load throughput against the disk")
     c.add_argument("--rows", type=int, default=500_000)
     c.add_argument("--dim", type=int, default=64)
@@ -164,7 +193,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--buffer-mib", type=int, default=256)
     c.add_argument("--device", choices=["cpu", "cuda"], default=None)
     c.add_argument("--out", default=DEFAULT_OUT, help="directory of the JSON report")
-    return parser
 
 
 def _split(text: str) -> list[str]:

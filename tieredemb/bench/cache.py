@@ -39,15 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 import tieredemb as te
-from tieredemb.bench.hbm import (
-    allocated_bytes,
-    free_memory,
-    peak_device_bytes,
-    reset_peak,
-    synchronize,
-    time_ms,
-    upstream_grad,
-)
+from tieredemb.bench.hbm import upstream_grad
 from tieredemb.bench.report import (
     Measurement,
     fill_ratios,
@@ -55,6 +47,14 @@ from tieredemb.bench.report import (
     huge_page_bytes,
     peak_host_rss_bytes,
     python_loop_ms,
+)
+from tieredemb.bench.timing import (
+    allocated_bytes,
+    free_memory,
+    peak_device_bytes,
+    reset_peak,
+    synchronize,
+    time_ms,
 )
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
 from tieredemb.modules.cache_table import CacheGroup
@@ -267,7 +267,7 @@ class ConfigRun:
     times its next steps, ``finish`` reads its counters and (after flush) the checked keys' rows
     into ``keys`` and ``rows``, ``close`` frees it. Two of them timed in turns
     (``CacheOptions.interleave``) see the same machine: the host's speed on the device machines
-    moves by up to 2x between processes and within one (session 29).
+    was measured to move by up to 2x between processes and within one.
 
     Peak device memory is its own: the allocator's peak in each of its phases less what the other
     configurations held meanwhile (``others``: their ``resident`` bytes, held between their steps).
@@ -459,7 +459,7 @@ def raw_rocksdb_rates(directory: str, rows: int, width: int, shards: int, call_r
     (``_RawStores``) against ``RocksDBBackend.set``/``get`` on the same keys, rows and calls in a
     store beside it. The two are timed in turns, ``rounds`` times each (a later round's puts
     overwrite the keys), and each rate is the median round's: the host's speed moves between one
-    measurement and the next on the device machines (session 29)."""
+    measurement and the next on the device machines."""
     gen = torch.Generator().manual_seed(seed + 31)
     keys = torch.unique(torch.randint(0, 1 << 62, (rows,), generator=gen))
     keys = keys[torch.randperm(keys.numel(), generator=gen)]

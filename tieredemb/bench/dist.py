@@ -32,8 +32,9 @@ import torch.distributed as dist
 import tieredemb as te
 from tieredemb.bench.cache import RankBatches
 from tieredemb.bench.cache import table_configs as cache_tables
-from tieredemb.bench.hbm import OPTIMIZERS, time_ms, upstream_grad
+from tieredemb.bench.hbm import OPTIMIZERS, upstream_grad
 from tieredemb.bench.report import machine_info, report_path, write_report
+from tieredemb.bench.timing import time_ms
 from tieredemb.bench.workloads import HbmBatches, HbmShape, scramble
 
 CACHE_FRACTION = 0.1

@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 import tieredemb as te
-from tieredemb.bench.hbm import free_memory, preinsert_rows, time_ms
+from tieredemb.bench.hbm import preinsert_rows
 from tieredemb.bench.report import host_rss_bytes, machine_info, report_path, write_report
+from tieredemb.bench.timing import free_memory, time_ms
 from tieredemb.bench.workloads import HbmBatches, HbmShape
-from tieredemb.pipeline.train_pipeline import _pin
+from tieredemb.pipeline.batches import pin_batch
 
 CONFIGS = ["off", "blocking", "record_stream", "event"]
 NUM_DENSE = 13
@@ -83,7 +84,7 @@ def make_batches(opts: StashOptions) -> list[dict]:
         batch = {"dense": torch.randn(shape.batch_size, NUM_DENSE, generator=gen),
                  "sparse": ids.batch(i).kjt,
                  "labels": torch.randint(0, 2, (shape.batch_size,), generator=gen).float()}
-        out.append(_pin(batch) if opts.device.type == "cuda" else batch)
+        out.append(pin_batch(batch) if opts.device.type == "cuda" else batch)
     return out
 
 

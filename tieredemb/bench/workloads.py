@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import tieredemb as te
-from tieredemb.init import splitmix64
+from tieredemb.keys import splitmix64
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.data import NUM_DENSE, NUM_SPARSE, ClickBatch
+from tieredemb.keys import RESERVED_KEY
 
 logger = logging.getLogger(__name__)
 

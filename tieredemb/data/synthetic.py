@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.data import NUM_DENSE, NUM_SPARSE, ClickBatch, cat_batches
-from tieredemb.init import splitmix64
+from tieredemb.keys import RESERVED_KEY, splitmix64
 
 _TRAIN_STREAM = 1
 _EVAL_STREAM = 2

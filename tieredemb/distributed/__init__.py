@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tieredemb.init import _shr, splitmix64, stable_name_hash
+from tieredemb.keys import shr, splitmix64, stable_name_hash
 
 
 def table_salts(names: list[str], device: torch.device) -> torch.Tensor:
@@ -35,7 +35,7 @@ def owner_of(keys: torch.Tensor, salts: torch.Tensor, world: int) -> torch.Tenso
     """int64 (n,) rank owning each key, ``salts`` int64 (n,) its table's salt: a multiply-shift of
     the low half of splitmix64(key ^ salt), independent of the index's buckets (the high half)."""
     low = splitmix64(keys ^ salts) & 0xFFFFFFFF
-    return _shr(low * world, 32)
+    return shr(low * world, 32)
 
 
 def exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tieredemb.config import RESERVED_KEY
-from tieredemb.init import _shr, splitmix64
+from tieredemb.keys import RESERVED_KEY, bucket_of
 
 _INT64_MAX = 2**63 - 1
 MAX_LOAD = 0.5  # unbounded regions double before inserts would pass this load
@@ -48,12 +47,6 @@ _REHASH_BUCKETS = 1 << 17  # old buckets a rehash moves at a time
 # find_touch(contest=True)'s slot for an absent key of a bounded region whose bucket holds a way
 # locked by an earlier batch: ``complete`` inserts only the absent keys at -1, never those below
 CONTESTED = -2
-
-
-def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tensor:
-    """int64 (n,) keys -> int64 (n,) bucket in [0, num_buckets) (a scalar or one per key)."""
-    hi = _shr(splitmix64(keys), 32)  # [0, 2**32)
-    return (hi * num_buckets) >> 32
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex
-from tieredemb.init import _GOLDEN, _shr, splitmix64
+from tieredemb.keys import GOLDEN, RESERVED_KEY, shr, splitmix64
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
@@ -40,8 +39,8 @@ def dedup_hash(ids: torch.Tensor, tables: torch.Tensor, num_tables: int) -> torc
     without table bits, of ``splitmix64(id ^ table * golden)``), offset into int32 and below
     ``DEDUP_PAD_HASH``."""
     table_bits, hash_bits = dedup_key_bits(num_tables)
-    mixed = splitmix64(ids if table_bits else ids ^ (tables * _GOLDEN))
-    key = _shr(mixed, 64 - hash_bits) if hash_bits else torch.zeros_like(ids)
+    mixed = splitmix64(ids if table_bits else ids ^ (tables * GOLDEN))
+    key = shr(mixed, 64 - hash_bits) if hash_bits else torch.zeros_like(ids)
     if table_bits:
         key = key + (tables << hash_bits)
     return (key - 2**31).clamp_(max=DEDUP_PAD_HASH - 1).to(torch.int32)

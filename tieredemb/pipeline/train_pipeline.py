@@ -8,7 +8,6 @@ batch it gave has been trained.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterator
@@ -19,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tieredemb.jagged import KeyedJaggedTensor
 from tieredemb.modules.collection import CollectionBase
 from tieredemb.ops import resolve_device
+from tieredemb.pipeline.batches import is_kjt, move_batch, named_fields, pin_batch
 from tieredemb.pipeline.stash import Stash
 from tieredemb.profiling import label
 
@@ -247,7 +246,7 @@ class TrainPipeline:
 
     def _place(self, batch: object) -> _InFlight:
         if self._copy_stream is None:
-            moved = _move(batch, self.device)
+            moved = move_batch(batch, self.device)
             return _InFlight(moved, self._plan(moved))
         # Batch i+2's buffers come from the copy stream's pool, where batch i's were just freed: copy
         # only after everything the training stream has been given (step i), so a reused block is
@@ -257,7 +256,7 @@ class TrainPipeline:
         with torch.cuda.stream(self._copy_stream):
             # non_blocking from pinned memory: the host does not wait, and the caching host allocator
             # keeps each pinned source block until the copy reading it has run
-            moved = _move(_pin(batch), self.device)
+            moved = move_batch(pin_batch(batch), self.device)
         return _InFlight(moved, self._plan(moved), copied=_record(self._copy_stream))
 
     def _start_prefetch(self, record: _InFlight) -> None:
@@ -336,8 +335,8 @@ class TrainPipeline:
         """(collection, KJT) for each top-level KJT of ``batch`` and each collection with its features."""
         plan: list[tuple[CollectionBase, object]] = []
         seen: set[tuple[int, int]] = set()
-        for name, value in _named_fields(batch):
-            if not _is_kjt(value):
+        for name, value in named_fields(batch):
+            if not is_kjt(value):
                 continue
             keys = set(value.keys())
             targets = [c for c, features in self._collections if features == keys]
@@ -392,72 +391,6 @@ def _default_device(model: nn.Module) -> torch.device:
 
 def _features(collection: CollectionBase) -> frozenset[str]:
     return frozenset(f for t in collection.table_configs for f in t.feature_names)
-
-
-def _is_kjt(value: object) -> bool:
-    """Ours, or a ``torchrec.KeyedJaggedTensor`` (not imported: torchrec is optional)."""
-    cls = type(value)
-    return isinstance(value, KeyedJaggedTensor) or (
-        cls.__name__ == "KeyedJaggedTensor" and cls.__module__.startswith("torchrec")
-    )
-
-
-def _is_dataclass_instance(value: object) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
-def _named_fields(batch: object) -> list[tuple[str, object]]:
-    """The batch's top-level values by name: the batch itself if a KJT, dict values, tuple items,
-    dataclass fields, or attributes (``sparse_features`` included even as a property)."""
-    if _is_kjt(batch):
-        return [("<batch>", batch)]
-    if isinstance(batch, dict):
-        return [(str(k), v) for k, v in batch.items()]
-    if isinstance(batch, (list, tuple)):
-        names = getattr(batch, "_fields", None) or [str(i) for i in range(len(batch))]
-        return list(zip(names, batch))
-    if _is_dataclass_instance(batch):
-        values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    else:
-        values = dict(vars(batch)) if hasattr(batch, "__dict__") else {}
-    if "sparse_features" not in values and hasattr(batch, "sparse_features"):
-        values["sparse_features"] = batch.sparse_features
-    return list(values.items())
-
-
-def _move(obj: object, device: torch.device) -> object:
-    """``obj`` on ``device``: tensors and objects with ``.to`` (KJTs, TorchRec batches) are moved with
-    ``non_blocking=True``; dicts, lists, tuples and dataclasses field by field; anything else as is."""
-    if isinstance(obj, torch.Tensor) or (callable(getattr(obj, "to", None)) and not isinstance(obj, type)):
-        return obj.to(device, non_blocking=True)
-    return _map_fields(obj, lambda v: _move(v, device))
-
-
-def _pin(obj: object) -> object:
-    """CPU tensors of ``obj`` (a tensor, KJT, or a container or dataclass of them) in pinned memory.
-
-    Other objects are left as they are: a batch type that moves itself is pinned by its loader
-    (TorchRec's ``DataLoader(pin_memory=True)``)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory() if obj.device.type == "cpu" and not obj.is_pinned() else obj
-    if _is_kjt(obj):
-        values = obj.values()
-        return obj.pin_memory() if values.device.type == "cpu" and not values.is_pinned() else obj
-    return _map_fields(obj, _pin)
-
-
-def _map_fields(obj: object, fn) -> object:
-    if isinstance(obj, dict):
-        return {k: fn(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(fn(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(fn(v) for v in obj)
-    if _is_dataclass_instance(obj):
-        return dataclasses.replace(
-            obj, **{f.name: fn(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-        )
-    return obj
 
 
 def _loss_of(output: object) -> torch.Tensor:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tieredemb.config import RESERVED_KEY
 from tieredemb.index.key_index import KeyIndex, Region
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.storage.backend import Backend, Fetched, GroupStore, add_bytes
@@ -142,7 +142,7 @@ class HostMemoryBackend(Backend):
         self._count_buffers: list[torch.Tensor] = []  # pinned buffers of settled upserts, reused
 
     # The kernels reach pinned host rows in address order: random 512 B rows move at ~28 GB/s in key
-    # order and ~51 GB/s sorted by address, the pinned copy's 55 (H200, scripts/uva_bench.py).
+    # order and ~51 GB/s sorted by address, the pinned copy's 55 (H200, the gather kernel alone).
     def _gather(self, addresses: torch.Tensor) -> torch.Tensor:
         if self._kernels is None:
             return self._store.gather(addresses)
@@ -178,8 +178,7 @@ class HostMemoryBackend(Backend):
         host memory hold up the memory pipes of their SM, and every kernel beside them with it. On
         an H100, the ``cache`` bench's step (22.6 MB written down a step, scale 0.3): 2.13-2.52 ms
         with the write in the insertion's graph on every SM, 2.19-3.19 beside it on half the SMs,
-        2.11-2.43 on a quarter, 1.66 on an eighth, in one call
-        (``benchmarks/results/2026-11-27-h100-session26.md``).
+        2.11-2.43 on a quarter, 1.66 on an eighth, in one call (H100, 2026-11-27).
         Whatever reaches the rows next, on any stream, waits for it (``RowStore.ready``). ``keep``:
         the tensors given stay allocated until it is done (False: the caller keeps them until then)."""
         if stream is None or self._kernels is None:

@@ -61,7 +61,7 @@ def redact(url: str) -> str:
     host = parts.hostname or ""
     user = parts.username or ""
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def connect(url: str, password: str | None, timeout_s: float, cluster: bool, retries: int) -> Any:

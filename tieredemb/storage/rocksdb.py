@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
 
-from tieredemb.init import splitmix64
+from tieredemb.keys import splitmix64
 from tieredemb.storage.backend import Backend, Fetched, GroupStore
 from tieredemb.storage.codec import decode_keys, decode_rows, encode_keys, key_bytes, row_bytes
 from tieredemb.storage.errors import BackendError, ExistingRowsError

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tieredemb.config import RESERVED_KEY
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops.triton.launch import fast_launch
 
 _LENGTHS_BLOCK = 4096  # lengths of one feature summed per program

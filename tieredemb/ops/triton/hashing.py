@@ -1,4 +1,4 @@
-"""The counter-based hashes of ``tieredemb.init`` and ``tieredemb.index.key_index`` in Triton: the
+"""The counter-based hashes of ``tieredemb.keys`` and ``tieredemb.init`` in Triton: the
 same bits as the torch versions (uint64 wrap-around arithmetic), in one kernel instead of a dozen
 elementwise torch ops each."""
 
@@ -17,7 +17,7 @@ _BLOCK_N = 32  # keys per random_bits program (x BLOCK_D columns)
 
 @triton.jit
 def splitmix64(x):
-    """The splitmix64 finalizer on uint64 (``tieredemb.init.splitmix64``)."""
+    """The splitmix64 finalizer on uint64 (``tieredemb.keys.splitmix64``)."""
     x = x + 0x9E3779B97F4A7C15
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB
@@ -26,7 +26,8 @@ def splitmix64(x):
 
 @triton.jit
 def bucket_of(keys, num_buckets):
-    """int64 keys -> int64 bucket: ``(splitmix64(key) >> 32) * num_buckets >> 32`` (logical shifts)."""
+    """int64 keys -> int64 bucket: ``(splitmix64(key) >> 32) * num_buckets >> 32`` (logical shifts;
+    ``tieredemb.keys.bucket_of``)."""
     hi = splitmix64(keys.to(tl.uint64, bitcast=True)) >> 32
     # (zeros + num_buckets): a uint64 tensor even when num_buckets arrives specialized as constant 1
     return ((hi * (tl.zeros_like(hi) + num_buckets)) >> 32).to(tl.int64)
