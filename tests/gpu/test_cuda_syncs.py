@@ -226,10 +226,11 @@ def test_the_training_thread_never_waits_for_the_device_under_the_prefetch_threa
 
     reads = host_reads_by_thread(steps)
     worker = sum(n for name, n in reads.items() if name.startswith("tieredemb-prefetch"))
-    assert worker >= 6, f"the prefetches' reads should show on the worker: {reads}"  # the mode sees them
+    # the mode sees them: six prefetches are issued in the window, the last one's read may land on the
+    # worker after the window closes (the training thread does not wait for it)
+    assert worker >= 5, f"the prefetches' reads should show on the worker: {reads}"
     # the rule is about this thread: a thread an earlier test left running (an I/O worker, say) may
-    # read too. (The earlier form, counting every other thread, failed once under load in session 26,
-    # which threads read not recorded; the message now names them.)
+    # read too, so the message names every thread's reads
     training = reads.get(threading.current_thread().name, 0)
     assert training == 0, f"{training} host reads on the training thread in 6 steady-state steps: {reads}"
     pipeline.close()
