@@ -56,7 +56,7 @@ from tieredemb.bench.hbm import OPTIMIZERS, HbmBench, HbmOptions
 from tieredemb.bench.report import format_table, machine_info, report_path, write_report
 from tieredemb.bench.workloads import HbmShape
 
-DEFAULT_OUT = "benchmarks/results/"
+DEFAULT_OUT = "bench_out/"  # reports of runs; benchmarks/results/ holds the curated pages
 
 
 def _parser() -> argparse.ArgumentParser:
