@@ -937,7 +937,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
     import types
     from types import SimpleNamespace
 
-    from tieredemb.modules.capture import padded_size
+    from tieredemb.ops.capture import padded_size
 
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

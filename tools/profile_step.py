@@ -349,7 +349,7 @@ def extra_timers(ebc, args, timed, timer) -> None:
         for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
                      "_to_host", "_device_graphs_for", "_place", "_insert_on_device", "arm"):
             timed(cache_table.CacheGroup, name, f"    cache {name}")
-        from tieredemb.modules.capture import CapturedStages
+        from tieredemb.ops.capture import CapturedStages
         from tieredemb.storage import host
         from tieredemb.storage.row_store import RowStore
         for name in ("acquire", "release"):

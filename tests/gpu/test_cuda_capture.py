@@ -410,7 +410,7 @@ def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeyp
 def test_a_capture_that_fails_leaves_the_eager_path_working():
     """A staging function that reads the device cannot be captured: ``acquire`` warns, returns None
     (the caller runs eagerly) and never tries again; CUDA keeps working."""
-    from tieredemb.modules.capture import CapturedStages
+    from tieredemb.ops.capture import CapturedStages
 
     stages = CapturedStages(DEV, (torch.int64,), after=0)
 
@@ -438,7 +438,7 @@ def test_no_garbage_collection_runs_during_a_capture():
     collector's threshold, with such garbage about, is still captured; the finalizer runs after."""
     import gc
 
-    from tieredemb.modules.capture import CapturedStages
+    from tieredemb.ops.capture import CapturedStages
 
     stages = CapturedStages(DEV, (torch.int64,), after=0)
     x = torch.arange(8, device=DEV)

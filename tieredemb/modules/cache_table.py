@@ -36,7 +36,6 @@ import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.index.key_index import CONTESTED, KeyIndex, Region
-from tieredemb.modules.capture import CapturedStages, Slot, padded_size
 from tieredemb.modules.table import (
     CONFLICTS,
     EVICTIONS,
@@ -50,6 +49,7 @@ from tieredemb.modules.table import (
     TableRows,
     TableStats,
 )
+from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label

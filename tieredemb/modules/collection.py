@@ -35,7 +35,6 @@ from tieredemb.modules.batch import (
     check_keys,
     check_tables,
 )
-from tieredemb.modules.capture import CapturedStages, capture_default
 from tieredemb.modules.in_flight import (
     FailedRecord,
     InFlightBatch,
@@ -54,6 +53,7 @@ from tieredemb.modules.table import (
 )
 from tieredemb.modules.tiers import build_tiers, group_tables, select_mode
 from tieredemb.ops import resolve_device, select_kernels
+from tieredemb.ops.capture import CapturedStages, capture_default
 from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label

@@ -18,8 +18,8 @@ import torch
 
 from tieredemb.jagged import as_kjt
 from tieredemb.modules.batch import Batch, GroupMajor
-from tieredemb.modules.capture import Slot
 from tieredemb.modules.table import TableGroup
+from tieredemb.ops.capture import Slot
 
 
 @dataclass

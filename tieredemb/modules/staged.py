@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, GroupMajor, Layout, StagedBatch
-from tieredemb.modules.capture import CapturedStages, Slot
-from tieredemb.modules.capture import padded_size as _bucket
 from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
 from tieredemb.modules.table import GroupPrefetch, StagedPrefetch, TableGroup
+from tieredemb.ops.capture import CapturedStages, Slot
+from tieredemb.ops.capture import padded_size as _bucket
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
 

@@ -22,8 +22,8 @@ import torch
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, KeyIndex, Region, region_counts
-from tieredemb.modules.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops import to_host_later
+from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
