@@ -1,6 +1,6 @@
 """A group of tables in ``cache`` mode: a bounded device tier, write-back, over backing stores.
 
-One index (a bounded region per table: its cache rows) over one row store, as in ``TableGroup``;
+One index (a bounded region per table: its cache rows) over one row store, as in ``DeviceTier``;
 each table keeps its own backend (its namespace in RocksDB or Redis). Prefetch does all the moving;
 forward and backward see row addresses like in ``hbm_direct``:
 
@@ -36,19 +36,6 @@ import torch
 
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.index.key_index import CONTESTED, KeyIndex, Region
-from tieredemb.modules.table import (
-    CONFLICTS,
-    EVICTIONS,
-    MISSES,
-    NOT_ADMITTED,
-    UNIQUE,
-    GroupPrefetch,
-    LentRows,
-    StagedPrefetch,
-    TableGroup,
-    TableRows,
-    TableStats,
-)
 from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
@@ -56,6 +43,19 @@ from tieredemb.profiling import label
 from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.io_worker import IOHandle, IOWorker
+from tieredemb.storage.tiers.device import (
+    CONFLICTS,
+    EVICTIONS,
+    MISSES,
+    NOT_ADMITTED,
+    UNIQUE,
+    DeviceTier,
+    GroupPrefetch,
+    LentRows,
+    StagedPrefetch,
+    TableRows,
+    TableStats,
+)
 
 
 @dataclass(eq=False)
@@ -102,7 +102,7 @@ class _Beside:
 
 @dataclass
 class _Armed:
-    """``CacheGroup.arm``'s work for the insertion graph of ``key`` (``CacheGroup._insert_key``): the
+    """``CacheTier.arm``'s work for the insertion graph of ``key`` (``CacheTier._insert_key``): the
     free rows lent (the cache's, the host store's) and the graph slot taken, its inputs loaded."""
 
     key: tuple
@@ -122,10 +122,10 @@ class CachePrefetch(GroupPrefetch):
     bound: GroupPrefetch | None = None  # bounded tables: the pairs locked in the capacity index
 
 
-class CacheGroup(TableGroup):
+class CacheTier(DeviceTier):
     """A device cache of ``cache_rows[t]`` rows for each table t over the group's backing store.
 
-    Args: as ``TableGroup``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
+    Args: as ``DeviceTier``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
     ``below``, the tables' backing store (``GroupStore``: one call for all tables where it can).
     """
 
@@ -185,7 +185,7 @@ class CacheGroup(TableGroup):
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor,
                        id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
-        """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
+        """``DeviceTier.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
         the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
         (a cache's misses get theirs after the read)."""
         return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False, id_count=id_count)
@@ -193,7 +193,7 @@ class CacheGroup(TableGroup):
     def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                     counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
                     out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``TableGroup.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
+        """``DeviceTier.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
         return super().stage_probe(keys, tables, step, counts, count, self._probe_only, first_table, out)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
@@ -420,7 +420,7 @@ class CacheGroup(TableGroup):
         return pf
 
     def _device_graphs_for(self, step: int) -> bool:
-        """Whether the device insertion may replay a CUDA graph (as ``TableGroup._insert_graph``: on
+        """Whether the device insertion may replay a CUDA graph (as ``DeviceTier._insert_graph``: on
         the thread that may capture, the step an int, one built-in initializer)."""
         if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
                 type(self._inits[0][0]).__module__ != "tieredemb.init":
@@ -507,7 +507,7 @@ class CacheGroup(TableGroup):
         return side
 
     def place_overflow(self) -> None:
-        """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
+        """Besides ``DeviceTier``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
         before anything reads the index, the scratch pads or the free rows."""
         super().place_overflow()
         self._owe_conflicts()
@@ -948,7 +948,7 @@ class CacheGroup(TableGroup):
         return self.index.size() == 0 and all(b.size() == 0 for b in self.below.backends)
 
     def stats(self, table: int, backend_rows: bool = True) -> TableStats:
-        """As ``TableGroup.stats``; ``backend_rows=False`` skips counting the backend's rows (a
+        """As ``DeviceTier.stats``; ``backend_rows=False`` skips counting the backend's rows (a
         scan of every key in RocksDB)."""
         out = super().stats(table)
         out.rows = {"device": self.index.size(table)}

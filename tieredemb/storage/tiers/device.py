@@ -127,8 +127,8 @@ class LentRows:
 
 @dataclass
 class Overflow:
-    """A batch of unbounded tables whose misses were inserted on the device (``TableGroup._inserted``),
-    until ``TableGroup.place_overflow`` has read ``counts``: a pair whose bucket was full has its row
+    """A batch of unbounded tables whose misses were inserted on the device (``DeviceTier._inserted``),
+    until ``DeviceTier.place_overflow`` has read ``counts``: a pair whose bucket was full has its row
     in ``values`` and slot -1 in ``slots`` (of the batch's ``keys``, ``tables``, ``occurrences``, int64
     (u,)); ``counts`` (int64 (3R,), host memory) is ``insert_rows``'s count per region, valid once
     ``ready`` has passed (None on the CPU)."""
@@ -161,7 +161,7 @@ class IdOrder:
 
 @dataclass
 class StagedPrefetch:
-    """``TableGroup.stage_prefetch``'s device state, padded to the batch's n ids: the first u
+    """``DeviceTier.stage_prefetch``'s device state, padded to the batch's n ids: the first u
     entries of keys, tables, counts, slots and values are the batch's distinct pairs."""
 
     keys: torch.Tensor
@@ -207,7 +207,7 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kerne
     return keys, utab, inverse, counts, IdOrder(order, entries)
 
 
-class TableGroup:
+class DeviceTier:
     """Tables of one row width whose rows all live on the compute device (CPU or CUDA), or on
     the device first and in host memory after (hybrid).
 
