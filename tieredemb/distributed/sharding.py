@@ -27,7 +27,8 @@ from tieredemb.distributed import exchange, owner_of, plan, table_salts
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
-from tieredemb.storage.tiers.device import DeviceTier, GroupPrefetch, IdOrder, unique_pairs
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, unique_pairs
 
 
 @dataclass

@@ -52,11 +52,8 @@ from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
-from tieredemb.storage.tiers.device import (
-    DeviceTier,
-    GroupPrefetch,
-    TableRows,
-)
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows
 from tieredemb.storage.tiers.plan import build_tiers, group_tables, select_mode
 
 

@@ -16,7 +16,8 @@ import torch
 
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.row_store import RowStore
-from tieredemb.storage.tiers.device import DeviceTier, GroupPrefetch
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch
 
 
 class LocalPlacement:

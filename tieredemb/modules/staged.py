@@ -22,7 +22,8 @@ from tieredemb.ops.capture import CapturedStages, Slot
 from tieredemb.ops.capture import padded_size as _bucket
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
-from tieredemb.storage.tiers.device import DeviceTier, GroupPrefetch, StagedPrefetch
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, StagedPrefetch
 
 
 @dataclass

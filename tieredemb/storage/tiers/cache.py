@@ -43,13 +43,14 @@ from tieredemb.profiling import label
 from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.io_worker import IOHandle, IOWorker
-from tieredemb.storage.tiers.device import (
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import (
     CONFLICTS,
     EVICTIONS,
     MISSES,
     NOT_ADMITTED,
     UNIQUE,
-    DeviceTier,
+    CachePrefetch,
     GroupPrefetch,
     LentRows,
     StagedPrefetch,
@@ -109,17 +110,6 @@ class _Armed:
     pool: torch.Tensor
     hpool: torch.Tensor
     slot: Slot | None
-
-
-@dataclass
-class CachePrefetch(GroupPrefetch):
-    """A cache batch: besides the hbm fields, the shared scratch pairs it must write down at
-    release (``write_back``, ``write_back_tables``: int64 (w,)) and its private scratch rows
-    (``scratch``, dropped)."""
-
-    write_back: torch.Tensor | None = None
-    write_back_tables: torch.Tensor | None = None
-    bound: GroupPrefetch | None = None  # bounded tables: the pairs locked in the capacity index
 
 
 class CacheTier(DeviceTier):
