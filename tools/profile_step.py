@@ -257,6 +257,7 @@ def host_times(ebc, kjts, grad, args) -> None:
 
     from tieredemb.modules import collection
     from tieredemb.storage.tiers import cache as cache_table
+    from tieredemb.storage.tiers import cache_on_device
     from tieredemb.storage.tiers import device as table
 
     spent: dict[str, float] = {}
@@ -271,7 +272,7 @@ def host_times(ebc, kjts, grad, args) -> None:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
             calls[name] = calls.get(name, 0) + 1
 
-    for mod in (collection, table, cache_table):
+    for mod in (collection, table, cache_table, cache_on_device):
         mod.label = timer
 
     def timed(owner, attr, label, static=False):

@@ -156,7 +156,7 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     padding; its host work done before the staged read where the sizes repeat) train as the same
     collection run eagerly, bit for bit; a bad batch leaves nothing lent; after flush the host store
     holds the same rows."""
-    import tieredemb.storage.tiers.cache as cache_module
+    import tieredemb.storage.tiers.cache_on_device as cache_module
 
     monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 4096) * 4096 + 4096)  # noqa: E731
     optimizer = te.optim.Adam(lr=0.01)

@@ -366,7 +366,7 @@ def test_cache_insertion_as_its_graph_replays_it(pipelined, monkeypatch) -> None
     if torch.cuda.is_available():  # Triton's interpreter is off (tests/conftest.py): the graph runs there
         pytest.skip("with CUDA: tests/gpu replays the graph itself (test_captured_cache_insertion_"
                     "trains_like_eager, test_a_training_stream_behind_keeps_its_batch)")
-    import tieredemb.storage.tiers.cache as cache_module
+    import tieredemb.storage.tiers.cache_on_device as cache_module
 
     # pairs padded to 32s, as a large batch's are to buckets: the sizes repeat, so insertions are armed
     monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 32) * 32 + 32)  # noqa: E731
