@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tieredemb as te
-import tieredemb.storage.tiers.device as table_module
+import tieredemb.storage.tiers.device_insert as table_module
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
