@@ -1,4 +1,4 @@
-"""The captured prefetch (``tieredemb/modules/capture.py``): the device half of a staged prefetch
+"""The captured prefetch (``tieredemb/ops/capture.py``): the device half of a staged prefetch
 replayed from a CUDA graph trains exactly as the same collection run eagerly (TIEREDEMB_CAPTURE=0):
 the same outputs, rows, optimizer state, scores and counters, bit for bit (the same kernels on the
 same inputs), through index growth, shapes that change, bad batches and a prefetch thread."""
