@@ -40,7 +40,7 @@ from tests.conftest import (
     sorted_export,
     weighted_loss,
 )
-from tieredemb.modules.table import TableGroup
+from tieredemb.storage.tiers.device import DeviceTier
 
 STEPS = 20
 SCHEDULES = ["prefetch", "pipelined", "deferred"]  # besides "plain": see train_side_by_side
@@ -310,12 +310,12 @@ def test_init_capacity_allocates_up_front_and_trains_as_the_reference(mode):
 @pytest.mark.parametrize("schedule", ["plain", *SCHEDULES])
 def test_pairs_whose_bucket_was_full_keep_the_rows_they_trained(schedule, monkeypatch):
     """Unbounded tables insert a batch's misses on the device, new rows from a pool
-    (``TableGroup._inserted``); a pair whose bucket is full all the same (one-slot buckets at load
+    (``DeviceTier._inserted``); a pair whose bucket is full all the same (one-slot buckets at load
     up to 0.5: many are) has its row for the batch and is inserted with it before the index is used
     again (``place_overflow``), under every prefetch schedule. Rows and outputs equal a dense
     table's at every step; the full buckets happened (counted as they are placed)."""
     full = []
-    place = TableGroup.place_overflow
+    place = DeviceTier.place_overflow
 
     def counting(group):
         regions = len(group.configs)
@@ -325,7 +325,7 @@ def test_pairs_whose_bucket_was_full_keep_the_rows_they_trained(schedule, monkey
             full.append(sum(batch.counts.tolist()[regions : 2 * regions]))
         place(group)
 
-    monkeypatch.setattr(TableGroup, "place_overflow", counting)
+    monkeypatch.setattr(DeviceTier, "place_overflow", counting)
     gen = torch.Generator().manual_seed(7)
     pool = list(range(1000, 1600))
     tables = [te.TableConfig("t", 4, ["a", "b"]), te.TableConfig("u", 4, ["c"], pooling="mean")]
@@ -439,7 +439,7 @@ def test_stats_count_hits_misses_conflicts_evictions_and_refusals():
 
 def test_bounded_tables_count_by_hand_and_give_every_row_not_stored_back():
     """Tables all bounded: the insertion runs on the device, the new rows from a pool of free rows
-    (``TableGroup._inserted``). The counters against a count by hand (b as in the test above: a
+    (``DeviceTier._inserted``). The counters against a count by hand (b as in the test above: a
     conflict miss, then 2 evictions; a's 2 buckets of 4 never fill), the rows against a plain
     loop's initial rows and SGD updates, and once the batches are released every row of the store
     that no table holds is free again (the pool's unused rows, the conflict miss's scratch row)."""
@@ -937,7 +937,7 @@ def test_padded_staging_trains_as_the_torch_kernels(module, dims, monkeypatch):
     import types
     from types import SimpleNamespace
 
-    from tieredemb.modules.capture import padded_size
+    from tieredemb.ops.capture import padded_size
 
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

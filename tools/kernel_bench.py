@@ -209,7 +209,7 @@ def find_rows(index, call: tuple, combos: str, repeats: int) -> list[tuple]:
 def table_order_rows(kernels, call, num_tables: int, repeats: int) -> list[tuple]:
     """reduce_grads / reduce_update timed on the same ids with the keys renumbered so that the keys of
     one table come first (each id's table: its bag row modulo the tables, a sample-major batch)."""
-    from tieredemb.modules.table import IdOrder
+    from tieredemb.storage.tiers.parts import IdOrder
 
     a, k = call
     grad_src, src_of_id, scale, inverse, u, sorted_ids = a[:6]

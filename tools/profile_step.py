@@ -255,7 +255,10 @@ def host_times(ebc, kjts, grad, args) -> None:
     host spends where when no profiler slows each call down."""
     import contextlib
 
-    from tieredemb.modules import cache_table, collection, table
+    from tieredemb.modules import collection
+    from tieredemb.storage.tiers import cache as cache_table
+    from tieredemb.storage.tiers import cache_on_device
+    from tieredemb.storage.tiers import device as table
 
     spent: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -269,7 +272,7 @@ def host_times(ebc, kjts, grad, args) -> None:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
             calls[name] = calls.get(name, 0) + 1
 
-    for mod in (collection, table, cache_table):
+    for mod in (collection, table, cache_table, cache_on_device):
         mod.label = timer
 
     def timed(owner, attr, label, static=False):
@@ -338,18 +341,19 @@ def host_times(ebc, kjts, grad, args) -> None:
 
 def extra_timers(ebc, args, timed, timer) -> None:
     """The cache's and the index's own calls (cache workload); each launch with ``--launches``."""
-    from tieredemb.modules import cache_table, collection
+    from tieredemb.modules import collection
+    from tieredemb.storage.tiers import cache as cache_table
 
     if args.workload == "cache":
         for name in ("_write_down", "_fetch", "_fill_inserted", "_bound_members", "_count", "_register_owed"):
-            timed(cache_table.CacheGroup, name, f"    cache {name}")
+            timed(cache_table.CacheTier, name, f"    cache {name}")
         for name in ("find_touch", "complete", "_insert", "find"):
             timed(ebc.tiers[0].index.__class__, name, f"    index {name}")
         # the release and the device insertion, call by call
         for name in ("release", "_owe_conflicts", "_release_own", "_settle_pending", "_take_back", "_unlock",
                      "_to_host", "_device_graphs_for", "_place", "_insert_on_device", "arm"):
-            timed(cache_table.CacheGroup, name, f"    cache {name}")
-        from tieredemb.modules.capture import CapturedStages
+            timed(cache_table.CacheTier, name, f"    cache {name}")
+        from tieredemb.ops.capture import CapturedStages
         from tieredemb.storage import host
         from tieredemb.storage.row_store import RowStore
         for name in ("acquire", "release"):

@@ -1,4 +1,4 @@
-"""The captured prefetch (``tieredemb/modules/capture.py``): the device half of a staged prefetch
+"""The captured prefetch (``tieredemb/ops/capture.py``): the device half of a staged prefetch
 replayed from a CUDA graph trains exactly as the same collection run eagerly (TIEREDEMB_CAPTURE=0):
 the same outputs, rows, optimizer state, scores and counters, bit for bit (the same kernels on the
 same inputs), through index growth, shapes that change, bad batches and a prefetch thread."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tieredemb as te
-import tieredemb.modules.table as table_module
+import tieredemb.storage.tiers.device_insert as table_module
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
@@ -109,7 +109,7 @@ def test_captured_prefetch_of_two_table_groups(optimizer, monkeypatch):
 @pytest.mark.parametrize("optimizer", [te.optim.SGD(lr=0.1), te.optim.Adam(lr=0.01)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("bounded", [True, False], ids=["max_capacity", "init_capacity"])
 def test_captured_insertion_trains_like_eager(bounded, optimizer, monkeypatch):
-    """Misses every step, inserted on the device (``TableGroup._inserted``): bounded tables evicting
+    """Misses every step, inserted on the device (``DeviceTier._inserted``): bounded tables evicting
     (rows of victims reused, pairs contested by the batch in flight) or tables trained from scratch
     in an index sized ahead. The insertion and the new rows' initial values replayed from CUDA graphs
     of padded sizes (``_insert_graph``; the padding made coarse here, so that most of a graph's
@@ -151,12 +151,12 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     """Cache mode over host memory, half the keys on the device (room for the two batches in flight
     of a pipeline: no conflict misses, which the device insertion leaves to the host path while their
     rows are owed): misses and evictions every step, inserted on the device
-    (``CacheGroup._insert_on_device``: the insertion, the victims' write-down and the misses' fetch
+    (``CacheTier._insert_on_device``: the insertion, the victims' write-down and the misses' fetch
     replayed from CUDA graphs of padded sizes, the padding made coarse so that most of a graph is
     padding; its host work done before the staged read where the sizes repeat) train as the same
     collection run eagerly, bit for bit; a bad batch leaves nothing lent; after flush the host store
     holds the same rows."""
-    import tieredemb.modules.cache_table as cache_module
+    import tieredemb.storage.tiers.cache_on_device as cache_module
 
     monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 4096) * 4096 + 4096)  # noqa: E731
     optimizer = te.optim.Adam(lr=0.01)
@@ -185,7 +185,7 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
     assert_insertions_alike(outputs, eager, captured, replays=4)
     stats = captured.stats()["t0"]
     assert stats.misses > 0 and stats.evictions > 0 and stats.conflict_misses == 0, stats
-    # insertions armed before their read (``CacheGroup.arm``) and replayed as armed: 4 of 16 at least
+    # insertions armed before their read (``CacheTier.arm``) and replayed as armed: 4 of 16 at least
     group = captured.tiers[0]
     assert group.arms[0] >= 4, group.arms
     if loop == "plain":  # an arm given back whole when the batch is bad: no row lent stays lent
@@ -410,7 +410,7 @@ def test_the_inline_pipeline_defers_its_read_and_trains_as_an_eager_loop(monkeyp
 def test_a_capture_that_fails_leaves_the_eager_path_working():
     """A staging function that reads the device cannot be captured: ``acquire`` warns, returns None
     (the caller runs eagerly) and never tries again; CUDA keeps working."""
-    from tieredemb.modules.capture import CapturedStages
+    from tieredemb.ops.capture import CapturedStages
 
     stages = CapturedStages(DEV, (torch.int64,), after=0)
 
@@ -438,7 +438,7 @@ def test_no_garbage_collection_runs_during_a_capture():
     collector's threshold, with such garbage about, is still captured; the finalizer runs after."""
     import gc
 
-    from tieredemb.modules.capture import CapturedStages
+    from tieredemb.ops.capture import CapturedStages
 
     stages = CapturedStages(DEV, (torch.int64,), after=0)
     x = torch.arange(8, device=DEV)

@@ -25,7 +25,7 @@ from tests.conftest import (
     random_upstream,
     sorted_export,
 )
-from tieredemb.modules.table import TableGroup
+from tieredemb.storage.tiers.device import DeviceTier
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
@@ -162,7 +162,7 @@ def test_bounded_table_evicts_like_cpu(kernels: str) -> None:
     got, _ = train_side_by_side(te.EmbeddingBagCollection, "adagrad", kernels,
                                 torch.device("cuda"), tables=tables, batches=batches)
     assert got.stats()["capped"].evictions > 0, "the bounded table never evicted: test too easy"
-    # its insertions took rows from pools (TableGroup._inserted): every row no table holds is back
+    # its insertions took rows from pools (DeviceTier._inserted): every row no table holds is back
     got.flush()
     capped = next(g for g in got.tiers if "capped" in g.names)
     assert capped.store.rows_in_use() == capped.index.size()
@@ -171,11 +171,11 @@ def test_bounded_table_evicts_like_cpu(kernels: str) -> None:
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_full_buckets_of_unbounded_tables_like_cpu(kernels: str, monkeypatch) -> None:
     """One-slot buckets: unbounded tables inserting on the device find buckets full below load 0.5
-    most steps; the pairs keep the rows their batch trained (``TableGroup.place_overflow``, whose
+    most steps; the pairs keep the rows their batch trained (``DeviceTier.place_overflow``, whose
     counts come back through pinned memory and an event on CUDA), and the rows, states and scores
     equal the CPU's."""
     full = []
-    place = TableGroup.place_overflow
+    place = DeviceTier.place_overflow
 
     def counting(group):
         if group.device.type == "cuda":
@@ -185,7 +185,7 @@ def test_full_buckets_of_unbounded_tables_like_cpu(kernels: str, monkeypatch) ->
                 full.append(sum(batch.counts.tolist()[regions : 2 * regions]))
         place(group)
 
-    monkeypatch.setattr(TableGroup, "place_overflow", counting)
+    monkeypatch.setattr(DeviceTier, "place_overflow", counting)
     tables = [te.TableConfig(name="u", embedding_dim=8, feature_names=["x"]),
               te.TableConfig(name="v", embedding_dim=8, feature_names=["user_id"], pooling="mean")]
     pools = {"x": list(range(1000, 1400)), "user_id": RAW_KEYS + list(range(60))}

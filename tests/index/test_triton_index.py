@@ -504,7 +504,7 @@ def test_insert_rows_leaves_a_full_bucket_of_an_unbounded_region_to_the_caller(p
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
 def test_padded_insert_rows_is_the_insert_rows_of_its_misses(bounded):
-    """``insert_rows(padded=True)`` (what ``TableGroup`` captures in a CUDA graph): the pairs past
+    """``insert_rows(padded=True)`` (what ``DeviceTier`` captures in a CUDA graph): the pairs past
     the batch's marked found (slot 0), ``misses`` a bound of the misses and the pool as long with
     garbage past them, the step on the device; the same slots, values, rows, counts and index as the
     plain call on a twin index, and rows -1 past the misses. Evictions (bounded) and full buckets

@@ -276,17 +276,17 @@ def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
     scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row. Over
     host memory the first batch is inserted on the device, and its conflict misses are found owed
     only when the host reads its counts (at the next prefetch)."""
-    from tieredemb.modules.cache_table import CacheGroup
+    from tieredemb.storage.tiers.cache import CacheTier
 
     on_device = []
-    insert = CacheGroup._insert_on_device
+    insert = CacheTier._insert_on_device
 
     def spy(self, *args):
         pf = insert(self, *args)
         on_device.append(pf)
         return pf
 
-    monkeypatch.setattr(CacheGroup, "_insert_on_device", spy)
+    monkeypatch.setattr(CacheTier, "_insert_on_device", spy)
     optimizer = te.optim.SGD(lr=0.5)
     row_bytes = DIM * 4
     store = DictStore() if backing == "dict" else te.storage.HostMemory(segment_rows=8)
@@ -360,13 +360,13 @@ def test_cache_insertion_as_its_graph_replays_it(pipelined, monkeypatch) -> None
     found a replay giving back to the store the scratch rows of its conflict misses (the kernel
     takes them from the end of the misses, the group looked at the end of the padded pool): other
     keys then took those rows while they were trained. In the plain loop some insertions are armed
-    before their read (``CacheGroup.arm``) and run so, others armed for sizes the read then changes
+    before their read (``CacheTier.arm``) and run so, others armed for sizes the read then changes
     and given back."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # Triton's interpreter is off (tests/conftest.py): the graph runs there
         pytest.skip("with CUDA: tests/gpu replays the graph itself (test_captured_cache_insertion_"
                     "trains_like_eager, test_a_training_stream_behind_keeps_its_batch)")
-    import tieredemb.modules.cache_table as cache_module
+    import tieredemb.storage.tiers.cache_on_device as cache_module
 
     # pairs padded to 32s, as a large batch's are to buckets: the sizes repeat, so insertions are armed
     monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 32) * 32 + 32)  # noqa: E731

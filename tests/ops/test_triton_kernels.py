@@ -359,7 +359,7 @@ def test_sorted_runs(gen, n, max_programs, monkeypatch):
 def test_reduce_grads_with_the_dedups_order(gen, grouped):
     """The order unique_pairs sorted the ids in (what prefetch hands to the backward) gives the sums
     a fresh sort would; ids of 3 tables, grouped by table or not."""
-    from tieredemb.modules.table import unique_pairs
+    from tieredemb.storage.tiers.parts import unique_pairs
 
     n, dim = 600, 8
     tables = torch.randint(0, 3, (n,), generator=gen)
@@ -381,7 +381,7 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
     """One key in several tables, keys that differ only in their top bits, negative and extreme keys:
     each (table, key) pair comes out once, its ids together in position order, with the pairs and
     counts of a plain per-pair count."""
-    from tieredemb.modules.table import unique_pairs
+    from tieredemb.storage.tiers.parts import unique_pairs
 
     def i64(x: int) -> int:
         return (x + 2**63) % 2**64 - 2**63
@@ -677,8 +677,8 @@ def test_reduction_reads_presorted_sources_as_it_reads_them_through_the_order(ge
     """An ``IdOrder`` carrying each id's gradient source and scale in its own order (what the staged
     prefetch makes) gives the same bits as the reduction going through ``order`` for them: the same
     ids summed in the same order; sums and the fused update both."""
-    from tieredemb.modules.table import IdOrder
     from tieredemb.ops.triton.embedding import _PIECE
+    from tieredemb.storage.tiers.parts import IdOrder
 
     dim, u = 8, 7
     inverse = torch.cat([torch.zeros(_PIECE + 5, dtype=torch.int64),  # a key over two pieces
@@ -714,8 +714,8 @@ def test_reduction_plan_made_ahead_from_a_device_count(gen):
     """``reduce_plan`` (made by the prefetch from the padded per-key counts and the count of keys on
     the device, entries past it garbage) gives the reduction the same bits as the plan it makes
     itself from the host count; the keys past the count never become pieces."""
-    from tieredemb.modules.table import IdOrder
     from tieredemb.ops.triton.embedding import _PIECE
+    from tieredemb.storage.tiers.parts import IdOrder
 
     dim, u = 8, 9
     inverse = torch.cat([torch.zeros(2 * _PIECE + 3, dtype=torch.int64),  # a key over three pieces

@@ -261,10 +261,10 @@ def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admissio
     inserts before that release and defers them (``settle``); staged (no admission), its insertion
     comes after batch i gave its locks back, and the pairs its probe contested go in with the
     misses, none deferred."""
-    from tieredemb.modules.table import TableGroup
+    from tieredemb.storage.tiers.device import DeviceTier
 
     deferrals, contested = [], []
-    placed = TableGroup._placed
+    placed = DeviceTier._placed
 
     def counted(self, *args, **kwargs):
         info, regions = args[8], len(self.configs)
@@ -273,7 +273,7 @@ def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admissio
         deferrals.append(0 if pf.deferred is None else pf.deferred[0].numel())
         return pf
 
-    monkeypatch.setattr(TableGroup, "_placed", counted)
+    monkeypatch.setattr(DeviceTier, "_placed", counted)
     batches = make_batches(12)
     kw = {"limited": True, "capacity": 12, "admission": admission}
     want_model, want_opt = build(te.EmbeddingBagCollection, "sgd", **kw)

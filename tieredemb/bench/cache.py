@@ -57,8 +57,8 @@ from tieredemb.bench.timing import (
     time_ms,
 )
 from tieredemb.bench.workloads import HbmShape, ZipfSampler
-from tieredemb.modules.cache_table import CacheGroup
 from tieredemb.storage.backend import add_bytes
+from tieredemb.storage.tiers.cache import CacheTier
 
 CACHE_SHAPE = HbmShape(rows=10_000_000)
 OPTIMIZER = "rowwise_adagrad"
@@ -186,7 +186,7 @@ def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
     out = dict.fromkeys(_COUNTERS, 0)
     for group in ebc.tiers:
         for t in range(len(group.configs)):
-            s = group.stats(t, backend_rows=False) if isinstance(group, CacheGroup) else group.stats(t)
+            s = group.stats(t, backend_rows=False) if isinstance(group, CacheTier) else group.stats(t)
             for k in _COUNTERS[:6]:
                 out[k] += int(getattr(s, k))
             out["fetched_bytes"] += s.bytes_moved.get("backend->device", 0)

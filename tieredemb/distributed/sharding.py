@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from tieredemb.distributed import exchange, owner_of, plan, table_salts
 from tieredemb.modules.batch import GroupBatch
-from tieredemb.modules.table import GroupPrefetch, IdOrder, TableGroup, unique_pairs
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, unique_pairs
 
 
 @dataclass
@@ -56,7 +57,7 @@ class RowWiseSharding:
         process_group: the group the tables are sharded over; every rank runs the same steps.
     """
 
-    def __init__(self, tiers: list[TableGroup], kernels, device: torch.device, process_group) -> None:
+    def __init__(self, tiers: list[DeviceTier], kernels, device: torch.device, process_group) -> None:
         self.tiers, self.kernels, self.device = tiers, kernels, device
         self.group = process_group
         self.world = dist.get_world_size(process_group)

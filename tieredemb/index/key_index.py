@@ -371,7 +371,7 @@ class KeyIndex:
         region, contested keys per region. ``contest``: an absent key of a bounded region whose
         bucket holds a way locked before this call (by an earlier batch still in flight) gets slot
         ``CONTESTED`` and is counted there, not among the misses: a plain loop would insert it after
-        that batch's release, choosing victims among its rows too (``TableGroup.settle``).
+        that batch's release, choosing victims among its rows too (``DeviceTier.settle``).
         ``valid``: int64 (1,) on the device, only keys[:valid] are real (the rest of
         every output is unspecified); ``guard``: int64 (G,) on the device, nothing changes unless it
         is all zero (a batch whose checks are read later). Neither is read on the host by the Triton index.

@@ -1,6 +1,6 @@
 """The embedding collections."""
 
 from tieredemb.modules.collection import EmbeddingBagCollection, EmbeddingCollection
-from tieredemb.modules.table import TableRows, TableStats
+from tieredemb.storage.tiers.parts import TableRows, TableStats
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TableRows", "TableStats"]

@@ -7,7 +7,7 @@ The data path of one step (DESIGN section 3):
     forward(kjt)    gather (and pool) rows by address; no hashing, no branching on storage
     backward        sum gradients per unique key, fused optimizer update of those rows, unlock
 
-Tables of one embedding dim form a group (``TableGroup``): one index, one row store, so each of these
+Tables of one embedding dim form a group (``DeviceTier``): one index, one row store, so each of these
 steps is one set of kernels per group, not per table. Both collections share all of it; they differ
 only in how a group's rows are looked up (pooled bags or one row per id) and how the outputs are
 assembled.
@@ -35,7 +35,6 @@ from tieredemb.modules.batch import (
     check_keys,
     check_tables,
 )
-from tieredemb.modules.capture import CapturedStages, capture_default
 from tieredemb.modules.in_flight import (
     FailedRecord,
     InFlightBatch,
@@ -47,17 +46,15 @@ from tieredemb.modules.in_flight import (
 from tieredemb.modules.placement import LocalPlacement
 from tieredemb.modules.staged import Collection as StagedCollection
 from tieredemb.modules.staged import StagedPrefetcher
-from tieredemb.modules.table import (
-    GroupPrefetch,
-    TableGroup,
-    TableRows,
-)
-from tieredemb.modules.tiers import build_tiers, group_tables, select_mode
 from tieredemb.ops import resolve_device, select_kernels
+from tieredemb.ops.capture import CapturedStages, capture_default
 from tieredemb.ops.reference import bag_ids, dedup_key_bits
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows
+from tieredemb.storage.tiers.plan import build_tiers, group_tables, select_mode
 
 
 class _Lookup(torch.autograd.Function):
@@ -422,7 +419,7 @@ class CollectionBase(nn.Module):
 
     def _unlock_first(self, state: InFlightBatch, held: list):
         """What ``_release`` does before the deferred prefetches of later batches finish: give the
-        batch's locks back (``TableGroup.release_locks``), so that their insertion of a bounded
+        batch's locks back (``DeviceTier.release_locks``), so that their insertion of a bounded
         table's misses meets the buckets as a plain loop would, with no pair left to wait for
         ``settle``. Only where those prefetches were staged on this stream, after the last change
         (their probe is ordered before the unlock); else None, and the locks go with the release."""
@@ -464,7 +461,7 @@ class CollectionBase(nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------ row access
-    def _table(self, name: str) -> tuple[TableGroup, int, TableConfig]:
+    def _table(self, name: str) -> tuple[DeviceTier, int, TableConfig]:
         if name not in self._where:
             raise ValueError(f"unknown table {name!r}; tables are {self._table_names}")
         g, i = self._where[name]
@@ -565,7 +562,7 @@ class CollectionBase(nn.Module):
             kept = counts > 0
             return keys[kept], counts[kept]
 
-    def _in_flight_parts(self, group: TableGroup) -> list[GroupPrefetch]:
+    def _in_flight_parts(self, group: DeviceTier) -> list[GroupPrefetch]:
         """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
         (sharded: what this rank serves)."""
         g = self.tiers.index(group)

@@ -18,8 +18,8 @@ import torch
 
 from tieredemb.jagged import as_kjt
 from tieredemb.modules.batch import Batch, GroupMajor
-from tieredemb.modules.capture import Slot
-from tieredemb.modules.table import TableGroup
+from tieredemb.ops.capture import Slot
+from tieredemb.storage.tiers.device import DeviceTier
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StagedRecord:
     backward's, the read). ``group``: the one group staged, or None: every group together
     (``_stage_all``; no gradient sources or backward's made before the read)."""
 
-    group: TableGroup | None
+    group: DeviceTier | None
     step: int
     slot: Slot | None
     outputs: tuple

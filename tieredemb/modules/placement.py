@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 
 from tieredemb.modules.batch import GroupBatch
-from tieredemb.modules.table import GroupPrefetch, TableGroup
 from tieredemb.storage.row_store import RowStore
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch
 
 
 class LocalPlacement:
     """Every key of every table is this process's: each tier resolves, serves and updates its own."""
 
-    def __init__(self, tiers: list[TableGroup]) -> None:
+    def __init__(self, tiers: list[DeviceTier]) -> None:
         self.tiers = tiers
 
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> GroupPrefetch:

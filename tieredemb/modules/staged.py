@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, GroupMajor, Layout, StagedBatch
-from tieredemb.modules.capture import CapturedStages, Slot
-from tieredemb.modules.capture import padded_size as _bucket
 from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
-from tieredemb.modules.table import GroupPrefetch, StagedPrefetch, TableGroup
+from tieredemb.ops.capture import CapturedStages, Slot
+from tieredemb.ops.capture import padded_size as _bucket
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import GroupPrefetch, StagedPrefetch
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Collection:
     """What the staged prefetch uses of the collection it serves."""
 
     layout: Layout
-    tiers: list[TableGroup]
+    tiers: list[DeviceTier]
     kernels: object
     device: torch.device
     num_tables: int
@@ -56,7 +57,7 @@ class StagedPrefetcher:
         self.captured = captured
         self._read_buffers: list[torch.Tensor] = []  # pinned, for deferred reads
 
-    def stage(self, given: BatchInput, group: TableGroup | None, step: int, stream: object,
+    def stage(self, given: BatchInput, group: DeviceTier | None, step: int, stream: object,
               defer: bool) -> StagedRecord:
         """The device half of a staged prefetch (a training batch of stageable groups, with one host
         read for the checks, the dedup and the probe together instead of one each; ``group``: the
@@ -131,7 +132,7 @@ class StagedPrefetcher:
         return torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
 
 
-    def _replay_staged(self, given: BatchInput, group: TableGroup | None, step: int) -> Slot | None:
+    def _replay_staged(self, given: BatchInput, group: DeviceTier | None, step: int) -> Slot | None:
         """The device half of a staged prefetch replayed from a CUDA graph of the batch's shape, or
         of its shape padded to a bucket of ids (batches whose id count changes every step); None:
         run it eagerly (capture off, a shape seen once, every slot of it in flight)."""
@@ -154,7 +155,7 @@ class StagedPrefetcher:
         return slot
 
 
-    def _stage_device(self, staged: StagedBatch, group: TableGroup | None, step: int | torch.Tensor,
+    def _stage_device(self, staged: StagedBatch, group: DeviceTier | None, step: int | torch.Tensor,
                       id_count: torch.Tensor | None = None):
         """The device half of a staged prefetch: (the group's ``StagedPrefetch``, the backward's
         gradient sources and scales, the same in the dedup's order and the reduction's plan, the int64
@@ -231,7 +232,7 @@ class StagedPrefetcher:
         return groups
 
 
-    def _captured_stage(self, given: BatchInput, group: TableGroup | None, values: torch.Tensor,
+    def _captured_stage(self, given: BatchInput, group: DeviceTier | None, values: torch.Tensor,
                         per_feature: torch.Tensor, weights: torch.Tensor | None, step: torch.Tensor,
                         id_count: torch.Tensor | None):
         """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the

@@ -462,7 +462,7 @@ class HostMemoryGroup(GroupStore):
     def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         self.rows.delete(keys, tables)
 
-    # the cache's device insertion (``CacheGroup._insert_on_device``): ``HostMemoryBackend``'s steps
+    # the cache's device insertion (``CacheTier._insert_on_device``): ``HostMemoryBackend``'s steps
     def settle(self) -> None:
         self.rows._settle()
 

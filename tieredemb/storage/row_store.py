@@ -283,8 +283,8 @@ class RowStore:
         own): the current stream waits for it, and with ``host`` (the CPU is about to touch host
         rows) the host does. Not inside a CUDA graph's capture: a captured wait for an event
         recorded outside it invalidates the capture, and the stream the graph is replayed on waits
-        instead (the caller takes ``pointer_table`` on it first, as ``TableGroup._insert_graph``
-        and ``CacheGroup._insert_on_device`` do for their keys)."""
+        instead (the caller takes ``pointer_table`` on it first, as ``DeviceTier._insert_graph``
+        and ``CacheTier._insert_on_device`` do for their keys)."""
         if self.ready is None or (not host and torch.cuda.is_current_stream_capturing()):
             return
         if host:

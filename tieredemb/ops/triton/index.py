@@ -607,7 +607,7 @@ class TritonKeyIndex(KeyIndex):
         """The reference's ``insert_rows`` in four kernels and a sort, no compaction: the pairs sort
         by the bucket of the misses, the others after them; the insert kernel runs over the first
         ``misses`` positions, the give kernel after the running counts of the kinds. ``padded``:
-        ``misses`` is a bound of them (a CUDA graph's, ``TableGroup``), their number counted on the
+        ``misses`` is a bound of them (a CUDA graph's, ``DeviceTier``), their number counted on the
         device; the results past it are as a position that is no miss (rows -1)."""
         self._check_insert_rows(pool, misses, keys.numel() if own_rows else None, evicted)
         regions = len(self.regions)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import tieredemb as te
-from tieredemb.modules.capture import CapturedStages, Slot, capture_default
+from tieredemb.ops.capture import CapturedStages, Slot, capture_default
 
 
 def stages(**kw) -> CapturedStages:
@@ -67,7 +67,7 @@ def test_capture_is_for_cuda_with_triton_and_can_be_turned_off(monkeypatch):
 
 
 def test_buckets_of_a_padded_capture_hold_the_batch_with_little_padding():
-    from tieredemb.modules.capture import padded_size as _bucket
+    from tieredemb.ops.capture import padded_size as _bucket
 
     buckets = [_bucket(n) for n in range(1, 5000)]
     assert all(b >= n and b - n <= max(1, n // 16) for n, b in zip(range(1, 5000), buckets))

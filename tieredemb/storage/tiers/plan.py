@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from tieredemb.config import StorageConfig, TableConfig
-from tieredemb.modules.cache_table import CacheGroup
-from tieredemb.modules.table import TableGroup
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.backends import HostMemory
+from tieredemb.storage.tiers.cache import CacheTier
+from tieredemb.storage.tiers.device import DeviceTier
 
 
 def _row_bytes(t: TableConfig, optimizer: EmbeddingOptimizer) -> int:
@@ -63,20 +63,20 @@ def group_tables(tables: list[TableConfig]) -> list[list[int]]:
 
 def build_tiers(mode: str, tables: list[TableConfig], members: list[list[int]],
                   optimizer: EmbeddingOptimizer, storage: StorageConfig, seed: int, device: torch.device,
-                  kernels, world: int = 1) -> list[TableGroup]:
+                  kernels, world: int = 1) -> list[DeviceTier]:
     """One storage object per group, of the mode's class."""
     common = dict(optimizer=optimizer, seed=seed, device=device, kernels=kernels,
                   bucket_width=storage.bucket_width, segment_rows=storage.segment_rows)
     if mode == "hbm_direct":
-        return [TableGroup([tables[t] for t in m], **common) for m in members]
+        return [DeviceTier([tables[t] for t in m], **common) for m in members]
     rows = _budget_rows(tables, optimizer, storage.hbm_budget, world)
     if mode == "hybrid":
-        return [TableGroup([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
+        return [DeviceTier([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
                 for m in members]
     out = []
     for m in members:
         width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
         below = storage.backing.open_group([tables[t].name for t in m], width, device)
-        out.append(CacheGroup([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
+        out.append(CacheTier([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
                               below=below))
     return out

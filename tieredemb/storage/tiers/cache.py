@@ -1,6 +1,6 @@
 """A group of tables in ``cache`` mode: a bounded device tier, write-back, over backing stores.
 
-One index (a bounded region per table: its cache rows) over one row store, as in ``TableGroup``;
+One index (a bounded region per table: its cache rows) over one row store, as in ``DeviceTier``;
 each table keeps its own backend (its namespace in RocksDB or Redis). Prefetch does all the moving;
 forward and backward see row addresses like in ``hbm_direct``:
 
@@ -13,119 +13,69 @@ forward and backward see row addresses like in ``hbm_direct``:
                                          admitted: a scratch row for the batch
 
 Over host memory (no admission, no bounded table, no scratch row owed) the same happens on the
-device without a host read, in another order (``_insert_on_device``, replayed from a CUDA graph): the
-misses are inserted first (victims' rows reused, a scratch row from a lent pool for a pair without a
-way), the victims written down while the misses' rows are fetched into their new rows; the host learns
-the counts (conflict misses, rows taken) at the next prefetch.
+device without a host read, in another order (``cache_on_device.py``).
 
 At release (after backward) the batch's slots are unlocked and its scratch rows are written down to
 the backend (conflict misses; the last batch sharing a row writes it) or dropped (not admitted).
-Evicted rows are always written down: the cache never loses a row. Write-downs to a store doing host
-I/O (RocksDB, Redis) go to its I/O worker and the prefetch goes on; every fetch first waits for the
-earlier write-downs (one FIFO), so it reads the newest rows. Rows whose write-down failed are kept on
-the host and retried at the next call that needs the store; until the store takes them that call
-raises ``BackendError`` chained to the store's exception, before anything changes.
+Evicted rows are always written down: the cache never loses a row. The rows on their way down, in
+order, and the store's reads behind them are ``WriteDowns``' (``write_down.py``).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from tieredemb.config import RESERVED_KEY, TableConfig
-from tieredemb.index.key_index import CONTESTED, KeyIndex, Region
-from tieredemb.modules.capture import CapturedStages, Slot, padded_size
-from tieredemb.modules.table import (
+from tieredemb.config import TableConfig
+from tieredemb.index.key_index import CONTESTED, InsertResult, KeyIndex, Region
+from tieredemb.ops.reference import TorchKernels
+from tieredemb.optim import EmbeddingOptimizer
+from tieredemb.profiling import label
+from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
+from tieredemb.storage.tiers.cache_on_device import OnDeviceInsertion
+from tieredemb.storage.tiers.device import DeviceTier
+from tieredemb.storage.tiers.parts import (
     CONFLICTS,
     EVICTIONS,
     MISSES,
     NOT_ADMITTED,
     UNIQUE,
+    CachePrefetch,
     GroupPrefetch,
-    LentRows,
     StagedPrefetch,
-    TableGroup,
     TableRows,
     TableStats,
 )
-from tieredemb.ops.reference import TorchKernels
-from tieredemb.optim import EmbeddingOptimizer
-from tieredemb.profiling import label
-from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
-from tieredemb.storage.errors import BackendError
-from tieredemb.storage.io_worker import IOHandle, IOWorker
-
-
-@dataclass(eq=False)
-class _Pending:
-    """Rows written down and not yet confirmed taken by the backing store (distinct pairs), with
-    the I/O worker's handle while they are in its queue."""
-
-    keys: torch.Tensor
-    tables: torch.Tensor
-    rows: torch.Tensor
-    handle: IOHandle | None = None
-
-
-def _per_table(tables: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 (n,): how many of ``tables`` (int64 (m,), each < n) are ``mask``ed, per table: a
-    histogram (no atomics of 10^4 entries on a few counters: ``index_add_`` took 47 us there)."""
-    hist = torch.histc(torch.where(mask, tables, n).to(torch.float32), bins=n + 1, min=0, max=n + 1)
-    return hist[:n].to(torch.int64)
-
-
-class _Beside:
-    """Work queued on a side stream behind the current stream's work so far (``with beside:``);
-    ``join()`` makes the current stream wait for it. Without a side stream (the CPU) it runs in
-    place, in the order written."""
-
-    def __init__(self, side: torch.cuda.Stream | None, current: torch.cuda.Stream | None = None) -> None:
-        self.side, self.current = side, current
-
-    def __enter__(self) -> _Beside:
-        if self.side is not None:
-            self.side.wait_stream(self.current)
-            self._on = torch.cuda.stream(self.side)
-            self._on.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.side is not None:
-            self._on.__exit__(*exc)
-
-    def join(self) -> None:
-        if self.side is not None:
-            self.current.wait_stream(self.side)
+from tieredemb.storage.tiers.write_down import WriteDowns
 
 
 @dataclass
-class _Armed:
-    """``CacheGroup.arm``'s work for the insertion graph of ``key`` (``CacheGroup._insert_key``): the
-    free rows lent (the cache's, the host store's) and the graph slot taken, its inputs loaded."""
+class Placing:
+    """A training batch on its way through ``CacheTier._place``, filled step by step. Positions are
+    of the batch's distinct pairs (u of them)."""
 
-    key: tuple
-    pool: torch.Tensor
-    hpool: torch.Tensor
-    slot: Slot | None
-
-
-@dataclass
-class CachePrefetch(GroupPrefetch):
-    """A cache batch: besides the hbm fields, the shared scratch pairs it must write down at
-    release (``write_back``, ``write_back_tables``: int64 (w,)) and its private scratch rows
-    (``scratch``, dropped)."""
-
-    write_back: torch.Tensor | None = None
-    write_back_tables: torch.Tensor | None = None
+    empty: torch.Tensor  # int64 (0,) on the device
+    miss: torch.Tensor  # int64 (m,): the pairs fetched from the store (no cache row, no pad)
+    misses: torch.Tensor  # int64 (R,): of them per table
+    info: list[int]  # misses per region (the pads' left out), then the index's sizes
+    shared: torch.Tensor | None = None  # int64 (u,): each pair's slot in ``in_flight`` (-1: none)
+    in_pad: torch.Tensor | None = None  # int64 (p,): the pairs in an earlier batch's scratch pad
+    rest: torch.Tensor | None = None  # int64: the other pairs (None: all)
+    row_of: torch.Tensor | None = None  # int64 (u,): each pair's row in the fetch (-1: none), if made
+    keep: torch.Tensor | None = None  # int64: the pairs the cache stores this batch (None: all)
+    dropped: torch.Tensor | None = None  # int64: pairs it does not store (not admitted, outside a bound)
     bound: GroupPrefetch | None = None  # bounded tables: the pairs locked in the capacity index
+    deferring: torch.Tensor | None = None  # pairs whose insertion waits for an earlier batch
+    placed: torch.Tensor | None = None  # int64: the pairs given a cache row (None: all)
+    conflict: torch.Tensor | None = None  # int64: the pairs kept without one (conflict misses)
+    locked_slots: torch.Tensor | None = None  # int64: the slots of ``placed``, locked
 
 
-class CacheGroup(TableGroup):
+class CacheTier(OnDeviceInsertion, DeviceTier):
     """A device cache of ``cache_rows[t]`` rows for each table t over the group's backing store.
 
-    Args: as ``TableGroup``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
+    Args: as ``DeviceTier``, plus ``cache_rows`` (slots of each table's region, whole buckets) and
     ``below``, the tables' backing store (``GroupStore``: one call for all tables where it can).
     """
 
@@ -147,18 +97,9 @@ class CacheGroup(TableGroup):
         self._probe_only = torch.ones(1, dtype=torch.int64, device=device)  # find_touch's guard: no change
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
-        # batches inserted on the device (``_insert_on_device``) whose counts the host has not read
-        self._inserting: list[CachePrefetch] = []
-        self._last_insert: tuple[int, int] | None = None  # the last graph's padded pairs and misses
-        self._armed: _Armed | None = None  # the next insertion's host work, done (``arm``)
-        self.arms = [0, 0]  # arms replayed, arms given back (other sizes, no free slot, a bad batch)
-        # side streams by priority and use (``_beside``, ``_write_stream``)
-        self._side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-        # rows written down but not yet confirmed taken by the backing store, in order
-        self._unwritten: list[_Pending] = []
-        self._write_error: Exception | None = None
-        # stores doing host I/O (RocksDB, Redis) take write-downs on their own thread, in order
-        self.io = IOWorker(name=f"{'+'.join(self.names)}/backing") if below.io_bound else None
+        self._init_insertion()  # the insertion on the device over host memory (``OnDeviceInsertion``)
+        # rows written down and not yet taken by the backing store, in order (an I/O worker's queue)
+        self.writes = WriteDowns(below, self.names, self._moved[1])
         # tables with max_capacity: which keys the table holds, in every tier, decided by an index
         # of exactly hbm_direct's shape (same buckets, scores, locks), so the same rows are stored
         # and evicted as there; an evicted key's row is dropped from the cache and the store
@@ -185,7 +126,7 @@ class CacheGroup(TableGroup):
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor,
                        id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
-        """``TableGroup.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
+        """``DeviceTier.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
         the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
         (a cache's misses get theirs after the read)."""
         return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False, id_count=id_count)
@@ -193,7 +134,7 @@ class CacheGroup(TableGroup):
     def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                     counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
                     out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``TableGroup.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
+        """``DeviceTier.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
         return super().stage_probe(keys, tables, step, counts, count, self._probe_only, first_table, out)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
@@ -205,66 +146,51 @@ class CacheGroup(TableGroup):
         finally:
             self.disarm()  # an arm the insertion did not take (it took it, or found it wrong)
 
-    def arm(self, staged: StagedPrefetch, count: torch.Tensor) -> None:
-        """The device insertion's host work before the staged read, where its graph is replayed:
-        the pools of free rows lent, a captured slot taken and its inputs copied (the pairs as the
-        staged graph left them, padded; their count from the device), for the padded pairs and
-        misses of the last insertion (they change every few steps). ``_insert_on_device`` replays it
-        at once if the read says the same sizes; else it gives everything back and goes on as
-        without. What it moves off the path from the read to the replay (H200, ``cache`` bench):
-        ~0.2 ms of host a step with the device idle."""
-        self.disarm()
-        last = self._last_insert
-        if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
-            return
-        pairs, bound = last
-        pool, hpool = self._lend(bound)
-        key = self._insert_key(pairs, bound)
-        armed = _Armed(key, pool, hpool, self._insert_graphs.take(key))
-        if armed.slot is None:  # none captured for these sizes, or every one in flight
-            self._give_back(armed)
-            return
-        pairs_of = (staged.keys[:pairs], staged.tables[:pairs], staged.counts[:pairs])
-        self._insert_graphs.load(armed.slot, *pairs_of, pool, hpool, staged.step, count)
-        self._armed = armed
-
-    def _lend(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device insertion's pools of ``bound`` free rows, the cache's and the host store's,
-        after the host store's earlier upserts are read back (the fetch then sees every row written
-        down before; keys they left out go in now)."""
-        self.below.settle()
-        pool = self.store.peek(bound)
-        self.store.pop(bound)
-        return pool, self.below.room_for(bound)
-
-    def disarm(self) -> None:
-        armed, self._armed = self._armed, None
-        if armed is not None:
-            self._give_back(armed)
-
-    def _give_back(self, armed: _Armed) -> None:
-        """An arm's pools back where they came from, in their order; its slot free."""
-        self.arms[1] += 1
-        self.store.free(armed.pool)
-        self.below.give_back(armed.hpool)
-        if armed.slot is not None:
-            self._insert_graphs.cancel(armed.slot)
-
-    def _insert_key(self, pairs: int, bound: int) -> tuple:
-        """The insertion graph's key: the sizes and what it bakes in (the indexes' rehashes, the row
-        stores' segment tables)."""
-        return (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr(),
-                *self.below.capture_key())
-
     def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
                step: int, slots: torch.Tensor, per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
         """The training prefetch after the probe (``slots``, ``per_region``) and its host read
         (``info``: misses per region, then the index's sizes): pads, fetch, insert, write-down."""
         if self._inserts_on_device():
             return self._insert_on_device(unique, utab, inverse, counts, step, slots, per_region, info)
+        regions = len(self.configs)
+        p = self._split_pads(unique, utab, slots, per_region, info)
+        with label("## cache.fetch ##"):
+            fetched = self._fetch(unique[p.miss], utab[p.miss])  # (m, W) rows: the store's, else
+            # initial. May raise (a failed write-down or fetch): nothing has changed yet
+        with label("## cache.insert ##"):
+            res = self._insert_fetched(p, unique, utab, counts, step, slots, fetched)
+        with label("## cache.write_down ##"):
+            self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
+        addresses = self._cache_rows(p, res, unique.numel(), fetched)
+        # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
+        conflict, dropped, deferring, empty = p.conflict, p.dropped, p.deferring, p.empty
+        owed = self._scratch(fetched.rows, p.row_of, addresses, conflict)
+        private = self._scratch(fetched.rows, p.row_of, addresses, dropped)
+        self._register_owed(unique[conflict], utab[conflict], owed)
+        refused = dropped if deferring is None else dropped[~torch.isin(dropped, deferring)]
+        # columns UNIQUE, HITS (in the cache or in a pad), MISSES: adjacent, one add per table
+        pairs_in = per_region[regions : 2 * regions]
+        self._counts[:, UNIQUE:MISSES + 1] += torch.stack([pairs_in, pairs_in - p.misses, p.misses], dim=1)
+        self._count((CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
+                    (NOT_ADMITTED, utab[refused], None))
+        owed_pos = torch.cat([p.in_pad, conflict]) if p.in_pad.numel() or conflict.numel() else empty
+        locked = (unique, utab) if p.placed is None else (unique[p.placed], utab[p.placed])
+        pf = CachePrefetch(unique, utab, inverse, addresses, *locked, p.locked_slots, self.index.generation,
+                           private, write_back=unique[owed_pos] if owed_pos.numel() else empty,
+                           write_back_tables=utab[owed_pos] if owed_pos.numel() else empty, bound=p.bound)
+        self._owing += bool(owed_pos.numel())
+        if deferring is not None:
+            pf.deferred = (deferring, step, counts[deferring])
+            self._pending.append(pf)
+        return pf
+
+    def _split_pads(self, unique: torch.Tensor, utab: torch.Tensor, slots: torch.Tensor,
+                    per_region: torch.Tensor, info: list[int]) -> Placing:
+        """``_place``'s first step: the pairs to fetch (at slot -1 and in no scratch pad still owed by
+        an earlier batch) and the pairs in such a pad (one more host read, where a batch owes some)."""
         dev, regions = self.device, len(self.configs)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        missing, misses, n_pad = slots < 0, per_region[:regions], 0
+        missing, misses, n_pad, shared = slots < 0, per_region[:regions], 0, None
         if self._owing:  # pairs in flight in a scratch pad (a batch not yet released owes some)
             shared = self.in_flight.find(unique, utab)
             pad = shared >= 0
@@ -273,269 +199,65 @@ class CacheGroup(TableGroup):
             n_pad, *pad_info = torch.cat([pad.sum().view(1), misses]).tolist()
             info = pad_info + info[regions:]
         miss = torch.nonzero_static(missing, size=sum(info[:regions])).squeeze(1)
-        in_pad, rest = empty, None  # positions of the pairs in a pad and of the others (None: all)
+        p = Placing(empty, miss, misses, info, shared, in_pad=empty, dropped=empty)
         if n_pad:
-            in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
-            rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
-        with label("## cache.fetch ##"):
-            fetched = self._fetch(unique[miss], utab[miss])  # (m, W) rows: the store's, else
-            # initial. May raise (a failed write-down or fetch): nothing has changed yet
-        row_of = None  # each position's row in ``fetched`` (-1: a hit), made where needed
-        with label("## cache.insert ##"):
-            if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
-                keep, dropped, bound, deferring = rest, empty, None, None
-                keys, tabs, cnts = (t if keep is None else t[keep] for t in (unique, utab, counts))
-                # lock and touch the pairs found; the misses per region are the probe's
-                found, values, per_table = self.index.find_touch(keys, tabs, step, cnts)
-                res = self.index.complete(keys, tabs, step, cnts, True, found, values, per_table, info,
-                                          given_order=True)
-            else:
-                if rest is None:
-                    rest = torch.arange(unique.numel(), device=dev)
-                row_of = self._fetched_rows_of(unique.numel(), miss)
-                keep, dropped, bound, deferring = self._stored(unique, utab, counts, step, rest, slots,
-                                                               miss, fetched, row_of)
-                res = self.index.find_or_insert(unique[keep], step, counts[keep], lock=True,
-                                                tables=utab[keep], given_order=True)
-        with label("## cache.write_down ##"):
-            self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
-        if keep is None and res.unplaced == 0:  # every miss inserted: positions and rows as fetched
-            rows_at = self._fill_inserted(res, fetched.rows, inserted=miss)
+            p.in_pad = torch.nonzero_static(pad, size=n_pad).squeeze(1)
+            p.rest = torch.nonzero_static(~pad, size=unique.numel() - n_pad).squeeze(1)
+        return p
+
+    def _insert_fetched(self, p: Placing, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor,
+                        step: int, slots: torch.Tensor, fetched: Fetched) -> InsertResult:
+        """``_place``'s insertion: the pairs the cache stores (``p.keep``: every pair not in a pad, or,
+        with bounded tables or admission, those ``_stored`` keeps) locked and touched where found,
+        inserted where not (victims chosen, not yet written down)."""
+        if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
+            p.keep = p.rest
+            keys, tabs, cnts = (t if p.keep is None else t[p.keep] for t in (unique, utab, counts))
+            # lock and touch the pairs found; the misses per region are the probe's
+            found, values, per_table = self.index.find_touch(keys, tabs, step, cnts)
+            return self.index.complete(keys, tabs, step, cnts, True, found, values, per_table, p.info,
+                                       given_order=True)
+        rest = p.rest if p.rest is not None else torch.arange(unique.numel(), device=self.device)
+        p.row_of = self._fetched_rows_of(unique.numel(), p.miss)
+        p.keep, p.dropped, p.bound, p.deferring = self._stored(unique, utab, counts, step, rest, slots,
+                                                               p.miss, fetched, p.row_of)
+        return self.index.find_or_insert(unique[p.keep], step, counts[p.keep], lock=True,
+                                         tables=utab[p.keep], given_order=True)
+
+    def _cache_rows(self, p: Placing, res: InsertResult, u: int, fetched: Fetched) -> torch.Tensor:
+        """``_place``'s rows: the inserted pairs' cache rows filled with the fetched (or initial) rows,
+        the pairs in a pad given its row (one more batch sharing it). Returns int64 (u,) each pair's
+        address (-1: none yet, a conflict miss's or a dropped pair's); sets ``p.placed``,
+        ``p.conflict``, ``p.locked_slots``."""
+        if p.keep is None and res.unplaced == 0:  # every miss inserted: positions and rows as fetched
+            rows_at = self._fill_inserted(res, fetched.rows, inserted=p.miss)
         else:
-            if row_of is None:
-                row_of = self._fetched_rows_of(unique.numel(), miss)
-            rows_at = self._fill_inserted(res, fetched.rows, row_of if keep is None else row_of[keep])
+            if p.row_of is None:
+                p.row_of = self._fetched_rows_of(u, p.miss)
+            rows_at = self._fill_inserted(res, fetched.rows, p.row_of if p.keep is None else p.row_of[p.keep])
         if res.unplaced == 0:  # no conflict miss: every kept key got a cache row
-            placed_keys, conflict, locked_slots = keep, empty, res.slots
+            p.placed, p.conflict, p.locked_slots = p.keep, p.empty, res.slots
         else:
             placed = (res.slots >= 0).nonzero().squeeze(1)
             unplaced = (res.slots < 0).nonzero().squeeze(1)
-            placed_keys, conflict = (i if keep is None else keep[i] for i in (placed, unplaced))
-            rows_at, locked_slots = rows_at[placed], res.slots[placed]
-        if placed_keys is None:  # every pair placed in the cache (the common case)
+            p.placed, p.conflict = (i if p.keep is None else p.keep[i] for i in (placed, unplaced))
+            rows_at, p.locked_slots = rows_at[placed], res.slots[placed]
+        if p.placed is None:  # every pair placed in the cache (the common case)
             addresses = rows_at
         else:
-            addresses = torch.full((unique.numel(),), -1, dtype=torch.int64, device=dev)
-            addresses[placed_keys] = rows_at
-        if in_pad.numel():
-            pad_slots = shared[in_pad]
-            addresses[in_pad] = self.in_flight.values[pad_slots]
+            addresses = torch.full((u,), -1, dtype=torch.int64, device=self.device)
+            addresses[p.placed] = rows_at
+        if p.in_pad.numel():
+            pad_slots = p.shared[p.in_pad]
+            addresses[p.in_pad] = self.in_flight.values[pad_slots]
             self.in_flight.locks[pad_slots] += 1
-        # scratch: conflict misses (owed to the backend) and keys not admitted (dropped)
-        owed = self._scratch(fetched.rows, row_of, addresses, conflict)
-        private = self._scratch(fetched.rows, row_of, addresses, dropped)
-        self._register_owed(unique[conflict], utab[conflict], owed)
-        refused = dropped if deferring is None else dropped[~torch.isin(dropped, deferring)]
-        # columns UNIQUE, HITS (in the cache or in a pad), MISSES: adjacent, one add per table
-        self._counts[:, UNIQUE:MISSES + 1] += torch.stack(
-            [per_region[regions : 2 * regions], per_region[regions : 2 * regions] - misses, misses], dim=1)
-        self._count((CONFLICTS, utab[conflict], None), (EVICTIONS, res.evicted_tables, None),
-                    (NOT_ADMITTED, utab[refused], None))
-        owed_pos = torch.cat([in_pad, conflict]) if in_pad.numel() or conflict.numel() else empty
-        locked = (unique, utab) if placed_keys is None else (unique[placed_keys], utab[placed_keys])
-        pf = CachePrefetch(unique, utab, inverse, addresses, *locked, locked_slots, self.index.generation,
-                           private, write_back=unique[owed_pos] if owed_pos.numel() else empty,
-                           write_back_tables=utab[owed_pos] if owed_pos.numel() else empty, bound=bound)
-        self._owing += bool(owed_pos.numel())
-        if deferring is not None:
-            pf.deferred = (deferring, step, counts[deferring])
-            self._pending.append(pf)
-        return pf
-
-    def _inserts_on_device(self) -> bool:
-        """Whether this batch's insertion runs on the device without a host read: every pair gets a
-        cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
-        batch is still owed (``in_flight``), and the backing store takes padded write-downs on this
-        device (host memory: ``GroupStore.padded_writes``)."""
-        return self.can_stage() and not self._owing and self.below.padded_writes and \
-            self.backend_device == self.device
-
-    def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
-                          counts: torch.Tensor, step: int, slots: torch.Tensor, per_region: torch.Tensor,
-                          info: list[int]) -> CachePrefetch:
-        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: the
-        pairs found locked and touched, the misses (``info``'s count of ``slots`` -1) inserted in the
-        dedup's order (``insert_rows``), each taking a victim's row or one of a pool of as many free
-        rows (from its end: a scratch row, where its bucket had no free way); the victims (padded to
-        the misses: ``RESERVED_KEY`` where a pair evicted none) gathered and written down to the host
-        store while the misses' rows are fetched from it (initial rows where it has none) into their
-        rows. Replayed
-        from a CUDA graph where one is captured (``_device_insert``). How many of the pool's rows were
-        taken, and which pairs got none (conflict misses, owed to the store at release), the host
-        learns later (``_owe_conflicts``)."""
-        regions, below = len(self.configs), self.below
-        misses = sum(info[:regions])
-        graphs = self._device_graphs_for(step)
-        u = unique.numel()
-        pairs = padded_size(u) if graphs else u
-        bound = min(pairs, 1 << (misses - 1).bit_length()) if graphs and misses else misses
-        armed, self._armed = self._armed, None
-        if armed is not None and armed.key != self._insert_key(pairs, bound):
-            self._give_back(armed)  # armed for other sizes (or segment tables, or a rehash since)
-            armed = None
-        if armed is None:
-            pool, hpool = self._lend(bound)
-        else:  # lent before the read (``arm``), the slot loaded
-            pool, hpool = armed.pool, armed.hpool
-        with label("## cache.insert ##"):
-            slot = None
-            if armed is not None:
-                slot = armed.slot
-                self._insert_graphs.replay(slot)
-                self.arms[0] += 1
-            elif graphs:
-                def insert(keys, tables, counts, pool, hpool, step, u):
-                    return self._device_insert(keys, tables, counts, pool, hpool, step, u, bound)
-
-                key = self._insert_key(pairs, bound)
-                slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, pool, hpool, step, u,
-                                                   lengths=(pairs,) * 3, capture=self.may_capture())
-            # the next batch is armed for these sizes only where a graph of them replayed (a thread
-            # that may not capture runs a shape no one captured eagerly: no arm would find a slot)
-            self._last_insert = None if slot is None else (pairs, bound)
-            write = self._write_stream()
-            if slot is None:  # eagerly, with the misses' exact count (the pools sized for a graph: cut)
-                self.store.free(pool[misses:])
-                pool = pool[:misses]
-                out = self._device_insert(unique, utab, counts, pool, hpool, step, None, misses)
-                settled = None
-            else:
-                out = slot.outputs
-                settled = functools.partial(self._graph_settled, slot, write)
-            slots, values, kinds, written, (down_at, down_order) = out
-            if slot is not None:  # the batch's own copies: the slot serves the next batch
-                slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
-            below.written(*written, hpool, settled)
-            # the victims' rows go down to the host store beside the rest of the step: nothing of this
-            # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
-            below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
-        pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
-        self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
-        self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
-        empty = unique[:0]
-        pf = CachePrefetch(unique, utab, inverse, values, unique, utab, slots, self.index.generation, empty,
-                           write_back=empty, write_back_tables=empty,
-                           lent=LentRows(pool, *self._to_host(kinds)))
-        self._inserting.append(pf)
-        return pf
-
-    def _device_graphs_for(self, step: int) -> bool:
-        """Whether the device insertion may replay a CUDA graph (as ``TableGroup._insert_graph``: on
-        the thread that may capture, the step an int, one built-in initializer)."""
-        if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
-                type(self._inits[0][0]).__module__ != "tieredemb.init":
-            return False
-        if self._insert_graphs is None:
-            self._insert_graphs = CapturedStages(self.device, (torch.int64,) * 7, max_slots=8,
-                                                 what="the cache's insertion")
-        return True
-
-    def _device_insert(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                       pool: torch.Tensor, hpool: torch.Tensor, step: int | torch.Tensor,
-                       u: torch.Tensor | None, bound: int):
-        """``_insert_on_device``'s device work: ``keys``, ``tables``, ``counts`` the batch's pairs (the
-        first ``u``, int64 () on the device, of them when padded for a graph; None: all), ``bound``
-        the misses (padded: at least them), ``pool`` and ``hpool`` that many free rows of the cache
-        and of the host store. Returns (slots, values, kinds), each pair's slot (-1: a conflict miss)
-        and row, and ``insert_rows``'s counts; and the host store's upsert (keys, tables, rows, their
-        addresses, its counts) for ``written``."""
-        if u is None:
-            slots, values, _ = self.index.find_touch(keys, tables, step, counts)  # lock, touch the found
-        else:
-            slots, values, _ = self.index.find_touch(keys, tables, step, counts, u)
-            padding = torch.arange(keys.numel(), device=self.device) >= u
-            slots.masked_fill_(padding, 0)  # no miss
-            # and of a valid table: an armed insertion's padding is what the staged graph left there
-            # (``arm``), and the insertion's sort reads each pair's region by its table
-            tables = tables.masked_fill(padding, 0)
-        evicted = torch.empty(bound, dtype=torch.int64, device=self.device)
-        padded = {} if u is None else {"padded": True}  # (the Triton index's: a graph's)
-        pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, bound, step, pool,
-                                                  evicted=evicted, **padded)
-        # the victims' rows go down to the host store while the misses' rows come up from it
-        # (opposite PCIe directions; different host rows: a victim was cached, a miss was not), each
-        # in the order of its host rows (the order they move fastest). First, on this stream: the
-        # misses located (the upsert then changes the host index), the victims' rows gathered (the
-        # fetch then overwrites them). The read then runs beside the initial rows and the upsert: the
-        # two directions share one limit of host access (~52 GB/s together on an H200),
-        # so the link is best kept busy from the read's start; and the victims' write slows every
-        # kernel beside it (x10-x25: its stores to host memory hold the SMs' memory pipes).
-        vtables, victim = tables[pos], evicted != RESERVED_KEY
-        wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
-        located, found = self.below.locate(wanted, vtables)
-        down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
-        with self._beside() as fetching:  # (what it reads from this stream stays referenced to the join)
-            fetch = self.below.address_order(located)
-            self.below.copy_in_order(located[fetch], self.store, rows[fetch])
-        # the misses the store lacks take initial rows (HBM work: beside the read, not the write)
-        self.kernels.scatter(self.store, torch.where(found, -1, rows), self._initial_weights(wanted, vtables))
-        addresses, hcounts = self.below.upsert_keys(evicted, vtables, hpool)
-        order = self.below.address_order(addresses)
-        fetching.join()
-        # rows moved per table: victims (``insert_rows``'s count), misses the store had
-        self._moved[1] += kinds[2]
-        self._moved[0] += _per_table(vtables, found, len(self.configs))
-        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order)
-
-    def _graph_settled(self, slot, write: torch.cuda.Stream | None) -> None:
-        """The host store has read the counts of the insertion replayed on ``slot``: the slot serves
-        another batch once the current stream's work so far and the victims' write-down (queued on
-        ``write`` at the insertion, maybe by another thread) are done."""
-        if write is not None:
-            write.wait_stream(torch.cuda.current_stream(self.device))
-        self._insert_graphs.release(slot, write)
-
-    def _beside(self) -> _Beside:
-        """A side stream of the current one (its priority) for work that may overlap the current
-        stream's (inside a capture: a branch of the graph); on the CPU, the current stream itself."""
-        if self.device.type != "cuda":
-            return _Beside(None)
-        current = torch.cuda.current_stream(self.device)
-        return _Beside(self._side_stream(current.priority, 0), current)
-
-    def _write_stream(self) -> torch.cuda.Stream | None:
-        """The stream of the victims' write-downs beside the current stream (of its priority; None
-        on the CPU): not the capture's side stream (``_beside``), as it runs outside the graphs."""
-        if self.device.type != "cuda":
-            return None
-        return self._side_stream(torch.cuda.current_stream(self.device).priority, 1)
-
-    def _side_stream(self, priority: int, use: int) -> torch.cuda.Stream:
-        side = self._side_streams.get((priority, use))
-        if side is None:
-            side = self._side_streams[(priority, use)] = torch.cuda.Stream(self.device, priority=priority)
-        return side
+        return addresses
 
     def place_overflow(self) -> None:
-        """Besides ``TableGroup``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
+        """Besides ``DeviceTier``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
         before anything reads the index, the scratch pads or the free rows."""
         super().place_overflow()
         self._owe_conflicts()
-
-    def _owe_conflicts(self) -> None:
-        """Read the counts of the batches inserted on the device, oldest first (waiting for them; by
-        the next prefetch they are long done): the pool rows a batch did not take go back to the
-        store; its conflict misses' scratch rows become owed to the backing store as an earlier
-        path's are (``in_flight``: shared by later batches, written down at the last release)."""
-        regions = len(self.configs)
-        if self._inserting:
-            self.below.settle()  # the host store's upserts first: they may hold a graph's slot
-        while self._inserting:
-            pf = self._inserting.pop(0)
-            lent, pf.lent = pf.lent, None
-            if lent.ready is not None:
-                lent.ready.synchronize()
-            unused, scratch = lent.split(regions)
-            if lent.ready is not None:  # its pinned buffer serves a later batch
-                self._count_buffers.append(lent.counts)
-            self.store.free(unused)
-            lacking = scratch.numel()
-            if lacking:
-                conflict = torch.nonzero_static(pf.locked_slots < 0, size=lacking).squeeze(1)
-                keys, tables = pf.unique_keys[conflict], pf.unique_tables[conflict]
-                self._register_owed(keys, tables, pf.addresses[conflict])
-                pf.write_back, pf.write_back_tables = keys, tables
-                self._owing += 1
 
     def _fetched_rows_of(self, n: int, miss: torch.Tensor) -> torch.Tensor:
         """int64 (n,): the row of each position in the fetch of ``miss`` (its positions), -1 elsewhere."""
@@ -641,7 +363,7 @@ class CacheGroup(TableGroup):
             return
         freed = self.index.erase(keys, tables)
         self.store.free(freed)
-        self._drain()  # a queued write-down of the key must not bring it back after the delete
+        self.writes.drain()  # a queued write-down of the key must not bring it back after the delete
         self.below.delete(keys.to(self.backend_device), tables.to(self.backend_device))
 
     def _prefetch_eval(self, unique: torch.Tensor, utab: torch.Tensor,
@@ -672,13 +394,9 @@ class CacheGroup(TableGroup):
         """Backing-store rows of the pairs. Every earlier write-down is taken first (the store then
         answers with the newest rows); a write-down that failed is retried, and raised if it fails
         again, before anything changes."""
-        self._drain()
         bdev = self.backend_device
         keys, tables = keys.to(bdev), tables.to(bdev)
-        if self.io is None:
-            got = self.below.get(keys, tables)
-        else:
-            got = self.io.submit(self.below.get, keys, tables).result()
+        got = self.writes.get(keys, tables)
         if self.bound is not None:  # a row a bounded table dropped may outlive its delete
             got.found &= self._held(keys, tables).to(got.found.device)
         self._moved[0].index_add_(0, tables, got.found.to(torch.int64))
@@ -733,68 +451,7 @@ class CacheGroup(TableGroup):
         if keys.numel() == 0:
             return
         rows = self.kernels.gather(self.store, addresses, self.width)
-        self._keep(keys, tables, rows)
-
-    def _keep(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
-        """Hold distinct pairs' rows until the backing store has taken them, and hand them to it."""
-        bdev = self.backend_device
-        pending = _Pending(keys.to(bdev), tables.to(bdev), rows.to(bdev))
-        self._unwritten.append(pending)
-        if self._write_error is None:  # after a failure, later rows wait for it: order matters
-            self._send(pending)
-
-    def _send(self, pending: _Pending) -> None:
-        """Write ``pending`` down: on the I/O worker (returns at once), or here. Never raises: a
-        failure is kept for the next call."""
-        try:
-            if self.io is not None:
-                pending.handle = self.io.submit(self.below.set, pending.keys, pending.tables,
-                                                pending.rows, True)
-                return
-            self.below.set(pending.keys, pending.tables, pending.rows, True)
-        except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
-            self._write_error = self._write_error or e
-            return
-        self._taken(pending)
-
-    def _taken(self, pending: _Pending) -> None:
-        self._unwritten.remove(pending)
-        self._moved[1].index_add_(0, pending.tables, (pending.keys != RESERVED_KEY).to(torch.int64))
-
-    def _settle(self) -> None:
-        """Wait for the write-downs on the I/O worker; keep the ones that failed (or were refused
-        behind a failure) for a retry."""
-        for pending in list(self._unwritten):
-            if pending.handle is None:
-                continue
-            handle, pending.handle = pending.handle, None
-            try:
-                handle.result()
-            except BackendError as e:
-                self._write_error = self._write_error or e.__cause__ or e
-                continue
-            self._taken(pending)
-
-    def _drain(self) -> None:
-        """Every row written down so far is in the backing store when this returns. Rows of a
-        failed write-down are retried, in order; if that fails too, ``BackendError`` chained to the
-        cause (the rows are still kept, and retried at the next call)."""
-        self._settle()
-        if not self._unwritten:
-            self._write_error = None
-            return
-        self._write_error = None
-        for pending in list(self._unwritten):
-            self._send(pending)
-            if self._write_error is not None:
-                break
-        self._settle()
-        if self._write_error is not None:
-            cause, self._write_error = self._write_error, None
-            tables = torch.cat([p.tables for p in self._unwritten]).unique().tolist()
-            n = sum(p.keys.numel() for p in self._unwritten)
-            raise BackendError(f"tables {[self.names[t] for t in tables]}: writing {n} rows down to the "
-                               "backing store failed; they are kept and retried at the next call") from cause
+        self.writes.keep(keys, tables, rows)
 
     # ---------------------------------------------------------------------------------- release
     def holds(self, pf: GroupPrefetch) -> bool:
@@ -865,17 +522,17 @@ class CacheGroup(TableGroup):
         self.kernels.scatter(self.store, self._slot_rows(res)[placed], rows[placed])
         spill = (res.slots < 0).nonzero().squeeze(1)
         if spill.numel():
-            self._keep(keys[spill], tables[spill], rows[spill])
+            self.writes.keep(keys[spill], tables[spill], rows[spill])
         self._count((EVICTIONS, res.evicted_tables, None))
 
     def flush(self) -> None:
         """Write every cached row down (the backends alone then hold the tables) and flush them."""
         self.place_overflow()
-        self._drain()
+        self.writes.drain()
         for t in range(len(self.configs)):
             keys, addresses, _ = self.index.export(t)
             self._write_down(keys, self._tables_of(t, keys), addresses)
-        self._drain()
+        self.writes.drain()
         self.below.flush()
 
     def export(self, table: int) -> TableRows:
@@ -900,7 +557,7 @@ class CacheGroup(TableGroup):
         """Cached rows (with their scores), rows still owed by a batch in flight (a conflict miss's
         scratch row, newer than the store's), then the backing store's other rows (scores 0), in
         chunks of at most ``rows``: the store is scanned, never loaded whole."""
-        self._drain()
+        self.writes.drain()
         seen = []
         for keys, full, scores in super().export_chunks(table, rows):
             seen.append(keys)
@@ -931,8 +588,8 @@ class CacheGroup(TableGroup):
                 placed = (res.slots >= 0).nonzero().squeeze(1)
                 self.bound.scores[res.slots[placed]] = scores[placed].to(self.device)
                 keys, tables, rows = keys[placed], tables[placed], rows[placed]
-            self._keep(keys, tables, rows)
-            self._drain()
+            self.writes.keep(keys, tables, rows)
+            self.writes.drain()
 
     def delete_rows(self, table: int, keys: torch.Tensor) -> None:
         """Remove rows from the cache and the backing store."""
@@ -940,20 +597,20 @@ class CacheGroup(TableGroup):
             super().delete_rows(table, keys)
             if self.bound is not None:
                 self.bound.erase(keys, self._tables_of(table, keys))
-            self._drain()
+            self.writes.drain()
             self.below.table(table).delete(keys.to(self.backend_device))
 
     def is_empty(self) -> bool:
-        self._drain()
+        self.writes.drain()
         return self.index.size() == 0 and all(b.size() == 0 for b in self.below.backends)
 
     def stats(self, table: int, backend_rows: bool = True) -> TableStats:
-        """As ``TableGroup.stats``; ``backend_rows=False`` skips counting the backend's rows (a
+        """As ``DeviceTier.stats``; ``backend_rows=False`` skips counting the backend's rows (a
         scan of every key in RocksDB)."""
         out = super().stats(table)
         out.rows = {"device": self.index.size(table)}
         if backend_rows:
-            self._drain()
+            self.writes.drain()
             out.rows["backend"] = self.below.table(table).size()
         out.capacity = self.index.capacity(table)
         fetched, written = (self._moved[:, table] * self.width * 4).tolist()
@@ -968,7 +625,6 @@ class CacheGroup(TableGroup):
 
     def close(self) -> None:
         try:
-            if self.io is not None:
-                self.io.close()
+            self.writes.close()
         finally:
             self.below.close()

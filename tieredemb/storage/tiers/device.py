@@ -16,169 +16,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, KeyIndex, Region, region_counts
-from tieredemb.modules.capture import CapturedStages, Slot, padded_size
-from tieredemb.ops import to_host_later
+from tieredemb.ops.capture import CapturedStages
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
-
-
-@dataclass
-class TableRows:
-    """A table's stored rows (``export``). Row order is unspecified.
-
-    keys: int64 (n,); weights: float32 (n, D); optimizer_state: float32 (n, S); scores: int64 (n,)
-    """
-
-    keys: torch.Tensor
-    weights: torch.Tensor
-    optimizer_state: torch.Tensor
-    scores: torch.Tensor
-
-
-@dataclass
-class TableStats:
-    """Counters of one table since construction.
-
-    ``rows``: tier -> rows stored there; ``bytes_moved``: "src->dst" -> bytes copied between tiers;
-    ``memory_bytes``: tier -> bytes of the table's stored rows (weights and optimizer state);
-    ``index_bytes``: where -> bytes of the key indexes the table's rows are found through (its part of
-    each: the table's or device cache's, a capacity bound's, admission counts, a host-memory store's),
-    "device" the compute device's memory (where a host-memory store keeps its index on CUDA),
-    "host" host memory.
-    """
-
-    rows: dict[str, int]
-    capacity: int | None
-    lookups: int = 0
-    unique_lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    conflict_misses: int = 0
-    evictions: int = 0
-    not_admitted: int = 0
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    memory_bytes: dict[str, int] = field(default_factory=dict)
-    index_bytes: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class GroupPrefetch:
-    """What prefetch resolved for one group of one batch.
-
-    unique_keys, unique_tables: int64 (u,) the batch's distinct (table, key) pairs; inverse: int64
-    (n,) id -> unique position; addresses: int64 (u,) row address per pair (-1: read as zeros, never
-    updated: eval misses); locked, locked_tables: (l,) pairs whose slots this batch locked, at
-    ``locked_slots`` while the index is at rehash ``generation``; scratch: int64 (s,) addresses to free.
-    """
-
-    unique_keys: torch.Tensor
-    unique_tables: torch.Tensor
-    inverse: torch.Tensor
-    addresses: torch.Tensor
-    locked: torch.Tensor
-    locked_tables: torch.Tensor
-    locked_slots: torch.Tensor
-    generation: int
-    scratch: torch.Tensor
-    # bounded tables under a pipeline: misses whose bucket held rows of an earlier batch still in
-    # flight, placed when that batch is released (as a plain loop would): (positions, step, counts)
-    deferred: tuple[torch.Tensor, int, torch.Tensor] | None = None
-    holds_locks: bool = False  # counted in its group's batches holding locks of a bounded index
-    sorted_ids: IdOrder | None = None  # the dedup's sort, reused by the gradient reduction
-    id_addresses: torch.Tensor | None = None  # int64 (n,) addresses[inverse], when made before the read
-    lent: LentRows | None = None  # the rows of a pool this batch took its new rows from
-    # int64 (u,) occurrences of each pair in the batch, where admission counted them (a checkpoint
-    # taken while the batch is in flight leaves them out: its prefetch is redone after a resume)
-    counts: torch.Tensor | None = None
-
-
-@dataclass
-class LentRows:
-    """A pool of free rows (``pool``: int64 (m,) addresses, popped from the store) that an insertion
-    on the device took rows from without telling the host how many: ``counts`` (int64 (3R,), host
-    memory: ``insert_rows``'s counts per region, valid once ``ready`` has passed; ``ready`` None on
-    the CPU) says it. Those taken from its start now belong to the table, the last ones of the
-    misses' part (a pool padded for a CUDA graph is longer: ``insert_rows`` takes a scratch row from
-    the end of the misses it counts, not of the pool) are the batch's scratch rows, the others were
-    not used: they go back to the store as soon as the counts are read (``pool`` is then the scratch
-    rows, ``counts`` None), the scratch rows once the batch is released."""
-
-    pool: torch.Tensor
-    counts: torch.Tensor | None
-    ready: torch.cuda.Event | None
-    released: bool = False
-
-    def split(self, regions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the rows no table took, the batch's scratch rows), from the counts read."""
-        counts = self.counts.tolist()
-        taken, lacking, victims = (sum(counts[k * regions : (k + 1) * regions]) for k in range(3))
-        end = taken + lacking + victims  # the misses: each took a pool row from one end or a victim's
-        unused = torch.cat([self.pool[taken : end - lacking], self.pool[end:]])
-        return unused, self.pool[end - lacking : end]
-
-
-@dataclass
-class Overflow:
-    """A batch of unbounded tables whose misses were inserted on the device (``TableGroup._inserted``),
-    until ``TableGroup.place_overflow`` has read ``counts``: a pair whose bucket was full has its row
-    in ``values`` and slot -1 in ``slots`` (of the batch's ``keys``, ``tables``, ``occurrences``, int64
-    (u,)); ``counts`` (int64 (3R,), host memory) is ``insert_rows``'s count per region, valid once
-    ``ready`` has passed (None on the CPU)."""
-
-    keys: torch.Tensor
-    tables: torch.Tensor
-    occurrences: torch.Tensor
-    slots: torch.Tensor
-    values: torch.Tensor
-    step: int | torch.Tensor
-    counts: torch.Tensor
-    ready: torch.cuda.Event | None
-
-
-@dataclass
-class IdOrder:
-    """The dedup's sort of a batch's ids: ``order`` int64 (n,) the ids grouped by distinct pair (the
-    kernels' ``id_order``), ``entries`` int64 (u,) ids per pair. Lets the gradient reduction sum each
-    pair's ids in one fixed order without sorting again."""
-
-    order: torch.Tensor
-    entries: torch.Tensor
-    # the backward's gradient source (int64 (n,)) and scale (float32 (n,) or None) of each id, in
-    # ``order``'s order (``src_of_id[order]``), when made with the prefetch: the reduction then reads
-    # them directly, one dependent load an id fewer
-    sources: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
-    plan: tuple[torch.Tensor, ...] | None = None  # the kernels' reduction plan (``reduce_plan``)
-
-
-@dataclass
-class StagedPrefetch:
-    """``TableGroup.stage_prefetch``'s device state, padded to the batch's n ids: the first u
-    entries of keys, tables, counts, slots and values are the batch's distinct pairs."""
-
-    keys: torch.Tensor
-    tables: torch.Tensor
-    inverse: torch.Tensor
-    counts: torch.Tensor
-    order: torch.Tensor  # the dedup's sort of the ids (``IdOrder.order``)
-    slots: torch.Tensor
-    values: torch.Tensor
-    per_region: torch.Tensor
-    step: int
-    id_values: torch.Tensor | None = None  # int64 (n,) values[inverse]: each id's row if it was found
-
-
-# columns of the per-table device counters
-UNIQUE, HITS, MISSES, CONFLICTS, EVICTIONS, NOT_ADMITTED = range(6)
-REFUSED = -3  # the slot of a pair an admission policy keeps out (below -1: ``complete`` leaves it out)
+from tieredemb.storage.tiers.device_insert import DeviceInsertion
+from tieredemb.storage.tiers.parts import (
+    CONFLICTS,
+    EVICTIONS,
+    REFUSED,
+    UNIQUE,
+    GroupPrefetch,
+    IdOrder,
+    LentRows,
+    Overflow,
+    StagedPrefetch,
+    TableRows,
+    TableStats,
+    unique_pairs,
+)
 
 
 def _initial_slots(config: TableConfig) -> int:
@@ -189,25 +51,7 @@ def _initial_slots(config: TableConfig) -> int:
     return 2 * min(config.bounded_rows or 4096, 1 << 16)
 
 
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, num_tables: int, kernels: TorchKernels,
-                 occurrences: torch.Tensor | None = None):
-    """Distinct (table, key) pairs of ``ids`` (int64 (n,)) -> keys (u,), tables (u,), inverse (n,),
-    counts (u,): the occurrences of each pair (the sum of ``occurrences`` where the entries carry
-    counts of their own), and the sort (``IdOrder``). The pairs come in the kernels' ``id_order``
-    (table by table, by a hash of the pair: deterministic, not by key). One host sync (the count)."""
-    order, skeys, stables = kernels.id_order(ids, tables, num_tables)
-    if ids.numel() == 0:
-        return ids, tables, ids, ids, IdOrder(order, ids)
-    keys, utab, inverse, entries = kernels.sorted_runs(skeys, stables, order)
-    if occurrences is None:
-        counts = entries
-    else:
-        counts = torch.zeros(keys.numel(), dtype=torch.int64, device=ids.device)
-        counts.index_add_(0, inverse, occurrences)
-    return keys, utab, inverse, counts, IdOrder(order, entries)
-
-
-class TableGroup:
+class DeviceTier(DeviceInsertion):
     """Tables of one row width whose rows all live on the compute device (CPU or CUDA), or on
     the device first and in host memory after (hybrid).
 
@@ -462,149 +306,6 @@ class TableGroup:
             pf.deferred = (pos, step, counts[pos])
             self._pending.append(pf)
         return pf
-
-    def _inserted(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor,
-                  step: int | torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-                  per_region: torch.Tensor, info: list[int]) -> GroupPrefetch:
-        """``_placed`` of a group whose tables are all bounded or all unbounded, with pairs at slot
-        -1 (``info``: its read) and none held back: inserted on the device (``insert_rows``), their
-        rows from a pool of as many free rows (the store's next), initialized; no host read.
-        Counters on the device too. Unbounded regions grow first as ``complete`` grows them (before
-        their load would pass the limit); a pair whose bucket is full all the same keeps its row
-        from the pool and is inserted by ``place_overflow`` before the index is used again."""
-        regions = len(self.configs)
-        misses = sum(info[:regions])
-        if self.index.bounded:
-            self._take_back()
-        else:
-            self.index.reserve_regions([m + s for m, s in zip(info[:regions], info[regions : 2 * regions])])
-        pool = self.store.peek(misses)
-        self.store.pop(misses)
-        kinds = self._insert_rows(keys, tables, counts, slots, values, misses, step, pool)
-        self._count_probe(per_region, None)
-        if not self.index.bounded:  # every row of the pool is a pair's now, none is lent
-            self._overflow.append(Overflow(keys, tables, counts, slots, values, step, *self._to_host(kinds)))
-            none = keys[:0]
-            return GroupPrefetch(keys, tables, inverse, values, none, none, none, self.index.generation, none)
-        self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
-        self._holding += 1
-        pf = GroupPrefetch(keys, tables, inverse, values, keys, tables, slots, self.index.generation,
-                           keys[:0], holds_locks=True, lent=LentRows(pool, *self._to_host(kinds)))
-        self._lent.append(pf.lent)
-        return pf
-
-    def _insert_rows(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                     slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                     pool: torch.Tensor) -> torch.Tensor:
-        """``index.insert_rows`` and the new rows' initial values; its counts per region. Replayed
-        from a CUDA graph of the batch's padded sizes where one is captured (``_insert_graph``);
-        ``slots`` and ``values`` are written in place either way."""
-        slot = self._insert_graph(keys, tables, counts, slots, values, misses, step, pool)
-        if slot is None:
-            pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, misses, step, pool)
-            self._initialize(keys[pos], tables[pos], rows)
-            return kinds
-        graph_slots, graph_values, kinds = slot.outputs
-        u = keys.numel()
-        slots.copy_(graph_slots[:u])
-        values.copy_(graph_values[:u])
-        kinds = kinds.clone()
-        self._insert_graphs.release(slot, None)
-        return kinds
-
-    def _insert_graph(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                      slots: torch.Tensor, values: torch.Tensor, misses: int, step: int | torch.Tensor,
-                      pool: torch.Tensor) -> Slot | None:
-        """The insertion replayed from a CUDA graph (``CapturedStages``; the slot held, None where it
-        runs eagerly): the batch's u pairs padded to a bucket (``padded_size``) and its misses to a
-        power of two, the pairs past u marked found, the misses counted on the device. A graph bakes
-        in the index's tables (its key holds the rehashes so far) and the row store's segment table
-        (its address). Only on the thread that may capture (``may_capture``, the collection's forward
-        thread: a capture must not meet another thread's device-wide wait), with the step an int
-        and one built-in initializer (several take a host read to split the keys)."""
-        if self.may_capture is None or not isinstance(step, int) or self._inits[0][1] is not None or \
-                type(self._inits[0][0]).__module__ != "tieredemb.init":
-            return None
-        if self._insert_graphs is None:
-            dtypes = (keys.dtype, tables.dtype, counts.dtype, slots.dtype, values.dtype, pool.dtype,
-                      torch.int64, torch.int64)
-            self._insert_graphs = CapturedStages(self.device, dtypes, max_slots=8, what="the insertion")
-        u = keys.numel()
-        # the misses padded to a power of two: their count drifts from step to step (a table from
-        # scratch finds fewer new keys each step), and each new bound is an eager run and a capture
-        pairs = padded_size(u)
-        bound = min(pairs, 1 << (misses - 1).bit_length())
-        # the segment table taken on the stream the graph replays on: it waits there for a stash's
-        # copy (a wait captured in the graph would invalidate the capture)
-        key = (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr())
-
-        def insert(keys, tables, counts, slots, values, pool, step, u):
-            slots.masked_fill_(torch.arange(pairs, device=self.device) >= u, 0)  # not a miss
-            pos, rows, kinds = self.index.insert_rows(keys, tables, counts, slots, values, bound, step, pool,
-                                                      padded=True)
-            self._initialize(keys[pos], tables[pos], rows)
-            return slots, values, kinds
-
-        return self._insert_graphs.acquire(key, insert, keys, tables, counts, slots, values, pool, step, u,
-                                           lengths=(pairs,) * 5 + (bound,), capture=self.may_capture())
-
-    def _to_host(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """``counts`` (int64 (3, R) on the device) copied to the host behind the work queued (a pinned
-        buffer kept from an earlier batch, or a new one) and the event after which the copy holds
-        them (on the CPU: ``counts`` itself, None)."""
-        return to_host_later(counts.view(-1), self._count_buffers)
-
-    def place_overflow(self) -> None:
-        """Insert the pairs of unbounded tables that the device insertion of earlier batches left
-        without a slot (their bucket was full; rare below the load limit): a region with a full
-        bucket doubles first, as ``complete`` doubles it, and each pair takes the row its batch
-        trained (``insert_rows`` with its own rows; a pair whose bucket is full again comes round
-        once more). Runs first in every verb that reads or changes the index (waiting for those
-        batches' counts if they are not on the host yet), so nothing sees the index without them."""
-        regions = len(self.configs)
-        while self._overflow:
-            batch = self._overflow.pop(0)
-            if batch.ready is not None:
-                batch.ready.synchronize()
-            full = batch.counts.tolist()[regions : 2 * regions]
-            if batch.ready is not None:  # its pinned buffer serves a later batch
-                self._count_buffers.append(batch.counts)
-            if not any(full):
-                continue
-            self.index.double([r for r, f in enumerate(full) if f])
-            n = sum(full)
-            pos = torch.nonzero_static(batch.slots == -1, size=n).squeeze(1)
-            keys, tables = batch.keys[pos], batch.tables[pos]
-            occurrences, rows = batch.occurrences[pos], batch.values[pos]
-            slots, values = torch.full_like(pos, -1), rows.clone()
-            kinds = self.index.insert_rows(keys, tables, occurrences, slots, values, n, batch.step, rows,
-                                           own_rows=True)[2]
-            self._overflow.append(Overflow(keys, tables, occurrences, slots, values, batch.step,
-                                           *self._to_host(kinds)))
-
-    def _take_back(self, wait: bool = False) -> None:
-        """Give the store back the rows of lent pools that no table took: the unused ones of each
-        pool whose counts have reached the host (waiting for those of released batches, with
-        ``wait``), the scratch rows of released batches."""
-        for lent in list(self._lent):
-            if lent.counts is not None:
-                if lent.ready is not None:
-                    if wait and lent.released:
-                        lent.ready.synchronize()
-                    elif not lent.ready.query():  # not read yet: a later call takes it back
-                        continue
-                self._trim(lent)
-            if lent.released:
-                self.store.free(lent.pool)
-                self._lent.remove(lent)
-
-    def _trim(self, lent: LentRows) -> None:
-        """``lent``'s unused rows back to the store, its pool cut to the batch's scratch rows."""
-        unused, lent.pool = lent.split(len(self.configs))
-        self.store.free(unused)
-        if lent.ready is not None:  # its pinned buffer serves a later batch
-            self._count_buffers.append(lent.counts)
-        lent.counts = None
 
     def _count_probe(self, per_region: torch.Tensor, refused: torch.Tensor | None) -> None:
         """Counters of one batch's probe (``per_region``: misses, pairs, contested pairs per table;
