@@ -259,3 +259,43 @@ def test_redis_out_of_memory_is_not_retried(redis_factory):
     assert_chained(info.value, "maxmemory")
     assert "MSET" not in str(info.value)  # the binary command is not echoed
     backend.close()
+
+
+def test_a_write_down_queued_behind_a_failed_one_reports_the_stores_own_error():
+    """The cache's write-downs go to an I/O worker. When a second one is handed over after the first
+    failed on the worker (the failure not reported yet), the error the cache raises is chained to the
+    store's own exception, not to the worker's wrapper of it; both batches' rows are kept and land
+    once the store takes writes again."""
+    from tieredemb.storage.backend import GroupStore
+    from tieredemb.storage.tiers.write_down import WriteDowns
+
+    failing = {"set": True}
+
+    class Full(DictBackend):
+        def set(self, keys, rows):
+            if failing["set"]:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().set(keys, rows)
+
+    backend = Full(2)
+    downs = WriteDowns(GroupStore([backend]), ["t"], torch.zeros(1, dtype=torch.int64))
+    tables = torch.zeros(2, dtype=torch.int64)
+    downs.keep(torch.tensor([1, 2]), tables, torch.ones(2, 2))
+    first = downs.unwritten[0].handle
+    deadline = time.monotonic() + 10
+    while not first.done() and time.monotonic() < deadline:  # the worker has run (and failed) it
+        time.sleep(0.01)
+    # handing the second over meets the first's failure (the worker raises it, wrapped, at submit);
+    # what the cache keeps for its next call is the store's own error: a drain whose resend meets
+    # the failure that way raises chained to it
+    downs.keep(torch.tensor([3, 4]), tables, torch.full((2, 2), 2.0))
+    assert isinstance(downs.error, OSError), repr(downs.error)
+    with pytest.raises(BackendError) as info:
+        downs.drain()
+    assert isinstance(info.value.__cause__, OSError), repr(info.value.__cause__)
+    failing["set"] = False
+    downs.drain()
+    got = backend.get(torch.tensor([1, 2, 3, 4]))
+    assert bool(got.found.all())
+    torch.testing.assert_close(got.rows, torch.tensor([[1.0, 1.0]] * 2 + [[2.0, 2.0]] * 2))
+    downs.close()

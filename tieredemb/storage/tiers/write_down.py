@@ -72,7 +72,8 @@ class WriteDowns:
                 return
             self.below.set(pending.keys, pending.tables, pending.rows, True)
         except Exception as e:  # noqa: BLE001 - any backend failure: keep the rows, report later
-            self.error = self.error or e
+            # the I/O worker's submit raises an earlier task's failure wrapped: keep the store's own
+            self.error = self.error or (e.__cause__ if isinstance(e, BackendError) and e.__cause__ else e)
             return
         self._taken(pending)
 
