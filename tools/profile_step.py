@@ -341,7 +341,6 @@ def host_times(ebc, kjts, grad, args) -> None:
 
 def extra_timers(ebc, args, timed, timer) -> None:
     """The cache's and the index's own calls (cache workload); each launch with ``--launches``."""
-    from tieredemb.modules import collection
     from tieredemb.storage.tiers import cache as cache_table
 
     if args.workload == "cache":
@@ -359,8 +358,9 @@ def extra_timers(ebc, args, timed, timer) -> None:
         for name in ("acquire", "release"):
             timed(CapturedStages, name, f"    graphs {name}")
         timed(torch.cuda.CUDAGraph, "replay", "    graph replay")
-        for name in ("_finish_staged", "_stage", "_replay_staged"):
-            timed(collection.CollectionBase, name, f"    collection {name}")
+        from tieredemb.modules.staged import StagedPrefetcher
+        for name in ("finish", "stage", "_replay_staged"):
+            timed(StagedPrefetcher, name, f"    staged {name}")
         timed(type(ebc.tiers[0]), "finish_prefetch", "    group finish_prefetch")
         for name in ("peek", "free"):
             timed(RowStore, name, f"    rows {name}")

@@ -63,7 +63,7 @@ class StagedPrefetcher:
         read for the checks, the dedup and the probe together instead of one each; ``group``: the
         only one, or None for every group together): a replayed CUDA graph when the batch's shape was
         seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
-        for ``_finish_staged`` to take later."""
+        for ``finish`` to take later."""
         for g in self.tiers if group is None else [group]:
             g.place_overflow()  # before a graph is chosen by the index's shape
         slot = self._replay_staged(given, group, step)
