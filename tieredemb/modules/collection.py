@@ -128,7 +128,7 @@ class CollectionBase(nn.Module):
         self._table_names = [t.name for t in tables]
         members = group_tables(tables)
         self.tiers = build_tiers(self.storage_mode, tables, members, optimizer, storage, self.seed,
-                                     self.device, self.kernels, self.world)
+                                 self.device, self.kernels, self.world)
         # where the keys live: this process, or the ranks of the group (each rank's tiers its shard)
         self.placement = (LocalPlacement(self.tiers) if process_group is None
                           else RowWiseSharding(self.tiers, self.kernels, self.device, process_group))
@@ -176,6 +176,7 @@ class CollectionBase(nn.Module):
             captured = CapturedStages(self.device, (torch.int64,) * 2 + (torch.float32,) + (torch.int64,) * 2)
             for group in self.tiers:  # and the insertion of misses, by the thread that may capture
                 group.may_capture = self._on_forward_thread
+
         def clock_to(step: int) -> None:
             self._clock = step
 
@@ -217,8 +218,7 @@ class CollectionBase(nn.Module):
     def prefetch_deferred(self, kjt: object) -> None:
         """``prefetch`` without waiting for the device: where the batch's prefetch is staged (a
         training batch without admission policy, sharding or stashing; in cache mode without bounded
-        tables),
-        its device work is queued and its one host read (the checks' verdict, the distinct keys, the
+        tables), its device work is queued and its one host read (the checks' verdict, the distinct keys, the
         misses) waits until the batch is needed: its forward, or the next change to the tables. A
         bad batch then raises at its forward. Otherwise the same as ``prefetch``. Made for a loop
         that prefetches batch i+1 between forward i and backward i (``TrainPipeline``): backward i's
