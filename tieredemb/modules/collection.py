@@ -53,7 +53,7 @@ from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows
+from tieredemb.storage.tiers.parts import TableRows
 from tieredemb.storage.tiers.plan import build_tiers, group_tables, select_mode
 
 
@@ -528,8 +528,8 @@ class CollectionBase(nn.Module):
     # ------------------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict:
         """What a checkpoint records of the collection besides its rows."""
-        self._settle()  # a deferred prefetch's clock counts, as its rows do
-        return {"step": self.step, "clock": self.retired_clock(), "seed": self.seed,
+        clock = self.retired_clock()  # the deferred prefetches settled first: their clock counts
+        return {"step": self.step, "clock": clock, "seed": self.seed,
                 "optimizer": type(self.optimizer).__name__,
                 "tables": {t.name: {"dim": t.embedding_dim,
                                     "width": t.embedding_dim + self.optimizer.state_width(t.embedding_dim)}
@@ -546,27 +546,22 @@ class CollectionBase(nn.Module):
         """Keys counted toward admission and their counts as of the last step taken: the batches in
         flight counted theirs at prefetch, and a resumed run prefetches them again."""
         group, i, _ = self._table(table)
+        g = self._where[table][0]
         with self.mutating():
-            keys, counts = group.admission_counts(i)
-            keys, counts = keys.cpu(), counts.cpu().clone()
-            for pf in self._in_flight_parts(group):
-                if pf.counts is None or keys.numel() == 0:
-                    continue
-                mine = pf.unique_tables == i
-                ik, ic = pf.unique_keys[mine].cpu(), pf.counts[mine].cpu()
-                order = torch.argsort(ik)
-                ik, ic = ik[order], ic[order]
-                at = torch.searchsorted(ik, keys).clamp(max=max(ik.numel() - 1, 0))
-                hit = (ik[at] == keys) if ik.numel() else torch.zeros_like(keys, dtype=torch.bool)
-                counts[hit] -= ic[at[hit]]
-            kept = counts > 0
-            return keys[kept], counts[kept]
-
-    def _in_flight_parts(self, group: DeviceTier) -> list[GroupPrefetch]:
-        """What the training batches in flight (prefetched, not yet retired) resolved in ``group``
-        (sharded: what this rank serves)."""
-        g = self.tiers.index(group)
-        return [self.placement.served(record.groups[g]) for record in self._queue.resolved_training()]
+            keys, counts = (t.cpu() for t in group.admission_counts(i))
+            parts = [self.placement.served(r.groups[g]) for r in self._queue.resolved_training()]
+            parts = [(pf.unique_keys[pf.unique_tables == i], pf.counts[pf.unique_tables == i])
+                     for pf in parts if pf.counts is not None]
+            if not parts:
+                return keys, counts
+            # each in-flight batch's occurrences taken off its keys' counts: a key it admitted is no
+            # longer counted, so its sum falls to zero or below and it is left out
+            all_keys = torch.cat([keys, *(k.cpu() for k, _ in parts)])
+            all_counts = torch.cat([counts, *(-c.cpu() for _, c in parts)])
+            unique, inverse = torch.unique(all_keys, return_inverse=True)
+            total = torch.zeros(unique.numel(), dtype=all_counts.dtype).index_add_(0, inverse, all_counts)
+            kept = total > 0
+            return unique[kept], total[kept]
 
     def import_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
         """Store saved rows: keys int64 (n,), whole rows ([weights | optimizer state]) float (n, W),
