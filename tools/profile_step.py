@@ -364,8 +364,8 @@ def extra_timers(ebc, args, timed, timer) -> None:
         timed(type(ebc.tiers[0]), "finish_prefetch", "    group finish_prefetch")
         for name in ("peek", "free"):
             timed(RowStore, name, f"    rows {name}")
-        for name in ("settle", "room_for", "written"):
-            timed(host.HostMemoryGroup, name, f"    host store {name}")
+        for name in ("settle", "room_for", "upserted"):
+            timed(host.HostMemoryBackend, name, f"    host store {name}")
     if args.launches:
         time_launches(timer)
 

@@ -86,6 +86,10 @@ def trains_alike(ebc: te.EmbeddingBagCollection, ref: te.EmbeddingBagCollection,
     want_keys, want_rows = sorted_rows(ref.export("t"))
     assert torch.equal(keys, want_keys)
     torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    for tier in ebc.tiers:  # every batch retired: no lock left behind in any index
+        for index in (tier.index, getattr(tier, "bound", None), getattr(tier, "in_flight", None)):
+            if index is not None and index.locking:
+                assert int(index.locks.sum()) == 0, f"{type(tier).__name__}: locks left held"
     return want_keys, want_rows
 
 
@@ -711,3 +715,67 @@ def test_a_release_with_nothing_to_release_takes_no_lock(mode) -> None:
     if mode == "hbm_direct":
         assert int(ebc.tiers[0].index.locks.sum()) == 0
     torch.testing.assert_close(sorted_rows(ebc.export("t"))[1], sorted_rows(ref.export("t"))[1])
+
+
+@pytest.mark.parametrize("backing", ["dict", "host"])
+@pytest.mark.parametrize("admission", [None, 2])
+def test_a_cache_step_probes_its_index_once(backing, admission) -> None:
+    """The probe that finds a batch's pairs locks and touches them; the insertion of its misses goes
+    on from that probe's slots (no second probe of the cache's index), and the result is hbm_direct's."""
+    optimizer = te.optim.Adam(lr=0.05)
+    row_bytes = (DIM + optimizer.state_width(DIM)) * 4
+    store = DictStore() if backing == "dict" else te.storage.HostMemory(segment_rows=64)
+    storage = te.StorageConfig(hbm_budget=6 * 4 * row_bytes, backing=store, bucket_width=4, segment_rows=16)
+    cached, plain = make(storage, "lru", admission, optimizer), make(None, "lru", admission, optimizer)
+    (tier,) = cached.tiers
+    probes, inside = [], []
+    for name in ("find_touch", "find"):
+        method = getattr(tier.index, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):
+            if not inside:  # (the reference's find_touch finds through find)
+                probes.append(_name)
+            inside.append(_name)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        setattr(tier.index, name, counted)
+    batches = zipf_batches(12, 6, seed=5)
+    for i, kjt in enumerate(batches):
+        probes.clear()
+        for ebc in (cached, plain):
+            ebc.prefetch(kjt)
+            ebc(kjt).values().sum().backward()
+        assert probes == ["find_touch"], f"step {i}: the cache's index was probed by {probes}"
+    for kept, want in zip(sorted_rows(cached.export("t")), sorted_rows(plain.export("t"))):
+        torch.testing.assert_close(kept, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_fetch_leaves_no_lock_in_the_cache() -> None:
+    """The probe locks the pairs it finds before the fetch; a fetch that raises gives them back (a
+    lock left would pin those rows in the cache for good)."""
+    optimizer = te.optim.SGD(lr=0.3)
+    store = FlakyStore()
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8)
+    cached, plain = make(storage, "lru", None, optimizer), make(None, "lru", None, optimizer)
+    batches = zipf_batches(10, 5, seed=6)
+    for kjt in batches[:4]:
+        for ebc in (cached, plain):
+            ebc(kjt).values().sum().backward()
+    (tier,) = cached.tiers
+    keys_before = tier.index.keys.clone()
+    assert int(tier.index.locks.sum()) == 0
+    store.failing["get"] = True
+    for _ in range(2):
+        with pytest.raises(te.storage.BackendError):
+            cached(batches[4])
+        assert int(tier.index.locks.sum()) == 0, "a failed prefetch left locks held"
+        assert torch.equal(tier.index.keys, keys_before)
+    store.failing["get"] = False
+    for kjt in batches[4:]:
+        for ebc in (cached, plain):
+            ebc(kjt).values().sum().backward()
+    for kept, want in zip(sorted_rows(cached.export("t")), sorted_rows(plain.export("t"))):
+        torch.testing.assert_close(kept, want, rtol=1e-5, atol=1e-6)

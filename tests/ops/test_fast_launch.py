@@ -60,9 +60,17 @@ def test_the_key_separates_alignment_dtype_and_int_classes():
 
 
 @pytest.fixture
-def direct(monkeypatch):
-    """FastLaunch in its direct mode (off by default); under the interpreter it stays Triton's."""
-    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "1")
+def mode():
+    """Sets the launch mode for a test and puts the process's back after it."""
+    before = launch.current_mode()
+    yield launch.set_mode
+    launch.set_mode(before)
+
+
+@pytest.fixture
+def direct(mode):
+    """FastLaunch in its direct mode; under the interpreter or an untested Triton it stays Triton's."""
+    mode("1")
     return launch.FastLaunch(_axpb)
 
 
@@ -79,7 +87,8 @@ def test_a_launch_computes_what_triton_computes(n, direct):
         assert not kernel._cache  # the interpreter: every launch is Triton's own
     else:
         # aligned (x, x[4:]) and misaligned (x[1:], x[3:]) pointers, m = 1 / 16 / other: 2 x 3 keys
-        assert len(kernel._cache) == 6 if launch._enabled() else not kernel._cache  # 6: a tested Triton
+        # 6: a tested Triton
+        assert len(kernel._cache) == 6 if launch.current_mode() != "0" else not kernel._cache
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on CUDA only")
@@ -95,7 +104,7 @@ def test_the_direct_launch_follows_the_current_stream_and_a_new_constexpr(direct
             kernel[(2,)](x, out, 512, 7, 2.0, SHIFT=shift, BLOCK=256)
             side.synchronize()
             torch.testing.assert_close(out.cpu(), expected(x.cpu(), 512, 7, 2.0, shift), rtol=1e-6, atol=1e-5)
-    if launch._enabled():
+    if launch.current_mode() != "0":
         assert len(kernel._cache) == 2
 
 
@@ -109,24 +118,30 @@ def test_a_runtime_value_by_keyword_is_left_to_triton(direct):
     assert not kernel._cache
 
 
-def test_the_modes_and_a_bad_mode_is_an_error(monkeypatch):
-    monkeypatch.delenv("TIEREDEMB_FAST_LAUNCH", raising=False)
+def test_the_modes_and_a_bad_mode_is_an_error(mode):
     tested = ".".join(triton.__version__.split(".")[:2]) in launch.TESTED
-    on = tested and DEVICE == "cuda"  # never under the interpreter or an untested Triton
-    assert launch._enabled() == on and launch.FastLaunch(_axpb)._on == on
-    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "0")
-    assert not launch._enabled() and not launch.FastLaunch(_axpb)._on
-    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "yes")
-    with pytest.raises(ValueError, match="TIEREDEMB_FAST_LAUNCH must be 0, 1 or check"):
-        launch.FastLaunch(_axpb)
+    usable = tested and os.environ.get("TRITON_INTERPRET", "0") != "1"  # never under the interpreter
+    assert mode("1") in launch.MODES
+    assert launch.current_mode() == ("1" if usable else "0")
+    assert mode("0") == launch.current_mode()
+    assert launch.current_mode() == "0"
+    x = torch.randn(64, device=DEVICE)
+    kernel = launch.FastLaunch(_axpb)
+    out = torch.empty(64, device=DEVICE)
+    kernel[(1,)](x, out, 64, 3, 1.0, SHIFT=0, BLOCK=64)  # mode 0: Triton's launch, nothing kept
+    torch.testing.assert_close(out.cpu(), expected(x.cpu(), 64, 3, 1.0, 0), rtol=1e-6, atol=1e-5)
+    assert not kernel._cache
+    with pytest.raises(ValueError, match="launch mode must be one of"):
+        mode("yes")
+    assert launch.current_mode() == "0"  # a bad mode changes nothing
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="check mode runs on CUDA only")
-def test_check_mode_raises_when_one_key_stands_for_two_kernels(monkeypatch):
-    monkeypatch.setenv("TIEREDEMB_FAST_LAUNCH", "check")
-    kernel = launch.FastLaunch(_axpb)
-    if not kernel._check:
+def test_check_mode_raises_when_one_key_stands_for_two_kernels(mode, monkeypatch):
+    mode("check")
+    if launch.current_mode() != "check":
         pytest.skip("check mode needs a tested Triton version")
+    kernel = launch.FastLaunch(_axpb)
     x, out = torch.randn(64, device=DEVICE), torch.empty(64, device=DEVICE)
     for _ in range(2):  # the same key and kernel twice: fine
         kernel[(1,)](x, out, 64, 3, 1.0, SHIFT=0, BLOCK=64)

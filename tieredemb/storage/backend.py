@@ -76,6 +76,70 @@ class Backend(ABC):
         """Release files, connections and memory."""
 
 
+class DeviceRows(ABC):
+    """A backing store's rows as the device moves them, by address, with no host read: the verbs of
+    a cache's insertion on the device (``CacheTier._insert_on_device``, replayed from a CUDA graph),
+    which writes its victims down while it reads its misses up. A store whose rows the device
+    reaches (host memory, pinned, under a CUDA collection) offers them as ``GroupStore.device_rows``.
+
+    Keys and tables are int64 on the store's device, ``RESERVED_KEY`` a padding entry (no pair).
+    ``locate``, ``read_into``, ``upsert_keys``, ``address_order`` and ``scatter_beside`` launch
+    device work only (a CUDA graph may hold them); ``room_for``, ``give_back``, ``settle`` and
+    ``upserted`` are the host's bookkeeping around them. An upsert is: ``room_for(n)`` (a pool of
+    n free rows), ``upsert_keys`` (each key's row), the rows written (``scatter_beside``), then
+    ``upserted`` (its counts, read back at the next ``settle``)."""
+
+    @abstractmethod
+    def settle(self, wait: bool = True) -> None:
+        """Read back the earlier upserts' counts (without ``wait``: those done): the pool rows they
+        did not take go back, the keys they left out go in."""
+
+    @abstractmethod
+    def room_for(self, n: int) -> torch.Tensor:
+        """Room for an upsert of n keys: int64 (n,) free row addresses lent to it."""
+
+    @abstractmethod
+    def give_back(self, pool: torch.Tensor) -> None:
+        """A pool ``room_for`` lent and no upsert took, back (in its order)."""
+
+    @abstractmethod
+    def locate(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each key's row address (-1: absent) and found bool; no score moves."""
+
+    @abstractmethod
+    def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
+        """The permutation that sorts ``addresses`` (the order rows move fastest in)."""
+
+    @abstractmethod
+    def read_into(self, addresses: torch.Tensor, store, to: torch.Tensor) -> None:
+        """The rows at ``addresses`` (sorted, -1 copies nothing) into rows ``to`` of ``store`` (a
+        ``RowStore`` on the device: a cache's rows), with no buffer between."""
+
+    @abstractmethod
+    def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The upsert's index: each key's row address (-1: left out, or padding) and its counts
+        (int64 on the device, for ``upserted``)."""
+
+    @abstractmethod
+    def scatter_beside(self, addresses: torch.Tensor, rows: torch.Tensor, source: torch.Tensor | None,
+                       stream, keep: bool = True) -> None:
+        """Rows written to ``addresses`` (sorted, -1 writes nothing; row i is ``rows[source[i]]``)
+        on ``stream`` beside the current one (None: in place); whatever reads the rows next waits
+        for it. ``keep``: the tensors stay allocated until it is done."""
+
+    @abstractmethod
+    def upserted(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
+                 counts: torch.Tensor, pool: torch.Tensor, settled=None) -> None:
+        """Record an upsert whose rows are written, for ``settle``. ``settled``: called once its
+        counts are read (the tensors given are not needed after it)."""
+
+    @abstractmethod
+    def capture_key(self) -> tuple[int, ...]:
+        """What a CUDA graph of the device verbs bakes in (the index's rehashes, the row segments'
+        table): a graph is replayed only while this is unchanged."""
+
+
 class GroupStore:
     """The backing store of a table group: several tables' rows, addressed by (table, key).
 
@@ -86,11 +150,9 @@ class GroupStore:
     """
 
     io_bound = True  # its calls do host I/O: the cache hands its write-downs to an I/O worker
-    # the cache's device insertion writes its victims down and fetches its misses through this
-    # store's device-only steps (``HostMemoryGroup``: ``settle``, ``room_for``, ``upsert_keys``,
-    # ``address_order``, ``scatter_beside``, ``written``, ``locate``, ``copy_in_order``,
-    # ``capture_key``), with ``RESERVED_KEY`` entries as padding
-    padded_writes = False
+    # its rows as the device moves them (``DeviceRows``), where the device reaches them; else the
+    # cache reads and writes through ``get`` / ``set``
+    device_rows: DeviceRows | None = None
 
     def __init__(self, backends: list[Backend]) -> None:
         self.backends = backends

@@ -23,7 +23,7 @@ from tieredemb.index.key_index import KeyIndex, Region
 from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops import to_host_later
 from tieredemb.ops.reference import TorchKernels
-from tieredemb.storage.backend import Backend, Fetched, GroupStore, add_bytes
+from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, add_bytes
 from tieredemb.storage.row_store import RowStore
 
 _CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -
     return last
 
 
-class HostMemoryBackend(Backend):
+class HostMemoryBackend(Backend, DeviceRows):
     """One table's rows in (pinned) host memory.
 
     Args:
@@ -195,7 +195,7 @@ class HostMemoryBackend(Backend):
                 t.record_stream(stream)
         self._store.ready = done
 
-    def copy_in_order(self, addresses: torch.Tensor, store: RowStore, to: torch.Tensor) -> None:
+    def read_into(self, addresses: torch.Tensor, store: RowStore, to: torch.Tensor) -> None:
         """The rows at ``addresses`` (sorted, -1 copies nothing) into rows ``to`` of ``store`` (a
         device's: a cache's rows), without a buffer between."""
         if self._kernels is None:
@@ -219,7 +219,7 @@ class HostMemoryBackend(Backend):
         """keys int64 (n,) -> rows float32 (n, W) (zeros where absent), found bool (n,), on
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
         keys, tables = self._keys(keys, tables)
-        self._settle()
+        self.settle()
         addresses, found = self._addresses(keys, tables)
         rows = self._gather(addresses)  # address -1 reads zeros
         if self.capacity is not None and bool(found.any()):
@@ -235,9 +235,9 @@ class HostMemoryBackend(Backend):
 
     def locate(self, keys: torch.Tensor,
                tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``get``'s probe alone (keys on ``self.device``, after ``_settle``; no score moves): each
+        """``get``'s probe alone (keys on ``self.device``, after ``settle``; no score moves): each
         key's row address (-1 where absent) and found bool. Its read in the rows' address order:
-        ``copy_in_order(addresses[address_order(addresses)], ...)``."""
+        ``read_into(addresses[address_order(addresses)], ...)``."""
         return self._addresses(keys, tables)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
@@ -260,11 +260,11 @@ class HostMemoryBackend(Backend):
         entries are padding (nothing stored): a cache writes down its victims without counting
         them. Unbounded: one ``upsert`` on the device (new keys take rows of a pool of n free ones)
         and no host read: how many rows it took, and the keys it left out because their bucket was
-        full, are read back at the next call that needs the index (``_settle``)."""
+        full, are read back at the next call that needs the index (``settle``)."""
         self._step += 1
         rows = rows.to(device=self.device, dtype=torch.float32)
         if self.capacity is not None:
-            self._settle()
+            self.settle()
             self._insert_rows(keys, rows, tables)
             return
         n = keys.numel()
@@ -273,7 +273,7 @@ class HostMemoryBackend(Backend):
         pool = self.room_for(n)
         addresses, counts = self.upsert_keys(keys, tables, pool)
         self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
-        self.upserted(keys, rows, tables, addresses, pool, counts)
+        self.upserted(keys, tables, rows, addresses, counts, pool)
 
     # ``set_distinct`` of an unbounded store in steps, the middle ones device work alone (a cache
     # replays them in a CUDA graph with its insertion): room, the upsert, the rows written, its record
@@ -283,15 +283,20 @@ class HostMemoryBackend(Backend):
         it (int64 (n,)); the rows it does not take go back when its counts are read."""
         # the upserts already done first (on the CPU all of them): each one left unread counts as
         # all new keys in every region, and calls of ``set`` alone would grow the index without end
-        self._settle(wait=False)
+        self.settle(wait=False)
         if self._sizes_read is None:
-            self._settle()
+            self.settle()
             self._sizes_read = self._index.sizes_on_device.tolist()
         pending = sum(u.keys.numel() for u in self._upserts) + n
         self._index.reserve_regions([s + pending for s in self._sizes_read])
         pool = self._store.peek(n)
         self._store.pop(n)
         return pool
+
+    def capture_key(self) -> tuple[int, int]:
+        """What a CUDA graph of the device verbs bakes in: the index's rehashes and the row
+        segments' table."""
+        return self._index.generation, self._store.pointer_table().data_ptr()
 
     def give_back(self, pool: torch.Tensor) -> None:
         """A pool ``room_for`` lent and no upsert took, back to the free rows (in its order: the
@@ -306,16 +311,16 @@ class HostMemoryBackend(Backend):
         addresses, counts = self._index.upsert(keys, tables, pool, self._step)
         return addresses, torch.cat([counts, self._index.sizes_on_device])
 
-    def upserted(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None,
-                 addresses: torch.Tensor, pool: torch.Tensor, counts: torch.Tensor,
+    def upserted(self, keys: torch.Tensor, tables: torch.Tensor | None, rows: torch.Tensor,
+                 addresses: torch.Tensor, counts: torch.Tensor, pool: torch.Tensor,
                  settled: Callable[[], None] | None = None) -> None:
-        """Record an ``upsert_keys`` (its rows written) for ``_settle``: its counts copied to the
+        """Record an ``upsert_keys`` (its rows written) for ``settle``: its counts copied to the
         host behind it. ``settled``: called once they are read (the tensors given are not needed
         after it)."""
         host, ready = to_host_later(counts, self._count_buffers)
         self._upserts.append(_Upsert(keys, rows, tables, addresses, pool, host, ready, settled))
 
-    def _settle(self, wait: bool = True) -> None:
+    def settle(self, wait: bool = True) -> None:
         """Read back the upserts done on the device, in order (waiting for them; without ``wait``,
         those done): the pool rows they did not take go back to the store; keys left out go in
         now, the index growing."""
@@ -362,7 +367,7 @@ class HostMemoryBackend(Backend):
         keys, tables = self._keys(keys, tables)
         if keys.numel() == 0:
             return
-        self._settle()
+        self.settle()
         self._sizes_read = None
         last = last_of_duplicates(keys, tables)
         self._store.free(self._index.erase(keys[last], None if tables is None else tables[last]))
@@ -373,7 +378,7 @@ class HostMemoryBackend(Backend):
         The keys are a snapshot taken at the first chunk; rows are read as each chunk is yielded.
         Do not ``set`` or ``delete`` while scanning (a freed row may be reused).
         """
-        self._settle()
+        self.settle()
         keys, addresses, _ = self._index.export(table)
         order = torch.argsort(keys)
         keys, addresses = keys[order], addresses[order]
@@ -382,7 +387,7 @@ class HostMemoryBackend(Backend):
             yield keys[part].clone(), self._gather(addresses[part])
 
     def size(self, table: int | None = None) -> int:
-        self._settle()
+        self.settle()
         return self._index.size(table)
 
     def close(self) -> None:
@@ -441,10 +446,10 @@ class HostMemoryGroup(GroupStore):
     the caller's thread and stream."""
 
     io_bound = False
-    padded_writes = True
 
     def __init__(self, rows: HostMemoryBackend) -> None:
         self.rows = rows
+        self.device_rows = rows
         self.device = rows.device
         self.width = rows.width
         self.backends = [_TableView(rows, t) for t in range(len(rows._regions))]
@@ -461,42 +466,6 @@ class HostMemoryGroup(GroupStore):
 
     def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         self.rows.delete(keys, tables)
-
-    # the cache's device insertion (``CacheTier._insert_on_device``): ``HostMemoryBackend``'s steps
-    def settle(self) -> None:
-        self.rows._settle()
-
-    def room_for(self, n: int) -> torch.Tensor:
-        return self.rows.room_for(n)
-
-    def give_back(self, pool: torch.Tensor) -> None:
-        self.rows.give_back(pool)
-
-    def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor,
-                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.upsert_keys(keys, tables, pool)
-
-    def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
-        return self.rows.address_order(addresses)
-
-    def copy_in_order(self, addresses: torch.Tensor, store: RowStore, to: torch.Tensor) -> None:
-        self.rows.copy_in_order(addresses, store, to)
-
-    def scatter_beside(self, addresses: torch.Tensor, rows: torch.Tensor, source: torch.Tensor | None,
-                       stream: torch.cuda.Stream | None, keep: bool = True) -> None:
-        self.rows.scatter_beside(addresses, rows, source, stream, keep)
-
-    def written(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, addresses: torch.Tensor,
-                counts: torch.Tensor, pool: torch.Tensor, settled: Callable[[], None] | None = None) -> None:
-        self.rows.upserted(keys, rows, tables, addresses, pool, counts, settled)
-
-    def locate(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.locate(keys, tables)
-
-    def capture_key(self) -> tuple[int, int]:
-        """What a CUDA graph of the steps above bakes in: the index's rehashes and the row segments'
-        table."""
-        return self.rows._index.generation, self.rows._store.pointer_table().data_ptr()
 
     def close(self) -> None:
         self.rows.close()

@@ -20,11 +20,12 @@ The direct launch uses Triton internals (``CompiledKernel.run``, ``function``, `
 so it runs only for the Triton versions it was tested with on a GPU (``TESTED``: on 2026-11-21 the
 whole CUDA suite passed with it but for one test whose tolerance was too tight for float sums in two
 orders; it failed the same way with Triton's own launches and was fixed), never under the
-interpreter (``TRITON_INTERPRET=1``), never while a launch hook is set (a profiler's), and not with
-``TIEREDEMB_FAST_LAUNCH=0`` (every launch is then ``kernel[grid](...)``).
-``TIEREDEMB_FAST_LAUNCH=check`` launches through Triton and raises if one key ever stands for two
-compiled kernels: the way to vet a new Triton version before adding it to ``TESTED`` (run the CUDA
-suite with it).
+interpreter (``TRITON_INTERPRET=1``), never while a launch hook is set (a profiler's), and not in
+mode "0" (``set_mode("0")``: every launch is then ``kernel[grid](...)``). Mode "check" launches
+through Triton and raises if one key ever stands for two compiled kernels: the way to vet a new
+Triton version before adding it to ``TESTED`` (run the CUDA suite with it). The mode is the
+process's, set by ``set_mode``; its default comes from ``TIEREDEMB_FAST_LAUNCH`` (read once, at
+import) when that is set.
 """
 
 from __future__ import annotations
@@ -42,21 +43,37 @@ _I32 = 1 << 31
 _I64 = 1 << 63
 
 
-def _mode() -> str:
-    """``TIEREDEMB_FAST_LAUNCH``: "1" (the default: direct launches), "0" (Triton's launch) or "check"
-    (Triton's launch, and a ``RuntimeError`` if a key ever stands for two compiled kernels); "0"
-    whatever it says under the interpreter or an untested Triton version."""
-    mode = os.environ.get("TIEREDEMB_FAST_LAUNCH", "1")
-    if mode not in ("0", "1", "check"):
-        raise ValueError(f"TIEREDEMB_FAST_LAUNCH must be 0, 1 or check, got {mode!r}")
+MODES = ("1", "0", "check")
+
+
+def _usable(mode: str) -> str:
+    """``mode`` as it applies here: "0" under the interpreter or an untested Triton version."""
+    if mode not in MODES:
+        raise ValueError(f"the launch mode must be one of {MODES} (1: direct launches, 0: Triton's, "
+                         f"check: Triton's, checking the keys), got {mode!r}")
     tested = ".".join(triton.__version__.split(".")[:2]) in TESTED
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not tested:
         return "0"
     return mode
 
 
-def _enabled() -> bool:
-    return _mode() != "0"
+# the process's mode (``set_mode``); its default read from the environment once
+_MODE = [_usable(os.environ.get("TIEREDEMB_FAST_LAUNCH", "1"))]
+
+
+def set_mode(mode: str) -> str:
+    """Choose how every ``fast_launch`` kernel launches from now on: "1" (the default: direct
+    launches), "0" (Triton's launch) or "check" (Triton's launch, and a ``RuntimeError`` if one key
+    ever stands for two compiled kernels). Under the interpreter or an untested Triton version it is
+    "0" whatever is asked. The default comes from ``TIEREDEMB_FAST_LAUNCH`` when set. Returns the
+    mode that was in force (to set it back)."""
+    before, _MODE[0] = _MODE[0], _usable(mode)
+    return before
+
+
+def current_mode() -> str:
+    """The launch mode in force (``set_mode``)."""
+    return _MODE[0]
 
 
 def _hooked() -> bool:
@@ -112,9 +129,7 @@ class FastLaunch:
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._layouts: dict[tuple[type, ...], _Layout] = {}
         self._cache: dict[tuple, tuple] = {}
-        mode = _mode()
-        mode = mode if hasattr(kernel, "device_caches") else "0"
-        self._on, self._check = mode != "0", mode == "check"
+        self._direct = hasattr(kernel, "device_caches")  # a jitted kernel (not an interpreted one)
         self._seen: dict[tuple, object] = {}  # check mode: key -> the compiled kernel Triton launched
 
     def __getitem__(self, grid: tuple[int, ...]):
@@ -137,7 +152,8 @@ class FastLaunch:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
         first = args[0] if args else None
-        if not self._on or type(first) is not torch.Tensor or not first.is_cuda:
+        mode = _MODE[0]
+        if mode == "0" or not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
             self.kernel[grid](*args, **kwargs)
             return
         device = first.get_device()
@@ -146,7 +162,7 @@ class FastLaunch:
             self.kernel[grid](*args, **kwargs)
             return
         key = (device, key)
-        if self._check:
+        if mode == "check":
             self._verify(key, self.kernel[grid](*args, **kwargs))
             return
         hit = self._cache.get(key)

@@ -79,7 +79,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
     ``below``, the tables' backing store (``GroupStore``: one call for all tables where it can).
     """
 
-    _contest = False  # the staged probe only counts: the insertion probes again, after the fetch
+    _contest = False  # which rows stay in the cache is not a table's semantics: nothing waits for a batch
     _rows_up_front = False  # the cache holds what the budget gives it; the rows live below
 
     def __init__(self, configs: list[TableConfig], optimizer: EmbeddingOptimizer, seed: int,
@@ -94,7 +94,6 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         self.in_flight = kernels.index_class(bucket_width, device=device, regions=[
             Region("lru", None, 256) for _ in configs])
         self._owing = 0  # prefetched batches not yet released that owe pairs in ``in_flight``
-        self._probe_only = torch.ones(1, dtype=torch.int64, device=device)  # find_touch's guard: no change
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         self._init_insertion()  # the insertion on the device over host memory (``OnDeviceInsertion``)
@@ -114,9 +113,9 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
                         counts: torch.Tensor, step: int, training: bool) -> GroupPrefetch:
         if not training:
             return self._prefetch_eval(unique, utab, inverse)
-        slots, _, per_region = self.index.find_touch(unique, utab, step, counts, None, self._probe_only)
+        slots, values, per_region = self.index.find_touch(unique, utab, step, counts)
         info = torch.cat([per_region[: len(self.configs)], self.index.sizes_on_device]).tolist()
-        return self._place(unique, utab, inverse, counts, step, slots, per_region, info)
+        return self._place(unique, utab, inverse, counts, step, slots, values, per_region, info)
 
     def can_stage(self) -> bool:
         """Every key of a batch gets a cache row or a scratch row: staged unless a table is bounded
@@ -126,39 +125,41 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
                        guard: torch.Tensor,
                        id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
-        """``DeviceTier.stage_prefetch`` with a probe that changes nothing whatever ``guard`` says:
-        the cache locks and touches the keys it finds after the fetch (``_place``); no per-id rows
-        (a cache's misses get theirs after the read)."""
-        return super().stage_prefetch(ids, tables, step, self._probe_only, by_id=False, id_count=id_count)
-
-    def stage_probe(self, keys: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
-                    counts: torch.Tensor, count: torch.Tensor, guard: torch.Tensor, first_table: int,
-                    out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``DeviceTier.stage_probe`` changing nothing, as ``stage_prefetch``'s probe."""
-        return super().stage_probe(keys, tables, step, counts, count, self._probe_only, first_table, out)
+        """``DeviceTier.stage_prefetch`` without per-id rows (a cache's misses get theirs after the
+        read). Its probe is the step's only one: the keys found are locked and touched there, the
+        misses inserted after the fetch (``_place``)."""
+        return super().stage_prefetch(ids, tables, step, guard, by_id=False, id_count=id_count)
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         info = info[: 2 * len(self.configs)]  # misses and sizes (its probe contests nothing)
         try:
             with label("## resolve ##"):
                 return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
-                                   staged.step, staged.slots[:u], staged.per_region, info)
+                                   staged.step, staged.slots[:u], staged.values[:u], staged.per_region, info)
         finally:
             self.disarm()  # an arm the insertion did not take (it took it, or found it wrong)
 
     def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
-               step: int, slots: torch.Tensor, per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
-        """The training prefetch after the probe (``slots``, ``per_region``) and its host read
-        (``info``: misses per region, then the index's sizes): pads, fetch, insert, write-down."""
+               step: int, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
+               info: list[int]) -> CachePrefetch:
+        """The training prefetch after the probe (``slots``, ``values``, ``per_region``: the pairs
+        found are locked and touched) and its host read (``info``: misses per region, then the
+        index's sizes): pads, fetch, insert, write-down. A fetch that raises unlocks the pairs found
+        and changes nothing else but their scores (which rows stay in the cache, not what they hold)."""
         if self._inserts_on_device():
-            return self._insert_on_device(unique, utab, inverse, counts, step, slots, per_region, info)
+            return self._insert_on_device(unique, utab, inverse, counts, step, slots, values, per_region,
+                                          info)
         regions = len(self.configs)
         p = self._split_pads(unique, utab, slots, per_region, info)
         with label("## cache.fetch ##"):
-            fetched = self._fetch(unique[p.miss], utab[p.miss])  # (m, W) rows: the store's, else
-            # initial. May raise (a failed write-down or fetch): nothing has changed yet
+            try:
+                fetched = self._fetch(unique[p.miss], utab[p.miss])  # (m, W) rows: the store's, else
+                # initial. May raise (a failed write-down or fetch): nothing else has changed yet
+            except BaseException:
+                self.index.unlock_slots(slots, self.index.generation)
+                raise
         with label("## cache.insert ##"):
-            res = self._insert_fetched(p, unique, utab, counts, step, slots, fetched)
+            res = self._insert_fetched(p, unique, utab, counts, step, slots, values, per_region, fetched)
         with label("## cache.write_down ##"):
             self._write_down(res.evicted_keys, res.evicted_tables, res.evicted_values)
         addresses = self._cache_rows(p, res, unique.numel(), fetched)
@@ -206,23 +207,31 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         return p
 
     def _insert_fetched(self, p: Placing, unique: torch.Tensor, utab: torch.Tensor, counts: torch.Tensor,
-                        step: int, slots: torch.Tensor, fetched: Fetched) -> InsertResult:
-        """``_place``'s insertion: the pairs the cache stores (``p.keep``: every pair not in a pad, or,
-        with bounded tables or admission, those ``_stored`` keeps) locked and touched where found,
-        inserted where not (victims chosen, not yet written down)."""
+                        step: int, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
+                        fetched: Fetched) -> InsertResult:
+        """``_place``'s insertion after the probe: the pairs the cache stores (``p.keep``: every pair
+        not in a pad, or, with bounded tables or admission, those ``_stored`` keeps) inserted where
+        the probe missed them (victims chosen, not yet written down)."""
         if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
             p.keep = p.rest
-            keys, tabs, cnts = (t if p.keep is None else t[p.keep] for t in (unique, utab, counts))
-            # lock and touch the pairs found; the misses per region are the probe's
-            found, values, per_table = self.index.find_touch(keys, tabs, step, cnts)
-            return self.index.complete(keys, tabs, step, cnts, True, found, values, per_table, p.info,
-                                       given_order=True)
-        rest = p.rest if p.rest is not None else torch.arange(unique.numel(), device=self.device)
-        p.row_of = self._fetched_rows_of(unique.numel(), p.miss)
-        p.keep, p.dropped, p.bound, p.deferring = self._stored(unique, utab, counts, step, rest, slots,
-                                                               p.miss, fetched, p.row_of)
-        return self.index.find_or_insert(unique[p.keep], step, counts[p.keep], lock=True,
-                                         tables=utab[p.keep], given_order=True)
+            info = p.info
+        else:
+            rest = p.rest if p.rest is not None else torch.arange(unique.numel(), device=self.device)
+            p.row_of = self._fetched_rows_of(unique.numel(), p.miss)
+            p.keep, p.dropped, p.bound, p.deferring = self._stored(unique, utab, counts, step, rest, slots,
+                                                                   p.miss, fetched, p.row_of)
+            # a pair found is stored (its lock from the probe is its batch's); one host read: the
+            # misses kept per region, and the index's sizes (whether to grow first)
+            regions = len(self.configs)
+            kept_misses = torch.zeros(regions, dtype=torch.int64, device=self.device).index_add_(
+                0, utab[p.keep], (slots[p.keep] == -1).long())
+            info = torch.cat([kept_misses, self.index.sizes_on_device]).tolist()
+        if p.keep is not None:
+            unique, utab, counts, slots, values = (t[p.keep] for t in (unique, utab, counts, slots, values))
+            per_region = torch.cat([per_region[: len(self.configs)],
+                                    torch.bincount(utab, minlength=len(self.configs))])
+        return self.index.complete(unique, utab, step, counts, True, slots, values, per_region, info,
+                                   given_order=True)
 
     def _cache_rows(self, p: Placing, res: InsertResult, u: int, fetched: Fetched) -> torch.Tensor:
         """``_place``'s rows: the inserted pairs' cache rows filled with the fetched (or initial) rows,

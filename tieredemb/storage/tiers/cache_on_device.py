@@ -119,6 +119,8 @@ class OnDeviceInsertion:
         self._armed: Armed | None = None  # the next insertion's host work, done (``arm``)
         self.arms = [0, 0]  # arms replayed, arms given back (other sizes, no free slot, a bad batch)
         self._streams = SideStreams(self.device)  # side streams by priority and use
+        # the backing store's rows as this device moves them (host memory's), else None
+        self._rows_below = self.below.device_rows if self.backend_device == self.device else None
 
     def arm(self, staged: StagedPrefetch, count: torch.Tensor) -> None:
         """The device insertion's host work before the staged read, where its graph is replayed:
@@ -139,18 +141,18 @@ class OnDeviceInsertion:
         if armed.slot is None:  # none captured for these sizes, or every one in flight
             self._give_back(armed)
             return
-        pairs_of = (staged.keys[:pairs], staged.tables[:pairs], staged.counts[:pairs])
-        self._insert_graphs.load(armed.slot, *pairs_of, pool, hpool, staged.step, count)
+        pairs_of = (staged.keys, staged.tables, staged.counts, staged.slots, staged.values)
+        self._insert_graphs.load(armed.slot, *(t[:pairs] for t in pairs_of), pool, hpool, staged.step, count)
         self._armed = armed
 
     def _lend(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device insertion's pools of ``bound`` free rows, the cache's and the host store's,
         after the host store's earlier upserts are read back (the fetch then sees every row written
         down before; keys they left out go in now)."""
-        self.below.settle()
+        self._rows_below.settle()
         pool = self.store.peek(bound)
         self.store.pop(bound)
-        return pool, self.below.room_for(bound)
+        return pool, self._rows_below.room_for(bound)
 
     def disarm(self) -> None:
         armed, self._armed = self._armed, None
@@ -161,7 +163,7 @@ class OnDeviceInsertion:
         """An arm's pools back where they came from, in their order; its slot free."""
         self.arms[1] += 1
         self.store.free(armed.pool)
-        self.below.give_back(armed.hpool)
+        self._rows_below.give_back(armed.hpool)
         if armed.slot is not None:
             self._insert_graphs.cancel(armed.slot)
 
@@ -169,30 +171,29 @@ class OnDeviceInsertion:
         """The insertion graph's key: the sizes and what it bakes in (the indexes' rehashes, the row
         stores' segment tables)."""
         return (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr(),
-                *self.below.capture_key())
+                *self._rows_below.capture_key())
 
     def _inserts_on_device(self) -> bool:
         """Whether this batch's insertion runs on the device without a host read: every pair gets a
         cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
         batch is still owed (``in_flight``), and the backing store takes padded write-downs on this
-        device (host memory: ``GroupStore.padded_writes``)."""
-        return self.can_stage() and not self._owing and self.below.padded_writes and \
-            self.backend_device == self.device
+        device (``GroupStore.device_rows``: host memory's)."""
+        return self.can_stage() and not self._owing and self._rows_below is not None
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
-                          counts: torch.Tensor, step: int, slots: torch.Tensor, per_region: torch.Tensor,
-                          info: list[int]) -> CachePrefetch:
-        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: the
-        pairs found locked and touched, the misses (``info``'s count of ``slots`` -1) inserted in the
-        dedup's order (``insert_rows``), each taking a victim's row or one of a pool of as many free
-        rows (from its end: a scratch row, where its bucket had no free way); the victims (padded to
-        the misses: ``RESERVED_KEY`` where a pair evicted none) gathered and written down to the host
-        store while the misses' rows are fetched from it (initial rows where it has none) into their
-        rows. Replayed
-        from a CUDA graph where one is captured (``_device_insert``). How many of the pool's rows were
-        taken, and which pairs got none (conflict misses, owed to the store at release), the host
-        learns later (``_owe_conflicts``)."""
-        regions, below = len(self.configs), self.below
+                          counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
+                          per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
+        """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: after
+        the probe (``slots``, ``values``: the pairs found, locked and touched), the misses
+        (``info``'s count of ``slots`` -1) inserted in the dedup's order (``insert_rows``), each
+        taking a victim's row or one of a pool of as many free rows (from its end: a scratch row,
+        where its bucket had no free way); the victims (padded to the misses: ``RESERVED_KEY`` where
+        a pair evicted none) gathered and written down to the host store while the misses' rows
+        are fetched from it (initial rows where it has none) into their rows, through the store's
+        ``DeviceRows``. Replayed from a CUDA graph where one is captured (``_device_insert``). How
+        many of the pool's rows were taken, and which pairs got none (conflict misses, owed to the
+        store at release), the host learns later (``_owe_conflicts``)."""
+        regions = len(self.configs)
         misses = sum(info[:regions])
         graphs = self._device_graphs_for(step)
         u = unique.numel()
@@ -203,7 +204,11 @@ class OnDeviceInsertion:
             self._give_back(armed)  # armed for other sizes (or segment tables, or a rehash since)
             armed = None
         if armed is None:
-            pool, hpool = self._lend(bound)
+            try:
+                pool, hpool = self._lend(bound)
+            except BaseException:  # nothing changed but the probe's locks
+                self.index.unlock_slots(slots, self.index.generation)
+                raise
         else:  # lent before the read (``arm``), the slot loaded
             pool, hpool = armed.pool, armed.hpool
         with label("## cache.insert ##"):
@@ -213,12 +218,13 @@ class OnDeviceInsertion:
                 self._insert_graphs.replay(slot)
                 self.arms[0] += 1
             elif graphs:
-                def insert(keys, tables, counts, pool, hpool, step, u):
-                    return self._device_insert(keys, tables, counts, pool, hpool, step, u, bound)
+                def insert(*inputs):  # the pairs' keys, tables, counts, slots, values, the pools, step, u
+                    return self._device_insert(*inputs, bound)
 
                 key = self._insert_key(pairs, bound)
-                slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, pool, hpool, step, u,
-                                                   lengths=(pairs,) * 3, capture=self.may_capture())
+                slot = self._insert_graphs.acquire(key, insert, unique, utab, counts, slots, values, pool,
+                                                   hpool, step, u, lengths=(pairs,) * 5,
+                                                   capture=self.may_capture())
             # the next batch is armed for these sizes only where a graph of them replayed (a thread
             # that may not capture runs a shape no one captured eagerly: no arm would find a slot)
             self._last_insert = None if slot is None else (pairs, bound)
@@ -226,7 +232,8 @@ class OnDeviceInsertion:
             if slot is None:  # eagerly, with the misses' exact count (the pools sized for a graph: cut)
                 self.store.free(pool[misses:])
                 pool = pool[:misses]
-                out = self._device_insert(unique, utab, counts, pool, hpool, step, None, misses)
+                pairs_of = (unique, utab, counts, slots, values)
+                out = self._device_insert(*pairs_of, pool, hpool, step, None, misses)
                 settled = None
             else:
                 out = slot.outputs
@@ -234,10 +241,10 @@ class OnDeviceInsertion:
             slots, values, kinds, written, (down_at, down_order) = out
             if slot is not None:  # the batch's own copies: the slot serves the next batch
                 slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
-            below.written(*written, hpool, settled)
+            self._rows_below.upserted(*written, hpool, settled)
             # the victims' rows go down to the host store beside the rest of the step: nothing of this
             # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
-            below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
+            self._rows_below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
@@ -255,25 +262,23 @@ class OnDeviceInsertion:
                 type(self._inits[0][0]).__module__ != "tieredemb.init":
             return False
         if self._insert_graphs is None:
-            self._insert_graphs = CapturedStages(self.device, (torch.int64,) * 7, max_slots=8,
+            self._insert_graphs = CapturedStages(self.device, (torch.int64,) * 9, max_slots=8,
                                                  what="the cache's insertion")
         return True
 
     def _device_insert(self, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                       pool: torch.Tensor, hpool: torch.Tensor, step: int | torch.Tensor,
-                       u: torch.Tensor | None, bound: int):
-        """``_insert_on_device``'s device work: ``keys``, ``tables``, ``counts`` the batch's pairs (the
-        first ``u``, int64 () on the device, of them when padded for a graph; None: all), ``bound``
+                       slots: torch.Tensor, values: torch.Tensor, pool: torch.Tensor, hpool: torch.Tensor,
+                       step: int | torch.Tensor, u: torch.Tensor | None, bound: int):
+        """``_insert_on_device``'s device work: ``keys``, ``tables``, ``counts`` the batch's pairs and
+        ``slots``, ``values`` their probe's (the first ``u``, int64 () on the device, of them when
+        padded for a graph; None: all), ``bound``
         the misses (padded: at least them), ``pool`` and ``hpool`` that many free rows of the cache
         and of the host store. Returns (slots, values, kinds), each pair's slot (-1: a conflict miss)
         and row, and ``insert_rows``'s counts; and the host store's upsert (keys, tables, rows, their
         addresses, its counts) for ``written``."""
-        if u is None:
-            slots, values, _ = self.index.find_touch(keys, tables, step, counts)  # lock, touch the found
-        else:
-            slots, values, _ = self.index.find_touch(keys, tables, step, counts, u)
+        if u is not None:
             padding = torch.arange(keys.numel(), device=self.device) >= u
-            slots.masked_fill_(padding, 0)  # no miss
+            slots = slots.masked_fill(padding, 0)  # no miss
             # and of a valid table: an armed insertion's padding is what the staged graph left there
             # (``arm``), and the insertion's sort reads each pair's region by its table
             tables = tables.masked_fill(padding, 0)
@@ -291,16 +296,17 @@ class OnDeviceInsertion:
         # kernel beside it (x10-x25: its stores to host memory hold the SMs' memory pipes).
         vtables, victim = tables[pos], evicted != RESERVED_KEY
         wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
-        located, found = self.below.locate(wanted, vtables)
+        below = self._rows_below
+        located, found = below.locate(wanted, vtables)
         down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
         # (what the side stream reads from this one stays referenced to the join)
         with self._streams.beside() as fetching:
-            fetch = self.below.address_order(located)
-            self.below.copy_in_order(located[fetch], self.store, rows[fetch])
+            fetch = below.address_order(located)
+            below.read_into(located[fetch], self.store, rows[fetch])
         # the misses the store lacks take initial rows (HBM work: beside the read, not the write)
         self.kernels.scatter(self.store, torch.where(found, -1, rows), self._initial_weights(wanted, vtables))
-        addresses, hcounts = self.below.upsert_keys(evicted, vtables, hpool)
-        order = self.below.address_order(addresses)
+        addresses, hcounts = below.upsert_keys(evicted, vtables, hpool)
+        order = below.address_order(addresses)
         fetching.join()
         # rows moved per table: victims (``insert_rows``'s count), misses the store had
         self._moved[1] += kinds[2]
@@ -322,7 +328,7 @@ class OnDeviceInsertion:
         path's are (``in_flight``: shared by later batches, written down at the last release)."""
         regions = len(self.configs)
         if self._inserting:
-            self.below.settle()  # the host store's upserts first: they may hold a graph's slot
+            self._rows_below.settle()  # the host store's upserts first: they may hold a graph's slot
         while self._inserting:
             pf = self._inserting.pop(0)
             lent, pf.lent = pf.lent, None
