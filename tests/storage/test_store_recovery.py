@@ -10,7 +10,9 @@ holds. Then the fault is cleared: the next call succeeds, the failed step is ret
 Faults: a RocksDB disk that fills (a tmpfs of 2 MB) and then grows; RocksDB directories made
 immutable (``chattr +i``: no new file, even for root) and then writable; a redis-server killed and
 restarted (with its append-only file, so it comes back with its rows); a redis-server full
-(``maxmemory`` with ``noeviction``) given more memory.
+(``maxmemory`` with ``noeviction``) given more memory. Then the Redis namespace lease: a second live
+collection on one namespace is refused, the lease is renewed while its holder lives, a killed
+holder's lease expires after its TTL, and ``close`` releases only a lease it still holds.
 
 Run alone: ``python -m pytest -m faults``. Mounting a tmpfs and ``chattr`` need root: without it
 these tests skip on a laptop and fail in CI.
@@ -19,6 +21,10 @@ these tests skip on a laptop and fail in CI.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +40,7 @@ DIM = 64
 WIDTH = DIM + 1  # RowWiseAdagrad: one accumulator a row
 IDS = 20_000
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make(backing: te.storage.BackendSpec | None) -> te.EmbeddingBagCollection:
@@ -221,3 +228,96 @@ def test_redis_full_clears_once_it_has_memory(redis_factory, tmp_path):
     while_the_fault_lasts(ebc, ref, data, failed, tmp_path / "ckpt")
     server.cli("CONFIG", "SET", "maxmemory", "0")
     once_it_clears(ebc, ref, data, failed, te.storage.Redis(server.url, existing="reuse"))
+
+
+# -------------------------------------------------------------------------------- one writer: Redis
+HOLDER = """
+import sys, torch, tieredemb as te
+from tieredemb.storage.errors import BackendError
+backend = te.storage.Redis(sys.argv[1], lease_ttl_s=float(sys.argv[2])).open("t", 4, torch.device("cpu"))
+print("holding", flush=True)
+for line in sys.stdin:
+    if line.strip() == "write":
+        try:
+            backend.set(torch.tensor([1]), torch.ones(1, 4))
+            print("written", flush=True)
+        except BackendError as e:
+            print("refused:", e, flush=True)
+    if line.strip() == "close":
+        backend.close()
+        print("closed", flush=True)
+"""
+
+
+def holder(url: str, ttl_s: float) -> subprocess.Popen:
+    """A process holding the namespace ``tieredemb`` of ``url`` (table "t"), lease TTL ``ttl_s``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, url, str(ttl_s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def tell(proc: subprocess.Popen, command: str) -> str:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def open_table(url: str, table: str = "u", **kwargs):
+    return te.storage.Redis(url, **kwargs).open(table, 4, CPU)
+
+
+def test_redis_namespace_held_by_a_live_collection_is_refused(redis_server):
+    first = make(te.storage.Redis(redis_server))
+    with pytest.raises(BackendError) as info:
+        make(te.storage.Redis(redis_server))
+    assert "'tieredemb'" in str(info.value) and "held" in str(info.value)
+    other = make(te.storage.Redis(redis_server, namespace="other"))  # another namespace: another store
+    other.close()
+    first.close()  # releases it
+    make(te.storage.Redis(redis_server)).close()
+
+
+def test_redis_lease_is_renewed_while_its_holder_lives(redis_server):
+    first = open_table(redis_server, lease_ttl_s=0.5)
+    time.sleep(1.6)  # three TTLs
+    with pytest.raises(BackendError, match="held"):
+        open_table(redis_server, "v", lease_ttl_s=0.5)
+    first.close()
+    open_table(redis_server, "v").close()
+
+
+def test_redis_lease_of_a_killed_holder_expires(redis_server):
+    proc = holder(redis_server, 1.0)
+    try:
+        with pytest.raises(BackendError, match="held"):
+            open_table(redis_server)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(BackendError, match="held"):  # until its TTL runs out
+            open_table(redis_server)
+        time.sleep(1.1)
+        open_table(redis_server).close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_redis_close_releases_only_its_own_lease(redis_server):
+    """A holder stopped past its TTL loses the namespace to another collection: once resumed, its
+    writes are refused and its close leaves the new holder's lease alone."""
+    proc = holder(redis_server, 0.5)
+    try:
+        proc.send_signal(signal.SIGSTOP)  # renews nothing now
+        time.sleep(0.8)
+        mine = open_table(redis_server)  # the lease expired: the namespace is free
+        proc.send_signal(signal.SIGCONT)
+        assert tell(proc, "write").startswith("refused:")
+        assert tell(proc, "close") == "closed"
+        with pytest.raises(BackendError, match="held"):  # still mine
+            open_table(redis_server, "v")
+        mine.close()
+    finally:
+        proc.kill()
+        proc.wait()
