@@ -280,10 +280,10 @@ def test_redis_namespace_held_by_a_live_collection_is_refused(redis_server):
 
 
 def test_redis_lease_is_renewed_while_its_holder_lives(redis_server):
-    first = open_table(redis_server, lease_ttl_s=0.5)
-    time.sleep(1.6)  # three TTLs
+    first = open_table(redis_server, lease_ttl_s=1.0)
+    time.sleep(2.5)  # two and a half TTLs
     with pytest.raises(BackendError, match="held"):
-        open_table(redis_server, "v", lease_ttl_s=0.5)
+        open_table(redis_server, "v", lease_ttl_s=1.0)
     first.close()
     open_table(redis_server, "v").close()
 
