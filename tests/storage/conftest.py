@@ -7,6 +7,10 @@ port); ``redis_cluster`` yields the URL of one node of a 3-node Redis Cluster.
 
 Without ``redis-server`` on PATH the Redis tests are skipped on a laptop and FAIL in CI (env ``CI``
 set): ``.ci/run`` must install it (``apt-get install -y redis-server``).
+
+``tmpfs`` mounts small tmpfs file systems (a disk that fills up, then grows; made read-only or
+immutable, then writable again) and unmounts them at teardown, also when the test failed. It needs
+root (CAP_SYS_ADMIN): without it the tests skip on a laptop and FAIL in CI, which runs as root.
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _skip_or_fail(message: str) -> None:
+    """Skip on a laptop; in CI (env ``CI`` set) a missing capability is a failure, never a skip."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def _redis_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
-        message = ("redis-server is not installed: .ci/run must install it "
-                   "(apt-get install -y redis-server) for the Redis backend tests")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        _skip_or_fail("redis-server is not installed: .ci/run must install it "
+                      "(apt-get install -y redis-server) for the Redis backend tests")
     return path
 
 
@@ -155,3 +163,42 @@ def redis_cluster(_cluster_nodes) -> str:
     for node in _cluster_nodes:
         node.cli("FLUSHALL")
     return _cluster_nodes[0].url
+
+
+# ------------------------------------------------------------------------------------------- tmpfs
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True)
+
+
+def remount(where: str, options: str) -> None:
+    """Change a mounted tmpfs in place: ``"size=64m"`` (the disk grows), ``"ro"``, ``"rw"``."""
+    done = _run("mount", "-o", f"remount,{options}", where)
+    assert done.returncode == 0, f"remount {options} of {where}: {done.stderr.strip()}"
+
+
+def immutable(path: str, on: bool) -> None:
+    """``chattr +i`` / ``-i``: an immutable directory refuses new files, also to root."""
+    done = _run("chattr", "+i" if on else "-i", path)
+    if done.returncode != 0:
+        _skip_or_fail(f"chattr {'+' if on else '-'}i {path} failed: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator:
+    """mount(size, read_only=False) -> the path of a fresh tmpfs of ``size`` ("2m"); every one is
+    unmounted at teardown (its files are gone with it, immutable ones too)."""
+    mounted: list[str] = []
+
+    def mount(size: str, read_only: bool = False) -> str:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        done = _run("mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""),
+                    "tmpfs", str(where))
+        if done.returncode != 0:
+            _skip_or_fail(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(str(where))
+        return str(where)
+
+    yield mount
+    for where in reversed(mounted):
+        _run("umount", "-l", where)

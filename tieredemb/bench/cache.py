@@ -402,7 +402,8 @@ def index_bytes(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
 # --------------------------------------------------------------------------- raw rocksdict
 class _RawStores:
     """``shards`` raw rocksdict DBs, each written and read by a thread of its own: a ``WriteBatch``
-    (WAL off) and one multi-get a shard a call, the calls ``calls`` ranges of ``kb``/``vb``."""
+    (through the write-ahead log, as the backend writes) and one multi-get a shard a call, the calls
+    ``calls`` ranges of ``kb``/``vb``."""
 
     def __init__(self, directory: str, shards: int, kb: list[bytes], vb: list[bytes],
                  calls: list[tuple[int, int]]) -> None:
@@ -412,7 +413,6 @@ class _RawStores:
         opts.create_if_missing(True)
         self.dbs = [Rdict(os.path.join(directory, f"shard-{s:02d}"), opts) for s in range(shards)]
         self.write_options = WriteOptions()
-        self.write_options.disable_wal = True
         self.pool = ThreadPoolExecutor(max_workers=shards)
         self.kb, self.vb, self.calls = kb, vb, calls
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -56,7 +57,9 @@ from tieredemb.checkpoint.errors import CheckpointError
 from tieredemb.checkpoint.manifest import FORMAT, KINDS
 from tieredemb.checkpoint.paths import encode_name, read_latest
 from tieredemb.modules.collection import CollectionBase, dense_only
+from tieredemb.storage.errors import BackendError
 
+log = logging.getLogger(__name__)
 DEFAULT_BUFFER = 256 << 20
 
 
@@ -154,7 +157,10 @@ def _save_rows(collections: dict[str, CollectionBase], out: Path, rank: int, buf
     counts: dict[str, dict[str, int]] = {}
     prints = {}
     for cname, collection in collections.items():
-        collection.flush()
+        try:
+            collection.flush()
+        except BackendError as e:  # a failing store: the rows it has not taken are still exported
+            log.warning("collection %r: %s; saving the rows from where they are", cname, e)
         for table, meta in collection.checkpoint_meta()["tables"].items():
             where = f"{encode_name(cname)}/{encode_name(table)}/r{rank}"
             entries = files.setdefault(cname, {})[table] = {kind: [] for kind in KINDS}

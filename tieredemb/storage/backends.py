@@ -173,6 +173,11 @@ class Redis(BackendSpec):
         cluster: the URL names a node of a Redis Cluster (``redis.cluster.RedisCluster``).
         chunk_keys: keys per MGET/MSET command in a pipeline.
         cache_rows: rows of a write-through DRAM cache in front, per table (0: none).
+        lease_ttl_s: one writer per namespace: the tables opened from this spec hold the lease key
+            ``<namespace>:lease``, renewed every ``lease_ttl_s / 3``, released at the last table's
+            ``close``. Another spec (another collection, another process) opening the namespace
+            meanwhile is refused with ``BackendError``; a killed holder's lease expires after
+            ``lease_ttl_s``.
 
     Example::
 
@@ -189,27 +194,44 @@ class Redis(BackendSpec):
     cluster: bool = False
     chunk_keys: int = 1024
     cache_rows: int = 0
+    lease_ttl_s: float = 30.0
+    # the namespace's lease, shared by the tables opened from this spec: not configuration
+    _open: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_existing("Redis", self.existing)
         _check_int("Redis", "retries", self.retries, 0)
         _check_int("Redis", "chunk_keys", self.chunk_keys, 1)
         _check_int("Redis", "cache_rows", self.cache_rows, 0)
-        for name, low in (("timeout_s", 1e-3), ("backoff_s", 0.0)):
+        for name, low in (("timeout_s", 1e-3), ("backoff_s", 0.0), ("lease_ttl_s", 1e-2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
                 raise ValueError(f"Redis {name} must be a number >= {low}, got {value!r}")
 
     def open(self, table: str, width: int, device: torch.device) -> Backend:
-        from tieredemb.storage.redis import RedisBackend, connect
+        from tieredemb.storage.redis import NamespaceLease, RedisBackend
 
-        client = connect(self.url, self.password, self.timeout_s, self.cluster, self.retries)
-        backend = RedisBackend(client, table, width, self.url, namespace=self.namespace,
-                               retries=self.retries, backoff_s=self.backoff_s,
-                               chunk_keys=self.chunk_keys, cluster=self.cluster)
+        lease = self._open.get("lease")
+        if lease is None or lease.released:  # before any row is touched (existing="clear")
+            lease = NamespaceLease(self._connect(), self.namespace, self.url, self.lease_ttl_s,
+                                   self.retries, self.backoff_s)
+            self._open["lease"] = lease
+        lease.hold(table)
+        try:
+            backend = RedisBackend(self._connect(), table, width, self.url, namespace=self.namespace,
+                                   retries=self.retries, backoff_s=self.backoff_s,
+                                   chunk_keys=self.chunk_keys, cluster=self.cluster, lease=lease)
+        except BaseException:
+            lease.drop(table)
+            raise
         try:
             backend.check_existing(self.existing)
         except BaseException:
             backend.close()
             raise
         return _with_cache(backend, self.cache_rows, device)
+
+    def _connect(self):
+        from tieredemb.storage.redis import connect
+
+        return connect(self.url, self.password, self.timeout_s, self.cluster, self.retries)

@@ -19,12 +19,18 @@ idempotent, up to ``retries`` times with exponential backoff from ``backoff_s``;
 chained to the last failure. Refused credentials and other server errors (``OOM``, wrong type) are
 not retried. Worst case before the error: ``(retries + 1) * timeout_s`` plus the backoff sleeps.
 redis-py's own retries are switched off (standalone) so this bound is the only one.
+
+One writer per namespace (``NamespaceLease``): the key ``<namespace>:lease`` holds a random token of
+the live collection writing there, with a TTL its holder renews; a second one is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -80,6 +86,160 @@ def connect(url: str, password: str | None, timeout_s: float, cluster: bool, ret
         raise BackendError(f"Redis at {redact(url)}: cannot connect: {e}") from e
 
 
+def call(where: str, what: str, fn: Callable[[], Any], retries: int, backoff_s: float) -> Any:
+    """fn(), retried on transient failures with backoff; else ``BackendError`` chained."""
+    delay = backoff_s
+    last: Exception | None = None
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except AuthenticationError as e:
+            raise BackendError(
+                f"{where}: {what}: the server refused the credentials ({e}); pass the right "
+                f"te.storage.Redis(password=...) or put it in the URL"
+            ) from e
+        except TRANSIENT as e:
+            last = e
+            if attempt == retries:
+                break
+            log.warning("%s: %s failed (%s), retry %d of %d in %.2f s", where, what, e, attempt + 1, retries,
+                        delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        except RedisError as e:  # not transient: OOM, wrong type, read-only replica, ...
+            raise BackendError(f"{where}: {what} failed: {_brief(e)}") from e
+    raise BackendError(
+        f"{where}: {what} failed after {retries + 1} attempts "
+        f"({type(last).__name__}: {last}); is the server up, reachable and fast enough? "
+        f"(timeout_s bounds each attempt, retries the attempts)"
+    ) from last
+
+
+# the lease's renewal: extend it if it still holds our token, take it again if it expired and nobody
+# took it meanwhile (a server restarted without its data); 0 if another collection holds it
+_RENEW = """
+local held = redis.call('get', KEYS[1])
+if held == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+if not held then redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[2]); return 1 end
+return 0
+"""
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class NamespaceLease:
+    """One writer per Redis namespace: the key ``<namespace>:lease`` holds this lease's random token.
+
+    Taken with SET NX and a TTL, refused (``BackendError``) while another live collection holds it.
+    A daemon thread renews it every TTL/3, whatever the training thread is doing. Its release (when
+    the last table held ``drop``s it at its ``close``, or when the garbage collector or the
+    interpreter's exit takes the lease) deletes the key only if it still holds this token; a holder
+    killed outright leaves it to expire after the TTL. A renewal that finds another token (this
+    process stopped past its TTL and another collection took the namespace) loses the lease: writes
+    are refused from then on.
+
+    Args:
+        client: a connection of its own (``connect``), closed at release.
+        namespace: the namespace held.
+        url: the server's (for messages; redacted).
+        ttl_s: the lease's time to live.
+        retries, backoff_s: the taking's retries of transient failures (``call``).
+    """
+
+    def __init__(self, client: Any, namespace: str, url: str, ttl_s: float, retries: int = 3,
+                 backoff_s: float = 0.1) -> None:
+        self.client = client
+        self.key = f"{namespace}:lease".encode()
+        self.where = f"Redis namespace {namespace!r} at {redact(url)}"
+        self.ttl_s = ttl_s
+        self.token = secrets.token_hex(16).encode()
+        self.tables: set[str] = set()
+        self.lost = False
+        ttl_ms = max(1, round(ttl_s * 1000))
+        try:  # a reply lost after the SET took: the key holds our token
+            taken = call(self.where, "lease", lambda: client.set(self.key, self.token, nx=True, px=ttl_ms)
+                         or client.get(self.key) == self.token, retries, backoff_s)
+        except BaseException:
+            client.close()
+            raise
+        if not taken:
+            client.close()
+            raise BackendError(
+                f"{self.where} is held by another live collection (its lease, key {self.key!r}, is "
+                f"renewed every {ttl_s / 3:.3g} s): one writer per store. Close that collection, wait "
+                f"{ttl_s:g} s (lease_ttl_s) if its process died, or use another namespace"
+            )
+        self.renewed_at = time.monotonic()
+        stop = threading.Event()
+        self._release = weakref.finalize(self, _release, client, self.key, self.token, stop)
+        threading.Thread(target=_renew_while_held, args=(weakref.ref(self), stop, ttl_s / 3),
+                         name=f"tieredemb-lease-{namespace}", daemon=True).start()
+
+    @property
+    def released(self) -> bool:
+        return not self._release.alive
+
+    def hold(self, table: str) -> None:
+        """A table opened under the lease (the tables of one spec share it)."""
+        if table in self.tables:
+            raise ValueError(f"table {table!r} of {self.where} is already open")
+        self.tables.add(table)
+
+    def drop(self, table: str) -> None:
+        """A table closed; the last one releases the lease."""
+        self.tables.discard(table)
+        if not self.tables:
+            self._release()
+
+    def renew(self) -> None:
+        if self.lost:
+            return
+        try:
+            held = self.client.eval(_RENEW, 1, self.key, self.token, max(1, round(self.ttl_s * 1000)))
+        except RedisError as e:  # the server is away: the lease lasts its TTL, the next renewal retries
+            log.warning("%s: renewing the lease failed: %s", self.where, e)
+            return
+        if held:
+            self.renewed_at = time.monotonic()
+            return
+        self.lost = True
+        log.error("%s: the lease was lost to another collection (nothing renewed it for longer than its "
+                  "TTL): this one's writes are refused", self.where)
+
+    def check(self) -> None:
+        """Before a write: ``BackendError`` if another collection holds the namespace now. A lease not
+        renewed for a TTL (this process was stopped) is renewed first, to know."""
+        if time.monotonic() - self.renewed_at > self.ttl_s:
+            self.renew()
+        if self.lost:
+            raise BackendError(f"{self.where}: this collection lost its lease to another one (nothing "
+                               f"renewed it for longer than lease_ttl_s): writes are refused")
+
+
+def _renew_while_held(lease_ref: weakref.ref, stop: threading.Event, period_s: float) -> None:
+    """The renewal thread: holds the lease only weakly, so that an unclosed collection's lease is
+    still released when the collection is collected."""
+    while not stop.wait(period_s):
+        lease = lease_ref()
+        if lease is None:
+            return
+        lease.renew()
+        del lease
+
+
+def _release(client: Any, key: bytes, token: bytes, stop: threading.Event) -> None:
+    """Stop the renewals; delete ``key`` if it still holds ``token``; close the client."""
+    stop.set()
+    try:
+        client.eval(_RELEASE, 1, key, token)
+    except RedisError as e:
+        log.info("releasing the Redis lease %r failed (it expires by itself): %s", key, e)
+    finally:
+        client.close()
+
+
 def _brief(error: Exception) -> str:
     """The server's words without the pipeline's echo of the command (binary keys and rows)."""
     text = str(error)
@@ -102,12 +262,15 @@ class RedisBackend(Backend):
         backoff_s: first sleep between attempts (doubles, at most 2 s).
         chunk_keys: keys per MGET/MSET command.
         cluster: ``client`` is a ``RedisCluster``.
+        lease: the namespace's lease the table is opened under (``NamespaceLease.hold``): writes
+            are refused once it is lost, and ``close`` drops the table from it.
     """
 
     def __init__(self, client: Any, table: str, width: int, url: str, namespace: str = "tieredemb",
                  retries: int = 3, backoff_s: float = 0.1, chunk_keys: int = 1024,
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, lease: NamespaceLease | None = None) -> None:
         self.client = client
+        self.lease = lease
         self.table = table
         self.width = width
         self.url = redact(url)
@@ -155,11 +318,13 @@ class RedisBackend(Backend):
         """Upsert; a key given twice keeps its last row."""
         names = self._names(keys)
         if names:
+            self._writable()
             self._call("set", self._mset, names, row_bytes(rows.reshape(-1, self.width)))
 
     def delete(self, keys: torch.Tensor) -> None:
         names = self._names(keys)
         if names:
+            self._writable()
             self._call("delete", self._unlink, names)
 
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -184,7 +349,11 @@ class RedisBackend(Backend):
         server restart is the server's persistence configuration (RDB/AOF)."""
 
     def close(self) -> None:
-        self.client.close()
+        try:
+            self.client.close()
+        finally:
+            if self.lease is not None:
+                self.lease.drop(self.table)
 
     # ------------------------------------------------------------------------------- internals
     def _names(self, keys: torch.Tensor) -> list[bytes]:
@@ -200,31 +369,11 @@ class RedisBackend(Backend):
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), retried on transient failures with backoff; else ``BackendError`` chained."""
-        delay = self.backoff_s
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                return fn(*args)
-            except AuthenticationError as e:
-                raise BackendError(
-                    f"{self._where}: {what}: the server refused the credentials ({e}); pass the right "
-                    f"te.storage.Redis(password=...) or put it in the URL"
-                ) from e
-            except TRANSIENT as e:
-                last = e
-                if attempt == self.retries:
-                    break
-                log.warning("%s: %s failed (%s), retry %d of %d in %.2f s", self._where, what, e,
-                            attempt + 1, self.retries, delay)
-                time.sleep(delay)
-                delay = min(2 * delay, 2.0)
-            except RedisError as e:  # not transient: OOM, wrong type, read-only replica, ...
-                raise BackendError(f"{self._where}: {what} failed: {_brief(e)}") from e
-        raise BackendError(
-            f"{self._where}: {what} failed after {self.retries + 1} attempts "
-            f"({type(last).__name__}: {last}); is the server up, reachable and fast enough? "
-            f"(timeout_s bounds each attempt, retries the attempts)"
-        ) from last
+        return call(self._where, what, lambda: fn(*args), self.retries, self.backoff_s)
+
+    def _writable(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     def _chunks(self, items: list) -> Iterator[list]:
         for start in range(0, len(items), self.chunk_keys):

@@ -14,11 +14,13 @@ shards do not follow the device index's buckets (which use the high half). Each 
 by shard, sorts each shard's keys (RocksDB's multi-get and write batches are fastest in key order),
 and hands each shard to a worker of a pool with one thread per shard.
 
-Writes go without the write-ahead log (``disable_wal``): a row reaches disk when its memtable is
-flushed, by RocksDB when the memtable fills or by ``flush()``/``close()``. A process killed between
-two flushes loses the rows written since the last one; ``ebc.flush()`` and checkpoints call
-``flush()``. What the cache above needs is a store whose reads see every earlier write, which holds
-with or without the log.
+Writes go through the write-ahead log (not synced: they survive the process, not the machine): a
+``set`` that returned is in the log, and a reopened database replays it. That is what lets a store
+recover from a failed write. After one (disk full, a directory that refuses new files) RocksDB refuses
+every later write, even once the cause is gone, until the database is reopened; so the next write
+reopens the databases first (``RocksDBStore.reopen``), and the caller retries the rows of the failed
+write (it still holds them). While the fault lasts the reopen fails, and the databases are opened
+read-only instead: reads go on, every write raises.
 
 Every RocksDB or OS error comes out as ``BackendError`` naming the store's path and the table,
 chained to the original.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +38,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from rocksdict import BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
 
 from tieredemb.keys import splitmix64
 from tieredemb.storage.backend import Backend, Fetched, GroupStore
@@ -75,7 +78,9 @@ class RocksDBStore:
     """The open databases of one store path, shared by the tables opened from one ``RocksDB`` spec.
 
     RocksDB lets one handle per process open a database, so every table of a store goes through this
-    object; it closes the databases when the last table closes.
+    object; it closes the databases when the last table closes. Calls on the databases (``using``)
+    take ``lock``, so that a reopen never runs beside another call (two table groups over one store
+    call it from two I/O workers).
 
     Args:
         path: the store's directory (created if missing).
@@ -88,21 +93,16 @@ class RocksDBStore:
         self.shards = shards
         self.tables: dict[str, RocksDBBackend] = {}
         self.closed = False
+        self.failed = False  # a write failed: the databases refuse writes until reopened
+        self.lock = threading.RLock()
         self.dbs: list[Rdict] = []
         self.families: list[set[str]] = []  # column families of each shard
         with self._errors("open"):
             os.makedirs(self.path, exist_ok=True)
             self._check_meta()
-            try:
-                for s in range(shards):
-                    self._open_shard(s)
-            except BaseException:
-                while self.dbs:  # release the shards' locks: the path may be retried
-                    self.dbs.pop().close()
-                raise
+            self._open_dbs()
         self.pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="tieredemb-rocksdb")
-        self.write_options = WriteOptions()
-        self.write_options.disable_wal = True
+        self.write_options = WriteOptions()  # through the write-ahead log (module docstring)
 
     @contextmanager
     def _errors(self, what: str, table: str | None = None):
@@ -118,6 +118,36 @@ class RocksDBStore:
             traceback.clear_frames(e.__traceback__)
             on = f"table {table!r} of " if table is not None else ""
             raise BackendError(f"RocksDB {what} failed on {on}store {self.path}: {e}") from e
+
+    @contextmanager
+    def using(self, what: str, table: str | None = None, writes: bool = False):
+        """One call on the databases, under ``lock``, errors as ``_errors``. A write (``writes``)
+        first reopens the databases if an earlier write failed, and marks them failed if it fails."""
+        with self.lock, self._errors(what, table):
+            if writes and self.failed:
+                self.reopen()
+            try:
+                yield
+            except Exception:
+                self.failed = self.failed or writes
+                raise
+
+    def reopen(self) -> None:
+        """Close and reopen the databases after a failed write (the module docstring says why). If
+        that fails (the fault lasts), open them read-only, so that reads go on, and raise."""
+        with self.lock, self._errors("reopen after a failed write"):
+            for backend in self.tables.values():  # a handle left would keep its database open
+                backend.drop_handles()
+            self._close_dbs()
+            try:
+                self._open_dbs()
+                self.failed = False
+            except Exception:
+                self._open_dbs(read_only=True)
+                raise
+            finally:
+                for backend in self.tables.values():
+                    backend.attach()
 
     def _check_meta(self) -> None:
         meta_path = os.path.join(self.path, META_FILE)
@@ -139,13 +169,33 @@ class RocksDBStore:
         with open(meta_path, "w") as f:
             json.dump({"format": FORMAT, "shards": self.shards}, f)
 
-    def _open_shard(self, shard: int) -> None:
-        shard_path = os.path.join(self.path, f"shard-{shard:02d}")
-        names: list[str] = []
-        if os.path.exists(os.path.join(shard_path, "CURRENT")):
-            names = [n for n in Rdict.list_cf(shard_path, Options(raw_mode=True)) if n != "default"]
-        self.dbs.append(Rdict(shard_path, _options(), column_families={n: _options() for n in names}))
-        self.families.append(set(names))
+    def _open_dbs(self, read_only: bool = False) -> None:
+        """Open every shard's database (and list its column families), or none."""
+        access = AccessType.read_only() if read_only else AccessType.read_write()
+        try:
+            for shard in range(self.shards):
+                shard_path = os.path.join(self.path, f"shard-{shard:02d}")
+                names: list[str] = []
+                if os.path.exists(os.path.join(shard_path, "CURRENT")):
+                    names = [n for n in Rdict.list_cf(shard_path, Options(raw_mode=True)) if n != "default"]
+                self.dbs.append(Rdict(shard_path, _options(), column_families={n: _options() for n in names},
+                                      access_type=access))
+                self.families.append(set(names))
+        except BaseException:
+            self._close_dbs()  # release the shards' locks: the path may be retried
+            raise
+
+    def _close_dbs(self) -> Exception | None:
+        """Close every database, popped first (no reference left keeps one open, even if its close
+        fails); the first failure, if any."""
+        first_error: Exception | None = None
+        while self.dbs:
+            try:
+                self.dbs.pop().close()
+            except Exception as e:  # a database in RocksDB's error state fails to close cleanly
+                first_error = first_error or e
+        self.families = []
+        return first_error
 
     def open_table(self, table: str, width: int, existing: str) -> RocksDBBackend:
         """The backend of ``table`` (rows of ``width`` float32), creating its column families."""
@@ -181,12 +231,7 @@ class RocksDBStore:
             return
         self.closed = True
         self.pool.shutdown(wait=True)
-        first_error: Exception | None = None
-        while self.dbs:  # popped (no local holds one): dropped even if its close fails
-            try:
-                self.dbs.pop().close()
-            except Exception as e:  # close every shard, report the first failure
-                first_error = first_error or e
+        first_error = self._close_dbs()
         if first_error is not None:
             with self._errors("close"):
                 raise first_error
@@ -202,10 +247,14 @@ class RocksDBBackend(Backend):
         self.store = store
         self.table = table
         self.width = width
-        name = _column_family(table)
-        self._families = [db.get_column_family(name) for db in store.dbs]
-        self._handles = [db.get_column_family_handle(name) for db in store.dbs]
+        self.attach()
         self._where = f"RocksDB table {table!r} of {store.path}"
+
+    def attach(self) -> None:
+        """Take the table's column families in the store's databases (opened, or reopened)."""
+        name = _column_family(self.table)
+        self._families = [db.get_column_family(name) for db in self.store.dbs]
+        self._handles = [db.get_column_family_handle(name) for db in self.store.dbs]
 
     def check_existing(self, existing: str) -> None:
         """Refuse (``existing="error"``) or check the width of (``"reuse"``) rows already stored."""
@@ -231,7 +280,7 @@ class RocksDBBackend(Backend):
         if n == 0:
             return Fetched(torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool))
         order, groups = self._by_shard(keys)
-        with self.store._errors("get", self.table):
+        with self.store.using("get", self.table):
             parts = self._each_shard(self._get_shard, groups)
             rows_sorted, found_sorted = decode_rows([v for p in parts for v in p], self.width, self._where)
         rows = torch.empty(n, self.width)
@@ -249,7 +298,7 @@ class RocksDBBackend(Backend):
         values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)])
         starts = np.cumsum([0] + [len(g) for _, g in groups])
         batches = [(s, g, values[a:b]) for (s, g), a, b in zip(groups, starts[:-1], starts[1:])]
-        with self.store._errors("set", self.table):
+        with self.store.using("set", self.table, writes=True):
             self._each_shard(self._set_shard, batches)
 
     def delete(self, keys: torch.Tensor) -> None:
@@ -257,13 +306,16 @@ class RocksDBBackend(Backend):
         if keys.numel() == 0:
             return
         _, groups = self._by_shard(keys)
-        with self.store._errors("delete", self.table):
+        with self.store.using("delete", self.table, writes=True):
             self._each_shard(self._delete_shard, groups)
 
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every row once: shard after shard, ascending key within a shard, ``chunk_rows`` a chunk.
 
-        Each shard is read through one iterator, a consistent view of that shard at its start.
+        Each shard is read through one iterator, a consistent view of that shard at its start. Not
+        under the store's lock (the iterators span the caller's chunks): an iterator keeps its
+        database open, so a reopen meanwhile (another table group's write after a failed one)
+        fails and is tried again at the next write.
         """
         keys: list[bytes] = []
         values: list[bytes] = []
@@ -280,12 +332,12 @@ class RocksDBBackend(Backend):
 
     def size(self) -> int:
         """Rows stored (counts every key: O(rows), for stats and tests, not the training step)."""
-        with self.store._errors("size", self.table):
+        with self.store.using("size", self.table):
             return sum(_count_keys(self._families[shard]) for shard in range(len(self._families)))
 
     def flush(self) -> None:
         """Write every memtable of this table to disk (waits)."""
-        with self.store._errors("flush", self.table):
+        with self.store.using("flush", self.table, writes=True):
             for shard in range(len(self._families)):
                 self._families[shard].flush(True)
 
@@ -385,7 +437,7 @@ class RocksDBGroup(GroupStore):
         def read(shard: int, runs) -> list:
             return [(a, b, self.backends[t]._families[shard].get(key_bytes(enc))) for t, enc, a, b in runs]
 
-        with self.store._errors("get"):
+        with self.store.using("get"):
             parts = [part for shard_parts in self._fan_out(read, plan) for part in shard_parts]
             idx = torch.from_numpy(order)
             for a, b, values in parts:
@@ -409,5 +461,5 @@ class RocksDBGroup(GroupStore):
                     batch.put(k, v, handle)
             self.store.dbs[shard].write(batch, self.store.write_options)
 
-        with self.store._errors("set"):
+        with self.store.using("set", writes=True):
             self._fan_out(write, plan)

@@ -399,13 +399,14 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         addresses = torch.where(shared >= 0, self.in_flight.values[shared.clamp(min=0)], addresses)
         return addresses, addresses >= 0
 
-    def _get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+    def _get(self, keys: torch.Tensor, tables: torch.Tensor, reading: bool = False) -> Fetched:
         """Backing-store rows of the pairs. Every earlier write-down is taken first (the store then
         answers with the newest rows); a write-down that failed is retried, and raised if it fails
-        again, before anything changes."""
+        again, before anything changes. ``reading`` (``read``): while it still fails, the rows kept
+        in the process answer for their pairs instead (``WriteDowns.read``)."""
         bdev = self.backend_device
         keys, tables = keys.to(bdev), tables.to(bdev)
-        got = self.writes.get(keys, tables)
+        got = self.writes.read(keys, tables) if reading else self.writes.get(keys, tables)
         if self.bound is not None:  # a row a bounded table dropped may outlive its delete
             got.found &= self._held(keys, tables).to(got.found.device)
         self._moved[0].index_add_(0, tables, got.found.to(torch.int64))
@@ -498,7 +499,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         addresses, found = self._locate(keys, tables)
         out = self.store.gather(addresses, cols)
         missing = (~found).nonzero().squeeze(1)
-        got = self._get(keys[missing], tables[missing])
+        got = self._get(keys[missing], tables[missing], reading=True)
         out[missing] = got.rows[:, :cols].to(self.device)
         found[missing] = got.found.to(self.device)
         return out, found
@@ -565,8 +566,8 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
     def export_chunks(self, table: int, rows: int):
         """Cached rows (with their scores), rows still owed by a batch in flight (a conflict miss's
         scratch row, newer than the store's), then the backing store's other rows (scores 0), in
-        chunks of at most ``rows``: the store is scanned, never loaded whole."""
-        self.writes.drain()
+        chunks of at most ``rows``: the store is scanned, never loaded whole. Rows on their way down
+        count as the store's (``WriteDowns.scan``): a store that fails to take them does not hide them."""
         seen = []
         for keys, full, scores in super().export_chunks(table, rows):
             seen.append(keys)
@@ -578,7 +579,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             yield keys[part], self.store.gather(addresses[part]), self._scores(table, keys[part],
                                                                               torch.zeros_like(keys[part]))
         seen = torch.cat(seen) if seen else None
-        for bkeys, brows in self.below.table(table).scan(rows):
+        for bkeys, brows in self.writes.scan(table, rows):
             keep = self._held(bkeys, self._tables_of(table, bkeys)).to(bkeys.device)
             if seen is not None:
                 keep &= ~torch.isin(bkeys, seen.to(bkeys.device))

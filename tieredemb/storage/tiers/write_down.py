@@ -3,12 +3,15 @@
 Write-downs to a store doing host I/O (RocksDB, Redis) go to its I/O worker and the prefetch goes on;
 every fetch first waits for the earlier write-downs (one FIFO), so it reads the newest rows. Rows
 whose write-down failed are kept on the host and retried at the next call that needs the store; until
-the store takes them that call raises ``BackendError`` chained to the store's exception, before
-anything changes.
+the store takes them a training call raises ``BackendError`` chained to the store's exception, before
+anything changes, while ``read`` and ``scan`` (the collection's ``read``, ``export`` and checkpoints)
+answer with the kept rows over the store's.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,8 @@ from tieredemb.config import RESERVED_KEY
 from tieredemb.storage.backend import Fetched, GroupStore
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.io_worker import IOHandle, IOWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -121,9 +126,84 @@ class WriteDowns:
         worker where there is one. Every earlier write-down is taken first (``drain``: the store then
         answers with the newest rows)."""
         self.drain()
+        return self._store_get(keys, tables)
+
+    def read(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        """As ``get``, but while the store does not take the rows kept here (a fault that lasts) they
+        answer for their pairs, and the store is asked only for the others: nothing kept here is
+        out of reach. Raises only if the store must be asked and cannot answer."""
+        if self._retried():
+            return self._store_get(keys, tables)
+        rows, found = self._lookup_kept(keys, tables)
+        rest = (~found).nonzero().squeeze(1)
+        if rest.numel():
+            got = self._store_get(keys[rest], tables[rest])
+            rows[rest], found[rest] = got.rows.to(self.device), got.found.to(self.device)
+        return Fetched(rows, found)
+
+    def scan(self, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row of the group's table ``table``: (keys int64 (m,), rows (m, W)) chunks on the
+        store's device, the rows kept here first (the newest of each key), then the store's others.
+        Answers during a fault as ``read`` does."""
+        kept = torch.empty(0, dtype=torch.int64, device=self.device)
+        if not self._retried():
+            keys, tables, rows = self._kept()
+            mine = (tables == table).nonzero().squeeze(1)
+            kept, rows = keys[mine], rows[mine]
+            for start in range(0, kept.numel(), chunk_rows):
+                yield kept[start : start + chunk_rows], rows[start : start + chunk_rows]
+        for keys, rows in self.below.table(table).scan(chunk_rows):
+            if kept.numel():
+                new = ~torch.isin(keys, kept.to(keys.device))
+                keys, rows = keys[new], rows[new]
+            if keys.numel():
+                yield keys, rows
+
+    def _retried(self) -> bool:
+        """Retry the kept rows (``drain``); False if the store still does not take them."""
+        try:
+            self.drain()
+        except BackendError as e:
+            log.warning("%s; answering with the rows kept in this process", e)
+            return False
+        return True
+
+    def _store_get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         if self.io is None:
             return self.below.get(keys, tables)
         return self.io.submit(self.below.get, keys, tables).result()
+
+    def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows kept here, the newest of each pair: keys int64 (k,), tables int64 (k,), rows
+        (k, W), in (table, key) order."""
+        if not self.unwritten:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty, torch.empty(0, self.below.width, device=self.device)
+        keys, tables, rows = (torch.cat(parts) for parts in zip(*((p.keys, p.tables, p.rows)
+                                                                  for p in self.unwritten)))
+        real = (keys != RESERVED_KEY).nonzero().squeeze(1)  # not the padding of a padded write
+        keys, tables, rows = keys[real], tables[real], rows[real]
+        pairs, inverse = torch.unique(torch.stack([tables, keys], 1), dim=0, return_inverse=True)
+        newest = torch.full((pairs.shape[0],), -1, dtype=torch.int64, device=keys.device)
+        newest.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), "amax")
+        return pairs[:, 1], pairs[:, 0], rows[newest]
+
+    def _lookup_kept(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest row kept here of each pair: rows float32 (n, W) (zeros where none), found
+        bool (n,)."""
+        n = keys.numel()
+        rows = torch.zeros(n, self.below.width, device=self.device)
+        kkeys, ktables, krows = self._kept()
+        if n == 0 or kkeys.numel() == 0:
+            return rows, torch.zeros(n, dtype=torch.bool, device=self.device)
+        pairs = torch.stack([torch.cat([tables, ktables]), torch.cat([keys, kkeys])], 1)
+        _, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+        at = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.int64, device=self.device)
+        at[inverse[n:]] = torch.arange(kkeys.numel(), device=self.device)  # the kept pairs are distinct
+        at = at[inverse[:n]]
+        found = at >= 0
+        rows[found] = krows[at[found]]
+        return rows, found
 
     def close(self) -> None:
         """Stop the I/O worker (its queue done first)."""
