@@ -221,6 +221,21 @@ def test_bad_write_is_refused_and_changes_nothing():
     assert_snapshot_equal(before, snapshot(collection, tables()))
 
 
+def test_a_write_of_rows_not_finite_in_the_tables_dtype_is_refused():
+    """float64 rows finite in float64 but beyond float32's range (the rows' dtype) would be stored
+    as inf."""
+    collection = trained(te.EmbeddingBagCollection)
+    before = snapshot(collection, tables())
+    rows = torch.tensor([[0.5, 1e300, 0.5], [0.5, 0.5, -1e39]], dtype=torch.float64)
+    assert bool(torch.isfinite(rows).all()) and not bool(torch.isfinite(rows.to(torch.float32)).all())
+    with pytest.raises(ValueError, match="'small'.*float32"):
+        collection.write("small", torch.tensor([1, 2]), rows)
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+    collection.write("small", torch.tensor([1, 2]), rows.clamp(-1e38, 1e38))  # finite in float32: taken
+    got, found = collection.read("small", torch.tensor([1, 2]))
+    assert bool(found.all()) and torch.equal(got, rows.clamp(-1e38, 1e38).to(torch.float32))
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad configurations
 # --------------------------------------------------------------------------------------------------

@@ -477,9 +477,9 @@ class CollectionBase(nn.Module):
             return self.placement.read(*self._where[table], keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
-        """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
-        is reset to zero. Sharded: a collective; the rows go to their owners (a key written by two
-        ranks keeps the higher rank's row)."""
+        """Upsert rows: keys int64 (n,) distinct, weights float (n, D), finite as float32 (the rows'
+        dtype). Optimizer state of those rows is reset to zero. Sharded: a collective; the rows go to
+        their owners (a key written by two ranks keeps the higher rank's row)."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
@@ -487,11 +487,12 @@ class CollectionBase(nn.Module):
         if tuple(weights.shape) != (keys.numel(), group.dim):
             raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {group.dim}), "
                              f"got {tuple(weights.shape)}")
+        weights = weights.to(device=self.device, dtype=torch.float32)  # the rows' dtype
         if not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"table {table!r}: weights must be finite")
+            raise ValueError(f"table {table!r}: weights must be finite in the rows' dtype float32 (NaN, "
+                             "inf or beyond its range)")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
-        weights = weights.to(device=self.device, dtype=torch.float32)
         with self.mutating():
             self._rows_changed += 1
             self.placement.write(*self._where[table], keys, weights, self._clock)
