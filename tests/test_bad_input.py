@@ -35,12 +35,13 @@ VALUES = [1, 2, 3, 5, 7, 8, 9]
 LENGTHS = [2, 1, 1, 0, 2, 1]
 
 
-def trained(module: type):
-    """A collection with rows, optimizer state, scores and admission counts from three steps.
+def trained(module: type, optimizer: te.optim.EmbeddingOptimizer | None = None):
+    """A collection with rows, optimizer state, scores and admission counts from three steps
+    (``optimizer``: default Adagrad(lr=0.1)).
 
     Counts in "big" after it: 9 -> 3 (stored), 7, 8, 10 -> 2, 5, 6, 11 -> 1 (not stored).
     """
-    collection = module(tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1)
+    collection = module(tables(), optimizer=optimizer or te.optim.Adagrad(lr=0.1), seed=1)
     for i in range(3):
         bags = {f: [[k + i for k in bag] for bag in b] for f, b in GOOD.items()}
         loss_of(collection(Batch(bags).kjt())).backward()
@@ -295,6 +296,31 @@ def test_optimizer_must_be_a_fused_optimizer():
     for bad in (torch.optim.SGD(params, lr=0.1), "adam"):
         with pytest.raises(TypeError):
             build([te.TableConfig("t", 4, ["x"])], optimizer=bad)
+
+
+OPTIMIZERS = {"sgd": te.optim.SGD, "adagrad": te.optim.Adagrad, "rowwise_adagrad": te.optim.RowWiseAdagrad,
+              "adam": te.optim.Adam}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_learning_rate_not_finite_and_positive_is_refused_when_set(name):
+    """Set between steps (as a schedule does) or given to the constructor; the lr and the rows stay
+    as they were, and the next step equals a twin's that never saw it."""
+    victim, twin = (trained(te.EmbeddingBagCollection, OPTIMIZERS[name](lr=0.1)) for _ in range(2))
+    before = snapshot(victim, tables())
+    for bad, error in ((math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError),
+                       (0.0, ValueError), (0, ValueError), (-0.1, ValueError),
+                       ("0.1", TypeError), (None, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=rf"{OPTIMIZERS[name].__name__}.*lr.*{bad!r}"):
+            victim.optimizer.lr = bad
+        assert victim.optimizer.lr == 0.1
+        with pytest.raises(error, match="lr"):
+            OPTIMIZERS[name](lr=bad)
+    assert_snapshot_equal(before, snapshot(victim, tables()))
+    for c in (victim, twin):
+        c.optimizer.lr = 0.05
+        loss_of(c(Batch(GOOD).kjt())).backward()
+    assert_snapshot_equal(snapshot(twin, tables()), snapshot(victim, tables()))
 
 
 def test_tables_must_be_table_configs():
