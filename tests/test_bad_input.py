@@ -96,6 +96,13 @@ def bad_batches(pooled: bool) -> dict[str, BadBatch]:
         "reserved key in a raw-id table": BadBatch(
             make_kjt(KEYS, [1, 2, 3, 5, te.RESERVED_KEY, 8, 9], LENGTHS), CTX, rf"reserved|{te.RESERVED_KEY}"
         ),
+        # a tensor without data: the collection cannot read it
+        "ids on the meta device": BadBatch(
+            make_kjt(KEYS, torch.tensor(VALUES, device="meta"), LENGTHS), None, r"values.*device meta"
+        ),
+        "lengths on the meta device": BadBatch(
+            make_kjt(KEYS, VALUES, torch.tensor(LENGTHS, device="meta")), None, r"lengths.*device meta"
+        ),
     }
     if pooled:
 
@@ -112,6 +119,10 @@ def bad_batches(pooled: bool) -> dict[str, BadBatch]:
             ),
             "weights of the wrong length": BadBatch(
                 make_kjt(KEYS, VALUES, LENGTHS, [1.0] * (len(VALUES) - 1)), None, r"weight"
+            ),
+            "weights on the meta device": BadBatch(
+                make_kjt(KEYS, VALUES, LENGTHS, torch.ones(len(VALUES), device="meta")), None,
+                r"weights.*device meta"
             ),
         }
     return cases
@@ -157,7 +168,7 @@ def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels)
     index = victim.tiers[0].index
     before = snapshot(victim, one_group_tables())
     scores, locks = index.scores.clone(), index.locks.clone()
-    kjt = bad.kjt.to(victim.device)
+    kjt = bad.kjt if victim.device.type == "cpu" else bad.kjt.to(victim.device)
     for call in (lambda: victim.prefetch(kjt), lambda: loss_of(victim(kjt)).backward()):
         with pytest.raises((ValueError, TypeError)):
             call()
@@ -219,6 +230,40 @@ def test_bad_write_is_refused_and_changes_nothing():
         collection.write("big", torch.tensor([te.RESERVED_KEY]), torch.zeros(1, 4))
     with pytest.raises((ValueError, KeyError), match="no_such_table"):
         collection.write("no_such_table", torch.tensor([1]), torch.zeros(1, 3))
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+
+
+def test_lengths_and_offsets_that_disagree_are_refused():
+    """Given both, they must say the same bags (lengths were used and offsets ignored): a batch or a
+    JaggedTensor where they differ is refused when it is made; where they agree it trains as with
+    lengths alone."""
+    lengths = torch.tensor(LENGTHS)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    shifted = offsets.clone()
+    shifted[1] -= 1  # bags [1, 2, 1, 0, 2, 1]: the same ids in all, other bags
+    for bad, problem in ((shifted, r"offsets\[1\] is 1.*lengths.* 2"),
+                         (offsets[:-1], r"offsets has 6 entries.*lengths has 6"),
+                         (offsets + 1, r"offsets\[0\] is 1")):
+        with pytest.raises(ValueError, match=problem):
+            te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths, offsets=bad)
+        with pytest.raises(ValueError, match=problem):
+            te.JaggedTensor(torch.tensor(VALUES), lengths=lengths, offsets=bad)
+    both, alone = trained(te.EmbeddingBagCollection), trained(te.EmbeddingBagCollection)
+    given = te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths, offsets=offsets)
+    loss_of(both(given)).backward()
+    loss_of(alone(te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths))).backward()
+    assert_snapshot_equal(snapshot(alone, tables()), snapshot(both, tables()))
+
+
+def test_a_write_on_the_meta_device_is_refused():
+    collection = trained(te.EmbeddingBagCollection)
+    before = snapshot(collection, tables())
+    with pytest.raises(ValueError, match="keys.*device meta"):
+        collection.write("small", torch.tensor([1, 2], device="meta"), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="weights.*device meta"):
+        collection.write("small", torch.tensor([1, 2]), torch.zeros(2, 3, device="meta"))
+    with pytest.raises(ValueError, match="keys.*device meta"):
+        collection.read("small", torch.tensor([1, 2], device="meta"))
     assert_snapshot_equal(before, snapshot(collection, tables()))
 
 

@@ -32,6 +32,7 @@ from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
     GroupBatch,
     Layout,
+    check_device,
     check_keys,
     check_tables,
 )
@@ -484,6 +485,7 @@ class CollectionBase(nn.Module):
         keys = check_keys(config, keys, self.device)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             raise TypeError(f"table {table!r}: weights must be a float tensor")
+        check_device(f"table {table!r}: weights", weights, self.device)
         if tuple(weights.shape) != (keys.numel(), group.dim):
             raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {group.dim}), "
                              f"got {tuple(weights.shape)}")
