@@ -27,6 +27,7 @@ from torch import nn
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import per_rank_backing
 from tieredemb.distributed.sharding import RowWiseSharding
+from tieredemb.index.key_index import bucket_loads
 from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
@@ -608,6 +609,21 @@ class CollectionBase(nn.Module):
         with self.mutating():
             self._rows_changed += 1
             self.placement.delete_rows(*self._where[table], keys)
+
+    def to_owners(self, table: str, keys: torch.Tensor,
+                  payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` of ``table`` (int64 (n,)), each with an int64 ``payload``, sent to the ranks that
+        store them: the keys this rank stores, from every rank, and their payloads. Sharded: a collective."""
+        self._table(table)  # a known table
+        return self.placement.to_owners(*self._where[table], keys.to(self.device), payload.to(self.device))
+
+    def bucket_loads(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A table with ``max_capacity``: int64 (buckets,) how many of ``keys`` (distinct, this rank's)
+        each bucket of its index takes, and the bucket width (past it, rows are evicted); else None."""
+        config = self._table(table)[2]
+        if config.max_capacity is None:
+            return None
+        return bucket_loads(keys, config.max_capacity, self.storage.bucket_width), self.storage.bucket_width
 
     def is_empty(self) -> bool:
         with self.mutating():
