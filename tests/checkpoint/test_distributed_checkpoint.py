@@ -120,9 +120,13 @@ def _refusals(rank: int, world: int, port: int, tmp: str) -> None:
             except te.checkpoint.CheckpointError as e:
                 error = str(e)
             seen[case] = {"error": error, "empty": model.ebc.is_empty(), "step": model.ebc.step}
-        te.checkpoint.load(model, os.path.join(tmp, "ckpt"))
+        try:  # the retry, into the model of both refusals
+            te.checkpoint.load(model, os.path.join(tmp, "ckpt"))
+            error = None
+        except ValueError as e:
+            error = str(e)
         rows = {t: model.ebc.export(t).keys.tolist() for t in ("t0", "t1")}
-        seen["good"] = {"step": model.ebc.step, "rows": rows}
+        seen["good"] = {"error": error, "step": model.ebc.step, "rows": rows}
         with open(os.path.join(tmp, f"refusals-{rank}.json"), "w") as f:
             json.dump(seen, f)
     finally:
@@ -156,6 +160,7 @@ def test_a_refusal_on_one_rank_is_every_ranks_and_changes_nothing(tmp_path) -> N
             got = seen[rank][case]
             assert got["error"] is not None and problem in got["error"], (rank, case, got)
             assert got["empty"] and got["step"] == 0, (rank, case, got)
+    assert seen[0]["good"]["error"] is None and seen[1]["good"]["error"] is None
     for t in ("t0", "t1"):  # the retry: every saved row, once
         rows = seen[0]["good"]["rows"][t] + seen[1]["good"]["rows"][t]
         assert len(rows) == len(set(rows)) > 0
