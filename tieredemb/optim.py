@@ -23,6 +23,14 @@ from numbers import Real
 import torch
 
 
+def _checked_lr(owner: str, lr: object) -> float:
+    if isinstance(lr, bool) or not isinstance(lr, Real):
+        raise TypeError(f"{owner}: lr must be a number, got {lr!r}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"{owner}: lr must be a finite number > 0, got {lr!r}")
+    return float(lr)
+
+
 class EmbeddingOptimizer:
     """Base class. ``kind`` names the fused kernel variant."""
 
@@ -41,15 +49,6 @@ class EmbeddingOptimizer:
     def update(self, rows: torch.Tensor, grads: torch.Tensor, step: int) -> torch.Tensor:
         """Reference update. rows: float32 (n, W); grads: float32 (n, D); returns new rows (n, W)."""
         raise NotImplementedError
-
-
-
-def _checked_lr(owner: str, lr: object) -> float:
-    if isinstance(lr, bool) or not isinstance(lr, Real):
-        raise TypeError(f"{owner}: lr must be a number, got {lr!r}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"{owner}: lr must be a finite number > 0, got {lr!r}")
-    return float(lr)
 
 
 @dataclass

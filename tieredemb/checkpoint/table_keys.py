@@ -81,7 +81,7 @@ class TableKeys:
 
     def _overflow(self, model, keys: torch.Tensor, numbers: torch.Tensor) -> str | None:
         """A bounded table of ``model`` that cannot hold the keys stored after some version."""
-        if model.bucket_loads(self.table, keys[:0]) is None:
+        if model.bucket_loads(self.table, keys[:0]) is None:  # unbounded: it grows to hold them
             return None
         version, kind = self.version[numbers], self.kind[numbers]
         held = keys[:0]
