@@ -163,8 +163,8 @@ def initial_rows(
 ) -> torch.Tensor:
     """float32 (n, D): the library's initial rows of ``keys`` in ``table``.
 
-    Read from a fresh one-table probe collection after a train step with SGD(lr=0), so the rows are
-    inserted but unchanged. test_init.py checks separately that these rows are a pure function of
+    Read from a fresh one-table probe collection after a train step with a zero gradient (SGD), so
+    the rows are inserted but unchanged. test_init.py checks separately that these rows are a pure function of
     (seed, table name, key), which is what makes the probe a valid source for the reference.
     """
     module = module or te.EmbeddingBagCollection
@@ -172,12 +172,12 @@ def initial_rows(
     if not keys:
         return torch.zeros(0, table.embedding_dim)
     probe_table = dataclasses.replace(table, admission=None, max_capacity=None)
-    probe = module([probe_table], optimizer=te.optim.SGD(lr=0.0), seed=seed, **kwargs)
+    probe = module([probe_table], optimizer=te.optim.SGD(lr=1.0), seed=seed, **kwargs)
     feature = table.feature_names[0]
     bags = {f: [[]] for f in table.feature_names}
     bags[feature] = [keys]
     out = probe(Batch(bags).kjt())
-    loss_of(out).backward()
+    (loss_of(out) * 0).backward()
     rows, found = probe.read(table.name, torch.tensor(keys, dtype=torch.int64))
     assert bool(found.all()), "probe collection did not store the keys it was trained on"
     return rows.detach().clone()

@@ -35,12 +35,13 @@ VALUES = [1, 2, 3, 5, 7, 8, 9]
 LENGTHS = [2, 1, 1, 0, 2, 1]
 
 
-def trained(module: type):
-    """A collection with rows, optimizer state, scores and admission counts from three steps.
+def trained(module: type, optimizer: te.optim.EmbeddingOptimizer | None = None):
+    """A collection with rows, optimizer state, scores and admission counts from three steps
+    (``optimizer``: default Adagrad(lr=0.1)).
 
     Counts in "big" after it: 9 -> 3 (stored), 7, 8, 10 -> 2, 5, 6, 11 -> 1 (not stored).
     """
-    collection = module(tables(), optimizer=te.optim.Adagrad(lr=0.1), seed=1)
+    collection = module(tables(), optimizer=optimizer or te.optim.Adagrad(lr=0.1), seed=1)
     for i in range(3):
         bags = {f: [[k + i for k in bag] for bag in b] for f, b in GOOD.items()}
         loss_of(collection(Batch(bags).kjt())).backward()
@@ -95,6 +96,13 @@ def bad_batches(pooled: bool) -> dict[str, BadBatch]:
         "reserved key in a raw-id table": BadBatch(
             make_kjt(KEYS, [1, 2, 3, 5, te.RESERVED_KEY, 8, 9], LENGTHS), CTX, rf"reserved|{te.RESERVED_KEY}"
         ),
+        # a tensor without data: the collection cannot read it
+        "ids on the meta device": BadBatch(
+            make_kjt(KEYS, torch.tensor(VALUES, device="meta"), LENGTHS), None, r"values.*device meta"
+        ),
+        "lengths on the meta device": BadBatch(
+            make_kjt(KEYS, VALUES, torch.tensor(LENGTHS, device="meta")), None, r"lengths.*device meta"
+        ),
     }
     if pooled:
 
@@ -111,6 +119,10 @@ def bad_batches(pooled: bool) -> dict[str, BadBatch]:
             ),
             "weights of the wrong length": BadBatch(
                 make_kjt(KEYS, VALUES, LENGTHS, [1.0] * (len(VALUES) - 1)), None, r"weight"
+            ),
+            "weights on the meta device": BadBatch(
+                make_kjt(KEYS, VALUES, LENGTHS, torch.ones(len(VALUES), device="meta")), None,
+                r"weights.*device meta"
             ),
         }
     return cases
@@ -156,7 +168,7 @@ def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels)
     index = victim.tiers[0].index
     before = snapshot(victim, one_group_tables())
     scores, locks = index.scores.clone(), index.locks.clone()
-    kjt = bad.kjt.to(victim.device)
+    kjt = bad.kjt if victim.device.type == "cpu" else bad.kjt.to(victim.device)
     for call in (lambda: victim.prefetch(kjt), lambda: loss_of(victim(kjt)).backward()):
         with pytest.raises((ValueError, TypeError)):
             call()
@@ -221,6 +233,55 @@ def test_bad_write_is_refused_and_changes_nothing():
     assert_snapshot_equal(before, snapshot(collection, tables()))
 
 
+def test_lengths_and_offsets_that_disagree_are_refused():
+    """Given both, they must say the same bags (lengths were used and offsets ignored): a batch or a
+    JaggedTensor where they differ is refused when it is made; where they agree it trains as with
+    lengths alone."""
+    lengths = torch.tensor(LENGTHS)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    shifted = offsets.clone()
+    shifted[1] -= 1  # bags [1, 2, 1, 0, 2, 1]: the same ids in all, other bags
+    for bad, problem in ((shifted, r"offsets\[1\] is 1.*lengths.* 2"),
+                         (offsets[:-1], r"offsets has 6 entries.*lengths has 6"),
+                         (offsets + 1, r"offsets\[0\] is 1")):
+        with pytest.raises(ValueError, match=problem):
+            te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths, offsets=bad)
+        with pytest.raises(ValueError, match=problem):
+            te.JaggedTensor(torch.tensor(VALUES), lengths=lengths, offsets=bad)
+    both, alone = trained(te.EmbeddingBagCollection), trained(te.EmbeddingBagCollection)
+    given = te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths, offsets=offsets)
+    loss_of(both(given)).backward()
+    loss_of(alone(te.KeyedJaggedTensor(KEYS, torch.tensor(VALUES), lengths=lengths))).backward()
+    assert_snapshot_equal(snapshot(alone, tables()), snapshot(both, tables()))
+
+
+def test_a_write_on_the_meta_device_is_refused():
+    collection = trained(te.EmbeddingBagCollection)
+    before = snapshot(collection, tables())
+    with pytest.raises(ValueError, match="keys.*device meta"):
+        collection.write("small", torch.tensor([1, 2], device="meta"), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="weights.*device meta"):
+        collection.write("small", torch.tensor([1, 2]), torch.zeros(2, 3, device="meta"))
+    with pytest.raises(ValueError, match="keys.*device meta"):
+        collection.read("small", torch.tensor([1, 2], device="meta"))
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+
+
+def test_a_write_of_rows_not_finite_in_the_tables_dtype_is_refused():
+    """float64 rows finite in float64 but beyond float32's range (the rows' dtype) would be stored
+    as inf."""
+    collection = trained(te.EmbeddingBagCollection)
+    before = snapshot(collection, tables())
+    rows = torch.tensor([[0.5, 1e300, 0.5], [0.5, 0.5, -1e39]], dtype=torch.float64)
+    assert bool(torch.isfinite(rows).all()) and not bool(torch.isfinite(rows.to(torch.float32)).all())
+    with pytest.raises(ValueError, match="'small'.*float32"):
+        collection.write("small", torch.tensor([1, 2]), rows)
+    assert_snapshot_equal(before, snapshot(collection, tables()))
+    collection.write("small", torch.tensor([1, 2]), rows.clamp(-1e38, 1e38))  # finite in float32: taken
+    got, found = collection.read("small", torch.tensor([1, 2]))
+    assert bool(found.all()) and torch.equal(got, rows.clamp(-1e38, 1e38).to(torch.float32))
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad configurations
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +341,31 @@ def test_optimizer_must_be_a_fused_optimizer():
     for bad in (torch.optim.SGD(params, lr=0.1), "adam"):
         with pytest.raises(TypeError):
             build([te.TableConfig("t", 4, ["x"])], optimizer=bad)
+
+
+OPTIMIZERS = {"sgd": te.optim.SGD, "adagrad": te.optim.Adagrad, "rowwise_adagrad": te.optim.RowWiseAdagrad,
+              "adam": te.optim.Adam}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_learning_rate_not_finite_and_positive_is_refused_when_set(name):
+    """Set between steps (as a schedule does) or given to the constructor; the lr and the rows stay
+    as they were, and the next step equals a twin's that never saw it."""
+    victim, twin = (trained(te.EmbeddingBagCollection, OPTIMIZERS[name](lr=0.1)) for _ in range(2))
+    before = snapshot(victim, tables())
+    for bad, error in ((math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError),
+                       (0.0, ValueError), (0, ValueError), (-0.1, ValueError),
+                       ("0.1", TypeError), (None, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=rf"{OPTIMIZERS[name].__name__}.*lr.*{bad!r}"):
+            victim.optimizer.lr = bad
+        assert victim.optimizer.lr == 0.1
+        with pytest.raises(error, match="lr"):
+            OPTIMIZERS[name](lr=bad)
+    assert_snapshot_equal(before, snapshot(victim, tables()))
+    for c in (victim, twin):
+        c.optimizer.lr = 0.05
+        loss_of(c(Batch(GOOD).kjt())).backward()
+    assert_snapshot_equal(snapshot(twin, tables()), snapshot(victim, tables()))
 
 
 def test_tables_must_be_table_configs():

@@ -18,6 +18,22 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_agree(owner: str, lengths: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Lengths and offsets given together must describe the same bags: offsets (n + 1,) are 0, then
+    the running sum of lengths (n,). Reads them (on CUDA a sync: only when both are given)."""
+    if lengths.dim() != 1 or offsets.dim() != 1 or offsets.numel() != lengths.numel() + 1:
+        raise ValueError(f"{owner}: offsets has {offsets.numel()} entries and lengths has {lengths.numel()}: "
+                         "given both, offsets needs one entry more than lengths")
+    if "meta" in (lengths.device.type, offsets.device.type):
+        return  # no data to compare (a collection refuses such a batch)
+    want = offsets_from_lengths(lengths)
+    wrong = (offsets.to(want.device, torch.int64) != want).nonzero()
+    if wrong.numel():
+        i = int(wrong[0])
+        raise ValueError(f"{owner}: lengths and offsets disagree: offsets[{i}] is {int(offsets[i])}, the "
+                         f"lengths before it sum to {int(want[i])}")
+
+
 class JaggedTensor:
     """One feature's jagged values. values: (n, ...) ; lengths: int (B,)."""
 
@@ -25,6 +41,8 @@ class JaggedTensor:
                  offsets: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
+        if lengths is not None and offsets is not None:
+            _check_agree("JaggedTensor", lengths, offsets)
         self._values = values
         self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
         self._offsets = offsets
@@ -83,6 +101,8 @@ class KeyedJaggedTensor:
         for name, t in (("lengths", lengths), ("offsets", offsets), ("weights", weights)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"KeyedJaggedTensor {name} must be a tensor, got {type(t).__name__}")
+        if lengths is not None and offsets is not None:
+            _check_agree("KeyedJaggedTensor", lengths, offsets)
         self._keys = list(keys)
         self._values = values
         self._lengths = lengths
@@ -137,18 +157,22 @@ class KeyedJaggedTensor:
         return {k: self[k] for k in self._keys}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return KeyedJaggedTensor(self._keys, mv(self._values), mv(self._lengths), mv(self._offsets),
-                                 mv(self._weights), self._stride)
+        return self._copy(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.pin_memory()
+        return self._copy(lambda t: t.pin_memory())
 
-        return KeyedJaggedTensor(self._keys, pin(self._values), pin(self._lengths),
-                                 pin(self._offsets), pin(self._weights), self._stride)
+    def _copy(self, fn) -> KeyedJaggedTensor:
+        """This batch with ``fn`` applied to each of its tensors."""
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        out = KeyedJaggedTensor(self._keys, mv(self._values), lengths=mv(self._lengths),
+                                offsets=None if self._lengths is not None else mv(self._offsets),
+                                weights=mv(self._weights), stride=self._stride)
+        if self._lengths is not None:  # a pair checked when this batch was made: not again (no sync)
+            out._offsets = mv(self._offsets)
+        return out
 
     @staticmethod
     def from_lengths_sync(keys: Sequence[str], values: torch.Tensor, lengths: torch.Tensor,

@@ -10,15 +10,25 @@ batch's duplicates and ``t`` the number of steps the collection has taken (1 on 
 - RowWiseAdagrad: ``s += mean(g*g); w -= lr * g / (sqrt(s) + eps)``, one ``s`` per row
 - Adam: ``torch.optim.SparseAdam``'s lazy update, ``m`` and ``v`` per element.
 
-``lr`` may be changed between steps (a learning-rate schedule sets ``optimizer.lr``).
+``lr`` may be changed between steps (a learning-rate schedule sets ``optimizer.lr``); a value that
+is not a finite number > 0 is refused when it is set, so no step ever runs with it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
+
+
+def _checked_lr(owner: str, lr: object) -> float:
+    if isinstance(lr, bool) or not isinstance(lr, Real):
+        raise TypeError(f"{owner}: lr must be a number, got {lr!r}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"{owner}: lr must be a finite number > 0, got {lr!r}")
+    return float(lr)
 
 
 class EmbeddingOptimizer:
@@ -26,6 +36,11 @@ class EmbeddingOptimizer:
 
     kind: str = ""
     lr: float
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "lr":  # the constructor's assignment too
+            value = _checked_lr(type(self).__name__, value)
+        super().__setattr__(name, value)
 
     def state_width(self, dim: int) -> int:
         """float32 state elements stored after the D weights of a row."""
@@ -35,18 +50,11 @@ class EmbeddingOptimizer:
         """Reference update. rows: float32 (n, W); grads: float32 (n, D); returns new rows (n, W)."""
         raise NotImplementedError
 
-    def _check(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {self.lr!r}")
-
 
 @dataclass
 class SGD(EmbeddingOptimizer):
     lr: float = 0.01
     kind = "sgd"
-
-    def __post_init__(self) -> None:
-        self._check()
 
     def state_width(self, dim: int) -> int:
         return 0
@@ -64,9 +72,6 @@ class Adagrad(EmbeddingOptimizer):
     eps: float = 1e-10
     kind = "adagrad"
 
-    def __post_init__(self) -> None:
-        self._check()
-
     def state_width(self, dim: int) -> int:
         return dim
 
@@ -83,9 +88,6 @@ class RowWiseAdagrad(EmbeddingOptimizer):
     lr: float = 0.01
     eps: float = 1e-8
     kind = "rowwise_adagrad"
-
-    def __post_init__(self) -> None:
-        self._check()
 
     def state_width(self, dim: int) -> int:
         return 1
@@ -108,7 +110,6 @@ class Adam(EmbeddingOptimizer):
     kind = "adam"
 
     def __post_init__(self) -> None:
-        self._check()
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"Adam betas must be in [0, 1), got {self.betas}")

@@ -333,6 +333,9 @@ def test_deltas_write_only_what_changed_and_base_plus_deltas_restore_exactly(tmp
     restored = Model(None, bounded=False)
     te.checkpoint.load(restored, tmp_path / "ckpt")
     assert _state(restored) == _state(model)  # base + deltas: the exact state
+    bounded = Model(None)  # as saved: each version's keys fit its buckets (deletions go first)
+    te.checkpoint.load(bounded, tmp_path / "ckpt")
+    assert _state(bounded) == _state(model)
     full = Model(None, bounded=False)
     te.checkpoint.save(model, tmp_path / "full")
     te.checkpoint.load(full, tmp_path / "full")

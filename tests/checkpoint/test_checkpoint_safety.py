@@ -350,3 +350,86 @@ def test_a_smaller_max_capacity_than_the_saved_rows_need_is_refused(saved) -> No
     unbounded = build(w={"max_capacity": None})
     te.checkpoint.load(unbounded, root)
     assert unbounded.ebc.export("w").keys.numel() == held
+
+
+# ------------------------------------------------------------------------------ keys across files
+def test_a_key_in_two_chunk_files_of_a_table_is_refused_naming_both(saved) -> None:
+    """Each file holds distinct keys (checked file by file); a key in two of them, which one loading
+    would silently overwrite with the other, is refused before anything loads."""
+    root, version, model = saved
+    first, second = chunks_of(read_manifest(version), "u")[:2]
+    copied = int(load_bytes((version / first["file"]).read_bytes())["keys"][0])
+    tensors = load_bytes((version / second["file"]).read_bytes())
+    tensors["keys"][-1] = copied
+    replace_file(version, second, save_bytes(tensors))
+    target = Model(None)
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=rf"table 'u'.*key {copied}") as info:
+        te.checkpoint.load(target, root)
+    for entry in (first, second):
+        assert Path(entry["file"]).name in str(info.value)
+    assert_same(snapshot(target), before)
+
+
+def _bounded_target(bucket_width: int, max_capacity: int, cached: bool) -> nn.Module:
+    """``Model(None)`` whose bounded table "w" has another index layout."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    configs = [dataclasses.replace(t, max_capacity=max_capacity) if t.name == "w" else t
+               for t in tables(True)]
+    storage = te.StorageConfig(hbm_budget=2048 if cached else None, bucket_width=bucket_width)
+    model.ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.Adam(lr=0.05), storage=storage, seed=7)
+    model.top = nn.Linear(3 * DIM + 3, 1)
+    return model
+
+
+# (bucket width, max_capacity) of "w", saved as (32, 32): one bucket of 32 ways
+LAYOUTS = [(32, 32), (4, 32), (4, 40), (8, 32), (2, 64), (4, 256), (1, 32)]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["hbm_direct", "cache"])
+def test_a_bounded_table_in_another_layout_loads_every_row_or_is_refused(cached, saved) -> None:
+    """In buckets of another width or count the saved keys may crowd one bucket past its ways, and
+    the load would evict some of them: the load either keeps every saved row of the bounded table or
+    is refused naming it, before any change."""
+    root, version, model = saved
+    want = rows_of(model, "w")
+    outcomes = {}
+    for width, capacity in LAYOUTS:
+        target = _bounded_target(width, capacity, cached)
+        before = snapshot(target)
+        try:
+            te.checkpoint.load(target, root)
+        except CheckpointError as e:
+            assert "table 'w'" in str(e) and "bucket" in str(e), str(e)
+            assert_same(snapshot(target), before)
+            outcomes[width, capacity] = "refused"
+            continue
+        got = rows_of(target, "w")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (width, capacity)
+        outcomes[width, capacity] = "loaded"
+    assert outcomes[32, 32] == "loaded"  # the saved layout holds what it saved
+    assert "refused" in outcomes.values(), outcomes  # some layout here cannot hold them
+
+
+def test_a_key_both_stored_and_deleted_by_one_delta_is_refused(tmp_path) -> None:
+    """A delta stores the rows present at its save and deletes the base's keys absent then: never
+    one key both ways. Which would win depends on the order of applying them."""
+    model = Model(None)  # "w" is bounded: its evictions make deletions
+    train(model, range(6))
+    base = te.checkpoint.save(model, tmp_path / "ckpt", buffer_bytes=512)
+    train(model, range(6, 12))
+    delta = te.checkpoint.save(model, tmp_path / "ckpt", buffer_bytes=512, base=base)
+    manifest = read_manifest(delta)
+    deleted, stored = chunks_of(manifest, "w", "deleted")[0], chunks_of(manifest, "w")[0]
+    key = int(load_bytes((delta / stored["file"]).read_bytes())["keys"][0])
+    tensors = load_bytes((delta / deleted["file"]).read_bytes())
+    tensors["keys"][0] = key
+    replace_file(delta, deleted, save_bytes(tensors))
+    target = Model(None, bounded=False)
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=rf"table 'w'.*key {key}") as info:
+        te.checkpoint.load(target, tmp_path / "ckpt")
+    for entry in (deleted, stored):
+        assert Path(entry["file"]).name in str(info.value)
+    assert_same(snapshot(target), before)

@@ -3,15 +3,21 @@ from it equals one process trained on the same global batches without a break.""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
 import tieredemb as te
+from tests.checkpoint.test_checkpoint_safety import chunks_of, read_manifest, replace_file
 from tests.distributed.test_sharded import _free_port, build, concat, local_batch, step_losses, upstream
+from tieredemb.checkpoint.paths import read_latest
 
 STEPS = 4  # per phase
 
@@ -98,3 +104,64 @@ def assert_equals_one_process(tmp_path, before: int, after: int) -> None:
         assert torch.equal(keys[order], want.keys[worder]), t
         torch.testing.assert_close(rows[order], torch.cat([want.weights, want.optimizer_state], 1)[worder],
                                    rtol=1e-5, atol=1e-6)
+
+
+def _refusals(rank: int, world: int, port: int, tmp: str) -> None:
+    """Each bad copy of the checkpoint into a fresh sharded model: what this rank raised and its state
+    after; then the good one. Written to ``refusals-<rank>.json``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = Holder(build(te.EmbeddingBagCollection, "adam", "hbm_direct", None, dist.group.WORLD))
+        seen = {}
+        for case in ("corrupted on one rank", "key on two ranks"):
+            try:
+                te.checkpoint.load(model, os.path.join(tmp, case))
+                error = None
+            except te.checkpoint.CheckpointError as e:
+                error = str(e)
+            seen[case] = {"error": error, "empty": model.ebc.is_empty(), "step": model.ebc.step}
+        try:  # the retry, into the model of both refusals
+            te.checkpoint.load(model, os.path.join(tmp, "ckpt"))
+            error = None
+        except ValueError as e:
+            error = str(e)
+        rows = {t: model.ebc.export(t).keys.tolist() for t in ("t0", "t1")}
+        seen["good"] = {"error": error, "step": model.ebc.step, "rows": rows}
+        with open(os.path.join(tmp, f"refusals-{rank}.json"), "w") as f:
+            json.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refusal_on_one_rank_is_every_ranks_and_changes_nothing(tmp_path) -> None:
+    """Each rank checks its share of the files, and the keys it stores in the model: one file only
+    rank 1 reads is corrupted; a key is in a file rank 0 reads and in one rank 1 reads (only the
+    rank that stores the key sees it twice). Every rank refuses, no rank changed anything, and the
+    good checkpoint loads after."""
+    mp.spawn(_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
+    for case in ("corrupted on one rank", "key on two ranks"):
+        shutil.copytree(tmp_path / "ckpt", tmp_path / case)
+    name = read_latest(tmp_path / "ckpt").name
+    version = tmp_path / "corrupted on one rank" / name
+    # rank r of 2 reads the files r, r + 2, ... of a table
+    corrupted = version / chunks_of(read_manifest(version), "t0")[1]["file"]
+    corrupted.write_bytes(b"\0" + corrupted.read_bytes()[1:])
+    version = tmp_path / "key on two ranks" / name
+    first, second = chunks_of(read_manifest(version), "t0")[:2]
+    key = int(load_bytes((version / first["file"]).read_bytes())["keys"][0])
+    tensors = load_bytes((version / second["file"]).read_bytes())
+    tensors["keys"][-1] = key
+    replace_file(version, second, save_bytes(tensors))
+
+    mp.spawn(_refusals, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    seen = [json.loads((tmp_path / f"refusals-{r}.json").read_text()) for r in range(2)]
+    for rank in range(2):
+        for case, problem in (("corrupted on one rank", corrupted.name), ("key on two ranks", f"key {key}")):
+            got = seen[rank][case]
+            assert got["error"] is not None and problem in got["error"], (rank, case, got)
+            assert got["empty"] and got["step"] == 0, (rank, case, got)
+    assert seen[0]["good"]["error"] is None and seen[1]["good"]["error"] is None
+    for t in ("t0", "t1"):  # the retry: every saved row, once
+        rows = seen[0]["good"]["rows"][t] + seen[1]["good"]["rows"][t]
+        assert len(rows) == len(set(rows)) > 0
+    assert seen[0]["good"]["step"] == seen[1]["good"]["step"] == STEPS

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tieredemb.storage.urls import redact_text
+
 
 @dataclass
 class Measurement:
@@ -119,7 +121,7 @@ def format_table(title: str, results: list[Measurement]) -> str:
                           for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     sep = "-+-".join("-" * w for w in widths)
-    return "\n".join([title, line(head), sep, *(line(r) for r in rows)])
+    return redact_text("\n".join([title, line(head), sep, *(line(r) for r in rows)]))
 
 
 def host_rss_bytes() -> int | None:
@@ -244,20 +246,23 @@ def report_path(out_dir: str | Path, workload: str, when: datetime) -> Path:
 
 
 def write_report(path: Path, report: dict, table: str) -> None:
-    """The JSON report and, beside it (same stem, ``.txt``), the printed table."""
+    """The JSON report and, beside it (same stem, ``.txt``), the printed table; in both, the
+    passwords of any URL redacted."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_plain(report), indent=2, allow_nan=False) + "\n")
     tmp.replace(path)  # a reader (or a timeout) never sees half a file
-    path.with_suffix(".txt").write_text(table + "\n")
+    path.with_suffix(".txt").write_text(redact_text(table) + "\n")
 
 
 def _plain(x: object) -> object:
-    """Dataclasses to dicts and non-finite floats to None (JSON has no NaN)."""
+    """Dataclasses to dicts, non-finite floats to None (JSON has no NaN), URLs in strings redacted."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return _plain(dataclasses.asdict(x))
+    if isinstance(x, str):
+        return redact_text(x)
     if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {redact_text(str(k)): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):

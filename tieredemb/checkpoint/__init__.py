@@ -24,8 +24,10 @@ leaves the previous version loadable. Versions the new one does not build on are
 
 ``load`` checks everything before it changes anything (``verify.py``): the manifest's checksum and
 fields, every path (inside the version directory), every file's size, SHA-256 and contents, the dense
-state's names and shapes, and that the saved tables fit the model; then it loads, reading each file
-again. A load that fails leaves the model as it was.
+state's names and shapes, and that the saved tables fit the model; then, over all files of a table
+(``table_keys.py``), that no key is in two files of one version and that a bounded table holds every
+saved row in its buckets. Then it loads, reading each file again. A load that fails leaves the model
+as it was.
 
 ``save(..., base=version)`` writes a delta: the rows changed since ``version`` (``deltas.py``) and
 ``r<rank>-deleted`` files of the keys lost since; its manifest names its base and the base manifest's
@@ -50,7 +52,7 @@ import torch.distributed as dist
 from safetensors.torch import save as save_bytes
 
 from tieredemb.checkpoint import manifest as manifests
-from tieredemb.checkpoint import verify
+from tieredemb.checkpoint import table_keys, verify
 from tieredemb.checkpoint.deltas import EMPTY_PRINT, base_fingerprints, fingerprint, lookup, row_hash
 from tieredemb.checkpoint.deltas import FINGERPRINTS as _FINGERPRINTS
 from tieredemb.checkpoint.errors import CheckpointError
@@ -250,13 +252,14 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
     group = _group(collections)
     rank, world = _rank_world(group)
     root = Path(path)
-    problem, chain, dense = None, [], {}
+    problem, chain, dense, keys = None, [], {}, []
     try:
         chain = manifests.chain(root, read_latest(root))
-        dense = _verify(model, collections, chain, rank, world)
+        dense, keys = _verify(model, collections, chain, rank, world)
     except ValueError as e:  # CheckpointError, or a collection that already holds rows
         problem = e
     _agree(group, problem)
+    _agree(group, table_keys.check(keys, [collections[t.collection] for t in keys]))
     with dense_only(model):
         model.load_state_dict(dense)
     out, last = chain[-1]
@@ -264,8 +267,10 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
         meta = last["collections"][name]
         configs = {c.name: c for c in collection.table_configs}
         for table, spec in meta["tables"].items():
-            for version, manifest in chain:  # the full base, then each delta: upserts and deletions
-                for kind in ("rows", "deleted"):
+            for version, manifest in chain:  # the full base, then each delta: deletions and upserts
+                # (a delta deletes no key it stores: deleting first, a bounded table's buckets never
+                # hold more than one version's keys, which they held when it was saved)
+                for kind in ("deleted", "rows"):
                     _apply(collection, configs[table], spec["width"], version,
                            _entries(manifest, name, table, kind), kind, rank, world)
             _apply(collection, configs[table], spec["width"], out, _entries(last, name, table, "admission"),
@@ -278,9 +283,10 @@ def _entries(manifest: dict, collection: str, table: str, kind: str) -> list[dic
 
 
 def _verify(model: torch.nn.Module, collections: dict[str, CollectionBase], chain: list, rank: int,
-            world: int) -> dict[str, torch.Tensor]:
-    """Every check of a load, before any change: the tables fit the model, the collections are
-    empty, this rank's share of the files (read one at a time) is sound. Returns the dense state."""
+            world: int) -> tuple[dict[str, torch.Tensor], list[table_keys.TableKeys]]:
+    """The checks of a load that each rank makes alone, before any change: the tables fit the
+    model, the collections are empty, this rank's share of the files (read one at a time) is sound.
+    Returns the dense state and the keys of every table's files this rank read."""
     out, last = chain[-1]
     extra = sorted(set(last["collections"]) - set(collections))
     if extra:
@@ -292,30 +298,35 @@ def _verify(model: torch.nn.Module, collections: dict[str, CollectionBase], chai
         if not collection.is_empty():
             raise ValueError(f"collection {name!r} already holds rows: load a checkpoint into freshly built "
                              "collections")
-    _verify_files(collections, chain, rank, world)
+    keys = _verify_files(collections, chain, rank, world)
     with dense_only(model):
         mine = model.state_dict()
-    return verify.dense_state(*verify.read_file(out, last["dense"]), mine)
+    return verify.dense_state(*verify.read_file(out, last["dense"]), mine), keys
 
 
-def _verify_files(collections: dict[str, CollectionBase], chain: list, rank: int, world: int) -> None:
+def _verify_files(collections: dict[str, CollectionBase], chain: list, rank: int,
+                  world: int) -> list[table_keys.TableKeys]:
     """This rank's share of every table file of the chain (every ``world``-th, as ``_apply`` reads
-    them), one at a time."""
+    them), one at a time; the keys of each table's files."""
     out, last = chain[-1]
     for version, manifest in chain:
         for name, by_table in manifest["files"].items():
             if name not in collections or set(by_table) - set(last["collections"][name]["tables"]):
                 raise CheckpointError(f"checkpoint {version} holds files of tables the model lacks "
                                       f"(collection {name!r}: {sorted(by_table)})")
+    tables = []
     for name, collection in collections.items():
         for config in collection.table_configs:
             width = last["collections"][name]["tables"][config.name]["width"]
-            for version, manifest in chain:
+            tables.append(table_keys.TableKeys(chain, name, config.name))
+            for v, (version, manifest) in enumerate(chain):
                 kinds = KINDS if version == out else ("rows", "deleted")  # admission: the last version's
                 for kind in kinds:
                     entries = _entries(manifest, name, config.name, kind)
                     for i in range(rank, len(entries), world):
-                        verify.table_file(version, entries[i], kind, config, width)
+                        tensors = verify.table_file(version, entries[i], kind, config, width)
+                        tables[-1].add(tensors["keys"], v, kind, i)
+    return tables
 
 
 def _agree(group, problem: Exception | None) -> None:

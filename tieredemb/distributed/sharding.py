@@ -154,6 +154,13 @@ class RowWiseSharding:
         _, _, _, keys = self._route(g, i, keys)
         self.tiers[g].delete_rows(i, keys)
 
+    def to_owners(self, g: int, i: int, keys: torch.Tensor,
+                  payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collective: ``keys`` of table i of group g, each with its ``payload`` (int64 (n,)), to
+        their owners; the keys this rank owns, from every rank, and their payloads."""
+        order, send, recv, keys = self._route(g, i, keys)
+        return keys, exchange(payload[order], send, recv, self.group)
+
     def all_stats(self, mine: dict) -> list[dict]:
         """Every rank's stats (a collective)."""
         everyone = [None] * self.world

@@ -68,6 +68,19 @@ def region_counts(tables: torch.Tensor, mask: torch.Tensor | None, regions: int)
     return hist[:regions].to(torch.int64)
 
 
+def bounded_buckets(max_slots: int, width: int) -> int:
+    """Buckets of a bounded region: ``max_slots`` rounded up to whole buckets of ``width``."""
+    return -(-max_slots // width)
+
+
+def bucket_loads(keys: torch.Tensor, max_slots: int, width: int) -> torch.Tensor:
+    """int64 (buckets,): how many of ``keys`` (int64 (n,), distinct) fall in each bucket of a bounded
+    region of ``max_slots`` slots in buckets of ``width``. The region holds them all at once iff no
+    bucket gets more than ``width``; otherwise inserting them evicts some."""
+    buckets = bounded_buckets(max_slots, width)
+    return torch.bincount(bucket_of(keys, buckets), minlength=buckets)
+
+
 @dataclass(frozen=True)
 class Region:
     """One table's part of an index: its eviction ``policy``, its bound ``max_slots`` (None:
@@ -165,7 +178,7 @@ class KeyIndex:
         buckets = []
         for r in regions:
             if r.max_slots is not None:
-                buckets.append(-(-r.max_slots // width))
+                buckets.append(bounded_buckets(r.max_slots, width))
             else:  # any count: a key's bucket is a multiply-shift of its hash, and doubling splits it
                 buckets.append(max(1, -(-r.initial_slots // width)))
         self._allocate(buckets)

@@ -61,9 +61,21 @@ def check_tables(tables: list[TableConfig]) -> None:
             owner[f] = t.name
 
 
-def _check_structure(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[int, torch.Tensor]:
-    """What can be checked without reading the device: names, dtypes, shapes. Returns the batch size
-    and int64 (F, B) lengths."""
+def check_device(what: str, t: torch.Tensor, device: torch.device) -> None:
+    """``t`` is where a collection on ``device`` can read it: the CPU, a CUDA device, or ``device``'s
+    kind (not the meta device, which holds no data)."""
+    if t.device.type not in ("cpu", "cuda", device.type):
+        raise ValueError(f"{what} is on device {t.device}, which a collection on {device} cannot read: give "
+                         f"it on the CPU or on {device}")
+
+
+def _check_structure(kjt: KeyedJaggedTensor, features: list[str],
+                     device: torch.device) -> tuple[int, torch.Tensor]:
+    """What can be checked without reading the device: names, devices, dtypes, shapes. Returns the
+    batch size and int64 (F, B) lengths."""
+    for name, t in (("values", kjt.values()), ("lengths", kjt.lengths()), ("weights", kjt.weights_or_none())):
+        if t is not None:
+            check_device(f"batch {name}", t, device)
     keys = kjt.keys()
     if len(set(keys)) != len(keys):
         raise ValueError(f"batch has duplicate feature names: {keys}")
@@ -272,7 +284,7 @@ class Layout:
         """The checks that need no device data (names, dtypes, shapes); nothing is copied."""
         kjt = as_kjt(batch)
         keys = kjt.keys()
-        batch_size, per_feature = _check_structure(kjt, list(self.table_of))
+        batch_size, per_feature = _check_structure(kjt, list(self.table_of), self.device)
         weights = kjt.weights_or_none() if self.use_weights else None
         return BatchInput(keys, self._order(keys), batch_size, kjt.values(), per_feature, weights)
 
@@ -370,6 +382,7 @@ def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.
     if keys.dtype not in _INT_DTYPES or keys.dim() != 1:
         raise TypeError(f"table {table.name!r}: keys must be a 1-D int64 tensor, got {keys.dtype} "
                         f"with shape {tuple(keys.shape)}")
+    check_device(f"table {table.name!r}: keys", keys, device)
     keys = keys.to(device=device, dtype=torch.int64)
     _check_ids(f"<keys of table {table.name}>", table, keys)
     return keys

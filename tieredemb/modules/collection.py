@@ -27,11 +27,13 @@ from torch import nn
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import per_rank_backing
 from tieredemb.distributed.sharding import RowWiseSharding
+from tieredemb.index.key_index import bucket_loads
 from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
     GroupBatch,
     Layout,
+    check_device,
     check_keys,
     check_tables,
 )
@@ -477,21 +479,23 @@ class CollectionBase(nn.Module):
             return self.placement.read(*self._where[table], keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
-        """Upsert rows: keys int64 (n,) distinct, weights float (n, D). Optimizer state of those rows
-        is reset to zero. Sharded: a collective; the rows go to their owners (a key written by two
-        ranks keeps the higher rank's row)."""
+        """Upsert rows: keys int64 (n,) distinct, weights float (n, D), finite as float32 (the rows'
+        dtype). Optimizer state of those rows is reset to zero. Sharded: a collective; the rows go to
+        their owners (a key written by two ranks keeps the higher rank's row)."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             raise TypeError(f"table {table!r}: weights must be a float tensor")
+        check_device(f"table {table!r}: weights", weights, self.device)
         if tuple(weights.shape) != (keys.numel(), group.dim):
             raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {group.dim}), "
                              f"got {tuple(weights.shape)}")
+        weights = weights.to(device=self.device, dtype=torch.float32)  # the rows' dtype
         if not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"table {table!r}: weights must be finite")
+            raise ValueError(f"table {table!r}: weights must be finite in the rows' dtype float32 (NaN, "
+                             "inf or beyond its range)")
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
-        weights = weights.to(device=self.device, dtype=torch.float32)
         with self.mutating():
             self._rows_changed += 1
             self.placement.write(*self._where[table], keys, weights, self._clock)
@@ -605,6 +609,21 @@ class CollectionBase(nn.Module):
         with self.mutating():
             self._rows_changed += 1
             self.placement.delete_rows(*self._where[table], keys)
+
+    def to_owners(self, table: str, keys: torch.Tensor,
+                  payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` of ``table`` (int64 (n,)), each with an int64 ``payload``, sent to the ranks that
+        store them: the keys this rank stores, from every rank, and their payloads. Sharded: a collective."""
+        self._table(table)  # a known table
+        return self.placement.to_owners(*self._where[table], keys.to(self.device), payload.to(self.device))
+
+    def bucket_loads(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A table with ``max_capacity``: int64 (buckets,) how many of ``keys`` (distinct, this rank's)
+        each bucket of its index takes, and the bucket width (past it, rows are evicted); else None."""
+        config = self._table(table)[2]
+        if config.max_capacity is None:
+            return None
+        return bucket_loads(keys, config.max_capacity, self.storage.bucket_width), self.storage.bucket_width
 
     def is_empty(self) -> bool:
         with self.mutating():

@@ -8,6 +8,7 @@ collection picks one at construction and runs every step through it; both have t
     grad_dist(g, part, grad, src, scale)         the gradient as the owner applies it
     served(part)                                 what this process's tier resolved (to settle, release)
     read / write / import_rows / delete_rows     row access by key (sharded: collectives)
+    to_owners(g, i, keys, payload)               keys (and an int64 each) to their owners
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class LocalPlacement:
 
     def delete_rows(self, g: int, i: int, keys: torch.Tensor) -> None:
         self.tiers[g].delete_rows(i, keys)
+
+    def to_owners(self, g: int, i: int, keys: torch.Tensor,
+                  payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and a payload each to the process that owns them: this one."""
+        return keys, payload
 
     def all_stats(self, mine: dict) -> list[dict]:
         return [mine]

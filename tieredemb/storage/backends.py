@@ -13,11 +13,12 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from tieredemb.storage.backend import Backend, GroupStore
+from tieredemb.storage.urls import redact
 
 _EXISTING = ("error", "reuse", "clear")
 
@@ -207,6 +208,11 @@ class Redis(BackendSpec):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
                 raise ValueError(f"Redis {name} must be a number >= {low}, got {value!r}")
+
+    def __repr__(self) -> str:  # the URL's password redacted (``password`` is not shown at all)
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["url"] = redact(self.url)
+        return f"Redis({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def open(self, table: str, width: int, device: torch.device) -> Backend:
         from tieredemb.storage.redis import NamespaceLease, RedisBackend

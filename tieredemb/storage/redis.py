@@ -33,7 +33,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
@@ -51,23 +50,13 @@ from redis.retry import Retry
 from tieredemb.storage.backend import Backend, Fetched
 from tieredemb.storage.codec import decode_keys, decode_rows, encode_keys, row_bytes
 from tieredemb.storage.errors import BackendError, ExistingRowsError
+from tieredemb.storage.urls import redact
 
 log = logging.getLogger(__name__)
 
 TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, BusyLoadingError,
              ClusterDownError, TryAgainError)
 _GLOB_SPECIAL = b"*?[]\\"
-
-
-def redact(url: str) -> str:
-    """The URL without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    user = parts.username or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def connect(url: str, password: str | None, timeout_s: float, cluster: bool, retries: int) -> Any:
