@@ -167,7 +167,7 @@ def huge_page_bytes() -> int | None:
     """Bytes of this process's memory in transparent huge pages now (``AnonHugePages``). Recorded
     to test a guess for why runs of the same cache bench differ (random UVA reads of host rows on
     4 KiB pages missing the GPU's translation cache): wrong, as measured in session 29 (the same
-    16.3-16.7 GB/s on 4 KiB and on 2 MiB pages, ``scripts/huge_pages_probe.py``)."""
+    16.3-16.7 GB/s on 4 KiB and on 2 MiB pages)."""
     try:
         for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
             if line.startswith("AnonHugePages:"):

@@ -4,7 +4,7 @@
 specialization of each (dtype, 16-byte alignment of pointers, ints equal to 1 or divisible by 16),
 looks the compiled kernel up and only then launches it: 26-43 us of host time a launch for the
 kernels of the ``hbm`` step on the H200 machine, against ~5 us for the compiled kernel's own launcher
-(``scripts/launch_cost.py``, ``docs/kernels.md``). A step launches ~11 of them.
+(``docs/kernels.md``). A step launches ~11 of them.
 
 ``fast_launch(kernel)`` keeps the compiled kernels it has seen under a key that separates at least
 what Triton's specialization separates: the device, per argument its type, a tensor's dtype and
