@@ -25,18 +25,23 @@ def _finite_positive(x: object) -> bool:
 
 @pytest.fixture(scope="module", params=["cache", "ssd"])
 def report(request, tmp_path_factory) -> dict:
+    """A run with no ``--out``, from an empty working directory: its reports go to ./bench-cache
+    (./bench-ssd). ``_text``: the table and the lines under it, as printed."""
     workload = request.param
-    out = tmp_path_factory.mktemp(f"bench-{workload}")
+    cwd = tmp_path_factory.mktemp(f"cwd-{workload}")
     args = [workload, "--scale", str(SCALE), "--steps", "3", "--warmup", "5", "--device", "cpu",
-            "--threads", "1", "--out", str(out)]
+            "--threads", "1"]
     if workload == "ssd":
-        args += ["--dir", str(out / "rocksdb"), "--shards", "2", "--raw-rows", "2000"]
-    rc = main(args)
+        args += ["--dir", str(tmp_path_factory.mktemp("rocksdb")), "--shards", "2", "--raw-rows", "2000"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        rc = main(args)
+    out = cwd / f"bench-{workload}"
+    assert [p.name for p in cwd.iterdir()] == [out.name]
     files = list(out.glob(f"*-{workload}.json"))
     assert len(files) == 1, f"expected one {workload} report in {out}, found {files}"
-    assert files[0].with_suffix(".txt").exists()
     data = json.loads(files[0].read_text())
-    data["_rc"] = rc
+    data["_rc"], data["_text"] = rc, files[0].with_suffix(".txt").read_text()
     return data
 
 
@@ -79,6 +84,38 @@ def test_ssd_reports_raw_rocksdb_rates(report: dict) -> None:
     for key in ("raw_get_rows_per_s", "raw_put_rows_per_s", "backend_get_rows_per_s",
                 "backend_set_rows_per_s", "raw_get_bytes_per_s"):
         assert _finite_positive(rates[key]), key
+
+
+def test_a_cpu_run_says_device_memory_not_hbm(report: dict) -> None:
+    """On a CPU the peer's tables are in host memory: the reports call it device memory ("HBM" is
+    a GPU's); "hbm_direct", the storage mode's name, stays."""
+    peer = next(r for r in report["results"] if r["configuration"] == "peer")
+    assert peer["label"] == "all in device memory (hbm_direct)"
+    assert "HBM" not in report["_text"]
+    assert "device memory budget 0.1" in report["_text"]
+    assert "check ours vs all in device memory after flush: same rows" in report["_text"]
+
+
+def test_every_target_line_gives_its_verdict(report: dict) -> None:
+    """cache: the step against the peer's, at most 1.5x; ssd: our RocksDB backend's get and set rates,
+    at least 80% of raw rocksdict's. Each line says met or NOT met, and so does the JSON."""
+    targets = report["targets"]
+    if report["workload"] == "cache":
+        assert [(t["what"], t["op"], t["bound"]) for t in targets] == [
+            ("ours / all in device memory step time", "<=", 1.5)]
+        assert targets[0]["figure"] == pytest.approx(report["ratio_vs_all_hbm"])
+    else:
+        rates = report["rocksdb_rates"]
+        assert [(t["what"], t["op"], t["bound"]) for t in targets] == [
+            ("RocksDBBackend / raw rocksdict get", ">=", 0.8),
+            ("RocksDBBackend / raw rocksdict set", ">=", 0.8)]
+        ratio = rates["backend_set_rows_per_s"] / rates["raw_put_rows_per_s"]
+        assert targets[1]["figure"] == pytest.approx(ratio)
+    lines = [line for line in report["_text"].splitlines() if "(target: " in line]
+    assert len(lines) == len(targets)
+    for line, t in zip(lines, targets):
+        assert t["met"] == (t["figure"] <= t["bound"] if t["op"] == "<=" else t["figure"] >= t["bound"])
+        assert line.startswith(t["what"] + ": ") and line.endswith("): met" if t["met"] else "): NOT met")
 
 
 def test_compare_catches_a_different_row() -> None:

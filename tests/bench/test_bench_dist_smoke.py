@@ -11,12 +11,14 @@ from tieredemb.bench import main
 
 
 @pytest.mark.parametrize("workload", ["hbm", "cache"])
-def test_bench_dist_smoke(workload, tmp_path):
+def test_bench_dist_smoke(workload, tmp_path, capsys):
     rc = main(["dist", "--device", "cpu", "--workload", workload, "--gpus", "1,2", "--scale", "0.001",
                "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads(next(tmp_path.glob("*-dist.json")).read_text())
-    assert report["workload"] == workload
+    assert report["workload"] == workload and report["scale"] == 0.001 and report["date"]
+    printed = capsys.readouterr().out  # gloo processes on a CPU, not GPUs
+    assert "2 processes: step" in printed and "per-process throughput" in printed and "GPU" not in printed
     one, two = report["results"]
     assert (one["gpus"], two["gpus"]) == (1, 2)
     assert one["step_ms"] > 0 and two["step_ms"] > 0

@@ -33,11 +33,15 @@ SCALE = 0.0005  # 840 rows a table, batch 5: 500 lookups a step
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench")
-    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
-               "--optimizers", "sgd,adam", "--threads", "1", "--out", str(out)])
-    files = list(out.glob("*-hbm.json"))
-    assert len(files) == 1, f"expected one hbm report in {out}, found {files}"
+    """A run with no ``--out``, from an empty working directory: its reports go to ./bench-hbm."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+                   "--optimizers", "sgd,adam", "--threads", "1"])
+    assert [p.name for p in cwd.iterdir()] == ["bench-hbm"]
+    files = list((cwd / "bench-hbm").glob("*-hbm.json"))
+    assert len(files) == 1, f"expected one hbm report in {cwd / 'bench-hbm'}, found {files}"
     assert files[0].with_suffix(".txt").exists()
     data = json.loads(files[0].read_text())
     data["_rc"] = rc
@@ -63,6 +67,7 @@ def test_every_configuration_measured(report: dict) -> None:
     assert report["bandwidth"]["bytes_per_s"] > 0
     assert report["machine"]["torch"] == torch.__version__
     assert report["command_line"].startswith("tieredemb bench hbm --scale")
+    assert report["scale"] == SCALE and report["date"]  # what a plot's title names
 
 
 def test_ours_trained_the_same_rows_as_the_peer(report: dict) -> None:
@@ -142,7 +147,9 @@ def test_bounded_tables_are_held_to_the_reference_kernels(tmp_path) -> None:
     args = ["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
             "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64",
             "--out", str(tmp_path)]
-    assert main([*args, "--init-capacity", "0"]) == 2 and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="init_capacity"):
+        main([*args, "--init-capacity", "0"])
+    assert not list(tmp_path.iterdir())
     rc = main([*args, "--init-capacity", "32"])
     data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
     assert rc == 0 and data["ok"] is True and data["options"]["capacity"] == 64

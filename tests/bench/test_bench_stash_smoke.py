@@ -16,6 +16,7 @@ OPTS = dict(scale=0.001, device=torch.device("cpu"), steps=2, warmup=3, width=16
 def test_bench_stash_smoke(tmp_path):
     assert run(StashOptions(**OPTS), str(tmp_path), ["stash"], log=lambda s: None) == 0
     report = json.loads(next(tmp_path.glob("*-stash.json")).read_text())
+    assert report["workload"] == "stash" and report["date"] and report["options"]["scale"] == 0.001
     configs = [r["config"] for r in report["results"]]
     assert configs == ["off", "blocking", "record_stream", "event"]
     assert all(r["same_as_off"] == "yes" for r in report["results"][1:])

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
-from tieredemb.bench.report import Measurement, format_table, write_report
+import pytest
+import torch
+
+from tieredemb.bench.report import Measurement, Target, format_table, memory_name, write_report
 
 SECRET = "s3cret-Pw"
 
@@ -27,3 +30,20 @@ def test_a_password_never_shows_in_a_report(tmp_path):
     saved = json.loads(texts["json"])
     assert saved["results"][1]["extra"]["stores"][0]["url"].endswith("?password=***&ssl_cert_reqs=none")
     assert saved["results"][1]["step_ms"] == 1.5
+
+
+@pytest.mark.parametrize(("figure", "op", "bound", "unit", "line"), [
+    (1.45, "<=", 1.5, "x", "step: 1.45x (target: <= 1.50x): met"),
+    (1.96, "<=", 1.5, "x", "step: 1.96x (target: <= 1.50x): NOT met"),
+    (0.92, ">=", 0.8, "%", "step: 92% (target: >= 80%): met"),
+    (0.53, ">=", 0.8, "%", "step: 53% (target: >= 80%): NOT met"),
+])
+def test_a_target_line_gives_the_figure_the_target_and_the_verdict(figure, op, bound, unit, line):
+    target = Target("step", figure, op, bound, unit)
+    assert target.line() == line
+    assert target.met == line.endswith(": met")
+
+
+def test_the_device_memory_is_hbm_only_on_a_gpu():
+    assert memory_name(torch.device("cuda")) == "HBM"
+    assert memory_name(torch.device("cpu")) == "device memory"

@@ -1,5 +1,7 @@
-"""``python -m tieredemb.bench hbm ...``: the same as ``tieredemb bench hbm ...``."""
+"""``python -m tieredemb.bench hbm ...``: the same as ``tieredemb bench hbm ...`` (the same errors too)."""
 
-from tieredemb.bench import main
+import sys
 
-raise SystemExit(main())
+from tieredemb.cli import main
+
+raise SystemExit(main(["bench", *sys.argv[1:]]))

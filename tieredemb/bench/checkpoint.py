@@ -65,6 +65,7 @@ def _fill(model: _Holder, rows: int, dim: int) -> None:
 
 def run(rows: int, dim: int, directory: str | None, buffer_mib: int, device: torch.device, out_dir: str,
         argv: list[str]) -> int:
+    started = datetime.now()
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="tieredemb-ckpt-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -108,8 +109,9 @@ def run(rows: int, dim: int, directory: str | None, buffer_mib: int, device: tor
                      f"{r['load_bps'] / 1e6:8.0f}")
     table = "\n".join(lines)
     print(table)
-    path = report_path(out_dir, "checkpoint", datetime.now())
-    write_report(path, {"machine": machine_info(device), "argv": argv, "rows": rows, "dim": dim,
+    path = report_path(out_dir, "checkpoint", started)
+    write_report(path, {"workload": "checkpoint", "date": started.isoformat(timespec="seconds"),
+                        "machine": machine_info(device), "argv": argv, "rows": rows, "dim": dim,
                         "disk_write_bps": write_bps, "disk_read_bps": read_bps, "results": results}, table)
     print(f"report: {path}")
     return 0

@@ -112,17 +112,19 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
 
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
-        out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda") -> int:
+        out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda",
+        scale: float | None = None) -> int:
     """``gpus``: world sizes; on ``device="cpu"`` they are gloo processes (a smoke run: the figures
-    that mean something are NCCL's)."""
+    that mean something are NCCL's). ``scale``: the one the shape was scaled by, for the report."""
     import torch.multiprocessing as mp
 
     cuda = device == "cuda"
+    unit, units = ("GPU", "GPUs") if cuda else ("process", "processes")
     available = torch.cuda.device_count() if cuda else os.cpu_count() or 1
     if not gpus or max(gpus) > available:
-        print(f"tieredemb bench dist: asked for {gpus} {'GPUs' if cuda else 'processes'}, "
-              f"there are {available}")
-        return 2
+        raise ValueError(f"--gpus {','.join(map(str, gpus))}: asked for up to {max(gpus, default=0)} "
+                         f"{units}, there are {available}")
+    started = datetime.now()
     results = []
     for world in gpus:
         with tempfile.TemporaryDirectory() as tmp:
@@ -134,24 +136,26 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
                         "rows_per_rank": [r["rows"] for r in ranks],
                         "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
                         "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3)})
-        print(f"{world} GPU(s): step {step_ms:.3f} ms (ranks {[round(r['median_ms'], 3) for r in ranks]}), "
+        print(f"{world} {units}: step {step_ms:.3f} ms (ranks {[round(r['median_ms'], 3) for r in ranks]}), "
               f"device rows per rank {[r['rows'] for r in ranks]}, hit rates "
               f"{[None if r['hit_rate'] is None else round(r['hit_rate'], 3) for r in ranks]}", flush=True)
     base = results[0]["lookups_per_s_per_gpu"]
     what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
     lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
-             f"{what}, per-GPU batch {shape.batch_size} x {shape.bag_size} ids a table; "
-             f"median of {steps} steps, the slowest rank",
-             "GPUs | step ms | lookups/s per GPU | per-GPU throughput vs 1st",
-             "-----+---------+-------------------+--------------------------"]
+             f"{what}, per-{unit} batch {shape.batch_size} x {shape.bag_size} ids a table; "
+             f"median of {steps} steps, the slowest rank"]
+    head = [units, "step ms", f"lookups/s per {unit}", f"per-{unit} throughput vs 1st"]
+    w = [len(h) for h in head]
+    lines += [" | ".join(head), "-+-".join("-" * n for n in w)]
     for r in results:
         r["efficiency"] = r["lookups_per_s_per_gpu"] / base
-        lines.append(f"{r['gpus']:>4} | {r['step_ms']:7.3f} | {r['lookups_per_s_per_gpu']:17.3e} | "
-                     f"{r['efficiency']:.2f}")
+        lines.append(f"{r['gpus']:>{w[0]}} | {r['step_ms']:{w[1]}.3f} | "
+                     f"{r['lookups_per_s_per_gpu']:{w[2]}.3e} | {r['efficiency']:.2f}")
     table = "\n".join(lines)
     print(table)
-    path = report_path(out_dir, "dist", datetime.now())
+    path = report_path(out_dir, "dist", started)
     write_report(path, {"machine": machine_info(torch.device(device)), "argv": argv,
+                        "date": started.isoformat(timespec="seconds"), "scale": scale,
                         "workload": workload, "shape": dataclasses.asdict(shape), "optimizer": optimizer,
                         "results": results},
                  table)

@@ -71,6 +71,40 @@ class RowCheck:
     problems: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Target:
+    """A figure held to a bound, and the verdict: ``met`` when ``figure op bound`` holds.
+
+    op: "<=" or ">="; unit: "x" (a ratio, printed 1.23x) or "%" (a fraction, printed 92%).
+    """
+
+    what: str
+    figure: float
+    op: str
+    bound: float
+    unit: str = "x"
+    met: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in ("<=", ">="):
+            raise ValueError(f"op must be '<=' or '>=', got {self.op!r}")
+        self.met = self.figure <= self.bound if self.op == "<=" else self.figure >= self.bound
+
+    def line(self) -> str:
+        """``what: figure (target: op bound): met`` (or ``NOT met``)."""
+        def fmt(x: float) -> str:
+            return f"{x:.2f}x" if self.unit == "x" else f"{x:.0%}"
+
+        return (f"{self.what}: {fmt(self.figure)} (target: {self.op} {fmt(self.bound)}): "
+                f"{'met' if self.met else 'NOT met'}")
+
+
+def memory_name(device: torch.device) -> str:
+    """What a report calls the device's memory: "HBM" on a GPU, "device memory" elsewhere (a CPU
+    run's "device" is host memory)."""
+    return "HBM" if device.type == "cuda" else "device memory"
+
+
 def fill_ratios(results: list[Measurement]) -> None:
     """speedup vs peer (peer ms / ms) and x floor (ms / floor ms), per optimizer."""
     def ms_of(configuration: str, optimizer: str) -> float | None:
@@ -186,10 +220,27 @@ def _transparent_huge_pages() -> str | None:
     return text[text.find("[") + 1 : text.find("]")] if "[" in text else None
 
 
+def _cpu_name() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), None where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def device_name(machine: dict) -> str:
+    """The device a report's ``machine`` ran on, by name: the GPU's, else the CPU's."""
+    return machine.get("gpu") or machine.get("cpu") or machine.get("device") or "unknown device"
+
+
 def machine_info(device: torch.device) -> dict:
     """What ran the benchmark: device, library versions, host."""
     info = {
         "device": str(device),
+        "cpu": _cpu_name(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -245,6 +296,17 @@ def report_path(out_dir: str | Path, workload: str, when: datetime) -> Path:
     return Path(out_dir) / f"{when:%Y%m%d-%H%M%S}-{workload}.json"
 
 
+def check_directory(option: str, path: str | Path) -> None:
+    """A ValueError naming ``option`` where ``path`` cannot be a directory this process writes into:
+    a file in the way, or a folder it may not write to. Nothing is created."""
+    full = Path(path).absolute()
+    existing = next(p for p in (full, *full.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{option} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {existing} is not writable")
+
+
 def write_report(path: Path, report: dict, table: str) -> None:
     """The JSON report and, beside it (same stem, ``.txt``), the printed table; in both, the
     passwords of any URL redacted."""
@@ -270,5 +332,6 @@ def _plain(x: object) -> object:
     return x
 
 
-__all__ = ["Measurement", "RowCheck", "fill_ratios", "format_table", "host_rss_bytes",
-           "machine_info", "peak_host_rss_bytes", "report_path", "write_report"]
+__all__ = ["Measurement", "RowCheck", "Target", "check_directory", "device_name", "fill_ratios",
+           "format_table", "host_rss_bytes", "machine_info", "memory_name", "peak_host_rss_bytes",
+           "report_path", "write_report"]

@@ -10,14 +10,13 @@ allocated and reserved device memory, host RSS, the bytes stashed, where the fre
 happened, and the device memory over one step (``torch.cuda.memory`` history, replayed). Rows and losses
 must equal the stash-off run's exactly. ``--long-steps N`` then trains the fastest strategy and stash
 off N more steps and compares every row (no NaN, no corrupted row). Writes ``<out>/<time>-stash.json``
-and ``.txt``, and a PNG of the memory curves when matplotlib is installed (``plot(json, png)`` draws it
-from a report later).
+and ``.txt``, and on CUDA a PNG of the memory curves when matplotlib is installed (``tieredemb bench
+plot`` draws it from the report later).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,7 +27,7 @@ from torch import nn
 
 import tieredemb as te
 from tieredemb.bench.hbm import preinsert_rows
-from tieredemb.bench.report import host_rss_bytes, machine_info, report_path, write_report
+from tieredemb.bench.report import device_name, host_rss_bytes, machine_info, report_path, write_report
 from tieredemb.bench.timing import free_memory, time_ms
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 from tieredemb.pipeline.batches import pin_batch
@@ -196,11 +195,11 @@ def same_training(got: dict, want: dict) -> list[str]:
     return problems
 
 
-def format_results(opts: StashOptions, results: list[dict], device_name: str) -> str:
+def format_results(opts: StashOptions, results: list[dict], device: str) -> str:
     shape = opts.shape
     off = next((r for r in results if r["config"] == "off"), None)
     lines = [f"stash: {shape.num_tables} tables x {shape.rows} rows x D={shape.dim} SGD (hbm_direct), "
-             f"batch {shape.batch_size}, top MLP {opts.layers} x {opts.width}; {device_name}; "
+             f"batch {shape.batch_size}, top MLP {opts.layers} x {opts.width}; {device}; "
              f"median of {opts.steps} steps",
              "config        | step ms | vs off | peak alloc GiB | saved / stashed | peak held GiB "
              "| peak reserved GiB | host RSS GiB | same rows",
@@ -238,6 +237,8 @@ def run(opts: StashOptions, out_dir: str, argv: list[str], log=print) -> int:
     info = machine_info(opts.device)
     results, states = [], {}
     path = report_path(out_dir, "stash", when)
+    report = {"workload": "stash", "date": when.isoformat(timespec="seconds"), "machine": info,
+              "argv": argv, "options": _options(opts), "results": results}
     ok = True
     for config in CONFIGS:
         log(f"stash {config} ...")
@@ -247,17 +248,16 @@ def run(opts: StashOptions, out_dir: str, argv: list[str], log=print) -> int:
             m["same_as_off"] = "yes" if not problems else "NO: " + "; ".join(problems)
             ok &= not problems
         results.append(m)
-        table = format_results(opts, results, info.get("device_name", str(opts.device)))
-        write_report(path, {"machine": info, "argv": argv, "options": _options(opts), "results": results},
-                     table)
+        table = format_results(opts, results, device_name(info))
+        write_report(path, report, table)
     long = _long_run(opts, batches, results, log) if opts.long_steps else None
     if long is not None:
         ok &= long["same_rows"] == "yes"
         table += (f"\nlong run: {long['config']} vs off, {long['steps']} steps: same losses and rows: "
                   f"{long['same_rows']}")
-    write_report(path, {"machine": info, "argv": argv, "options": _options(opts), "results": results,
-                        "long_run": long}, table)
-    _plot_if_possible(path.with_suffix(".json"), log)
+    report["long_run"] = long
+    write_report(path, report, table)
+    _plot_if_possible(report, path.with_suffix(".png"), log)
     log(table)
     return 0 if ok else 1
 
@@ -278,36 +278,14 @@ def _options(opts: StashOptions) -> dict:
             "width": opts.width, "layers": opts.layers, "long_steps": opts.long_steps, "seed": opts.seed}
 
 
-def _plot_if_possible(json_path: Path, log) -> None:
+def _plot_if_possible(report: dict, png: Path, log) -> None:
+    """The memory curves of a CUDA run into ``png``; without matplotlib, a line saying so."""
+    from tieredemb.bench.plot import memory_curves, save
+
     try:
-        png = plot(json_path)
-    except ImportError:
-        log("matplotlib not installed: no plot (tieredemb.bench.stash.plot(json) draws it later)")
+        fig = memory_curves(report)
+    except ImportError as e:
+        log(f"no plot: {e}")
         return
-    if png is not None:
-        log(f"plot: {png}")
-
-
-def plot(json_path: str | Path, png_path: str | Path | None = None) -> Path | None:
-    """Device memory over one step per configuration, from a ``bench stash`` report."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    report = json.loads(Path(json_path).read_text())
-    curves = [(r["config"], r["memory_curve"]) for r in report["results"] if r.get("memory_curve")]
-    if not curves:
-        return None
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for name, c in curves:
-        ax.plot(c["ms"], c["gib"], label=name, linewidth=1.2)
-    ax.set_xlabel("ms since the step's first allocation")
-    ax.set_ylabel("device memory allocated (GiB)")
-    ax.set_title("tieredemb bench stash: one training step")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    png = Path(png_path) if png_path else Path(json_path).with_suffix(".png")
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return png
+    if fig is not None:
+        log(f"plot: {save(fig, png)}")
