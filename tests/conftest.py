@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -487,3 +488,23 @@ def assert_snapshot_equal(before, after) -> None:
     for name in before:
         for what, x, y in zip(("keys", "weights", "optimizer_state", "scores"), before[name], after[name]):
             assert torch.equal(x, y), f"table {name!r}: {what} changed"
+
+
+# --------------------------------------------------------------------------------------------------
+# MovieLens-100k
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def movielens_dir():
+    """The ml-100k files of the installed ``recbole`` package. Without it the tests skip on a laptop
+    and FAIL in CI (env ``CI`` set): CI installs it with ``pip install --no-deps recbole``."""
+    from tieredemb.data.movielens import find_movielens
+
+    path = find_movielens()
+    if path is None:
+        message = "MovieLens-100k needs recbole's files: pip install --no-deps recbole"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
