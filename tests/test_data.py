@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tieredemb as te
+from tests.conftest import TINY_RATINGS, write_movielens
 from tieredemb.data import NUM_DENSE, NUM_SPARSE, SPARSE_FEATURES, cat_batches
 from tieredemb.data.criteo import (
     CriteoClicks,
@@ -191,27 +192,6 @@ def test_fast_criteo_reader_names_the_file_and_line(tmp_path, monkeypatch, bad, 
 
 
 # ------------------------------------------------------------------------------------ MovieLens
-def write_movielens(directory, ratings: list[tuple[str, str, float, int]]) -> None:
-    """A small dataset in RecBole's atomic format: 3 users, 4 items, ``ratings`` (user, item,
-    rating, timestamp)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tiny.user").write_text(
-        "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
-        "10\t24\tM\twriter\t11111\n20\t53\tF\tother\t22222\n30\t17\tF\twriter\t33333\n")
-    (directory / "tiny.item").write_text(
-        "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
-        "1\tToy Story\t1995\tAnimation Children's Comedy\n2\tGoldenEye\t1995\tAction\n"
-        "3\tFour Rooms\t\tThriller\n4\tOld One\t1930\tDrama Romance\n")
-    (directory / "tiny.inter").write_text(
-        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
-        + "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ratings))
-
-
-TINY_RATINGS = [("10", "1", 5, 100), ("20", "2", 1, 50), ("30", "3", 4, 300), ("10", "4", 2, 200),
-                ("20", "1", 4, 400), ("30", "2", 3, 600), ("10", "2", 5, 500), ("20", "4", 5, 700),
-                ("30", "1", 2, 800), ("10", "3", 4, 900)]
-
-
 def test_movielens_reader_features_labels_and_time_split(tmp_path) -> None:
     from tieredemb.data.movielens import MovieLensClicks
 
