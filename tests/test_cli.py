@@ -224,3 +224,15 @@ def test_a_rank_error_comes_back_as_one_line(capsys, tmp_path) -> None:
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith("tieredemb train: error: rank ") and "Criteo line 2" in lines[0]
+
+
+def test_movielens_has_its_own_defaults_and_flags_win() -> None:
+    parser = cli.build_parser()
+
+    def config(*args: str) -> tuple[int, float]:
+        c = cli._config_from_args(parser.parse_args(["train", *args]))
+        return c.steps, c.emb_lr
+
+    assert config("--data", "movielens") == (60, 0.02)
+    assert config("--data", "movielens:/x", "--steps", "7") == (7, 0.02)
+    assert config() == (TrainConfig().steps, TrainConfig().emb_lr)

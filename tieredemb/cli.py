@@ -20,7 +20,16 @@ from tieredemb.config import parse_bytes
 from tieredemb.models import DLRMConfig
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.urls import redact_text
-from tieredemb.train import EMB_OPTIMIZERS, TrainConfig, TrainEvent, TrainResult, backing_spec, train
+from tieredemb.train import (
+    EMB_OPTIMIZERS,
+    MOVIELENS_DEFAULTS,
+    TrainConfig,
+    TrainEvent,
+    TrainResult,
+    backing_spec,
+    defaults_for_data,
+    train,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,7 +77,9 @@ _RATE = _number(float, 0.0, low_open=True)
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
-    p.add_argument("--steps", type=_COUNT, default=d.steps, help="training steps (default %(default)s)")
+    movielens = MOVIELENS_DEFAULTS
+    p.add_argument("--steps", type=_COUNT, default=None,
+                   help=f"training steps (default {d.steps}; {movielens['steps']} with --data movielens)")
     p.add_argument("--batch-size", type=_COUNT, default=d.batch_size,
                    help="samples per step (default %(default)s)")
     p.add_argument("--eval-every", type=_STEPS, default=d.eval_every,
@@ -77,8 +88,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="learning rate of the dense MLPs, Adam (default %(default)s)")
     p.add_argument("--emb-optimizer", choices=sorted(EMB_OPTIMIZERS), default=d.emb_optimizer,
                    help="fused embedding optimizer (default %(default)s)")
-    p.add_argument("--emb-lr", type=_RATE, default=d.emb_lr,
-                   help="embedding learning rate (default %(default)s)")
+    p.add_argument("--emb-lr", type=_RATE, default=None,
+                   help=f"embedding learning rate (default {d.emb_lr}; {movielens['emb_lr']} with "
+                   "--data movielens)")
     p.add_argument("--embedding-dim", type=_COUNT, default=d.model.embedding_dim,
                    help="embedding width D (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of data and model (default 0)")
@@ -162,13 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     d = TrainConfig()
+    data_defaults = defaults_for_data(args.data)
+    steps = args.steps if args.steps is not None else data_defaults.get("steps", d.steps)
+    emb_lr = args.emb_lr if args.emb_lr is not None else data_defaults.get("emb_lr", d.emb_lr)
     return TrainConfig(
-        steps=args.steps,
+        steps=steps,
         batch_size=args.batch_size,
         eval_every=args.eval_every,
         lr=args.lr,
         emb_optimizer=args.emb_optimizer,
-        emb_lr=args.emb_lr,
+        emb_lr=emb_lr,
         model=DLRMConfig(embedding_dim=args.embedding_dim),
         seed=args.seed,
         device=args.device,
