@@ -158,7 +158,7 @@ def backing_spec(backing: str | None, existing: str = "error", rank: int = 0,
         if world > 1:
             path = os.path.join(path, f"rank-{rank}")
         return te.storage.RocksDB(path, existing=existing)
-    if backing.startswith(("redis://", "rediss://", "unix://")):
+    if backing.startswith(("redis://", "rediss://")):
         namespace = "tieredemb" if world == 1 else f"tieredemb-rank-{rank}"
         return te.storage.Redis(backing, existing=existing, namespace=namespace)
     raise ValueError(f"backing must be host, rocksdb:PATH or redis://HOST:PORT/DB, got {redact(backing)!r}")

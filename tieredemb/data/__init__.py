@@ -79,7 +79,8 @@ class ClickBatch:
         return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths)
 
     def slice(self, start: int, stop: int) -> ClickBatch:
-        """Samples ``[start, stop)``."""
+        """Samples ``[start, stop)`` (clipped to the batch, as a Python slice; no negative indices)."""
+        start = min(start, len(self))
         return self._map(lambda t, dim: t.narrow(dim, start, max(0, min(stop, len(self)) - start)))
 
     def take(self, rows: torch.Tensor) -> ClickBatch:
