@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -487,3 +488,44 @@ def assert_snapshot_equal(before, after) -> None:
     for name in before:
         for what, x, y in zip(("keys", "weights", "optimizer_state", "scores"), before[name], after[name]):
             assert torch.equal(x, y), f"table {name!r}: {what} changed"
+
+
+# --------------------------------------------------------------------------------------------------
+# MovieLens: a tiny dataset in RecBole's format, and MovieLens-100k from the recbole package
+# --------------------------------------------------------------------------------------------------
+
+
+def write_movielens(directory, ratings: list[tuple[str, str, float, int]]) -> None:
+    """A small dataset in RecBole's atomic format: 3 users, 4 items, ``ratings`` (user, item,
+    rating, timestamp)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tiny.user").write_text(
+        "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+        "10\t24\tM\twriter\t11111\n20\t53\tF\tother\t22222\n30\t17\tF\twriter\t33333\n")
+    (directory / "tiny.item").write_text(
+        "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+        "1\tToy Story\t1995\tAnimation Children's Comedy\n2\tGoldenEye\t1995\tAction\n"
+        "3\tFour Rooms\t\tThriller\n4\tOld One\t1930\tDrama Romance\n")
+    (directory / "tiny.inter").write_text(
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+        + "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ratings))
+
+
+TINY_RATINGS = [("10", "1", 5, 100), ("20", "2", 1, 50), ("30", "3", 4, 300), ("10", "4", 2, 200),
+                ("20", "1", 4, 400), ("30", "2", 3, 600), ("10", "2", 5, 500), ("20", "4", 5, 700),
+                ("30", "1", 2, 800), ("10", "3", 4, 900)]
+
+
+@pytest.fixture(scope="session")
+def movielens_dir():
+    """The ml-100k files of the installed ``recbole`` package. Without it the tests skip on a laptop
+    and FAIL in CI (env ``CI`` set): CI installs it with ``pip install --no-deps recbole``."""
+    from tieredemb.data.movielens import find_movielens
+
+    path = find_movielens()
+    if path is None:
+        message = "MovieLens-100k needs recbole's files: pip install --no-deps recbole"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

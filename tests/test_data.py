@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tieredemb as te
+from tests.conftest import TINY_RATINGS, write_movielens
 from tieredemb.data import NUM_DENSE, NUM_SPARSE, SPARSE_FEATURES, cat_batches
 from tieredemb.data.criteo import (
     CriteoClicks,
@@ -128,3 +129,124 @@ def test_criteo_source_splits_tail_for_eval(tmp_path) -> None:
     b = src.train_batch(3, 6)  # rows 18..23 of 15 training rows, cyclic
     assert b.ids[0].tolist() == [3, 4, 5, 6, 7, 8]
     assert len(CriteoClicks(path, max_rows=10).eval_set()) == 1
+
+
+# ------------------------------------------------------------------------- the fast Criteo reader
+def _varied_lines(n: int, seed: int = 0) -> list[str]:
+    """Criteo lines with every shape the reader takes: empty fields, negative and large counts,
+    ids of 1 to 16 hex digits in both cases, ids that wrap to negative int64."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(k: int) -> int:
+        return int(torch.randint(0, k, (1,), generator=g))
+
+    lines = []
+    for _ in range(n):
+        ints = ["", "-1", "0", str(r(100)), str(r(10**9)), "123456789012345678"]
+        ids = ["", "0", f"{r(2**31):08x}", "ffffffffffffffff", f"{r(2**31):X}", "7fffffffffffffff", "a"]
+        lines.append(_line(str(r(2)), [ints[r(len(ints))] for _ in range(13)],
+                           [ids[r(len(ids))] for _ in range(26)]))
+    return lines
+
+
+def test_fast_criteo_reader_equals_the_line_parser(tmp_path, monkeypatch) -> None:
+    """The vectorized reader gives the reference parser's rows, over several blocks (a small block
+    size), with a blank line, a sign and a CRLF line sending their blocks to the reference."""
+    from tieredemb.data import criteo
+
+    lines = _varied_lines(300)
+    lines[100] = "\n"
+    lines[150] = lines[150].replace("\t", "\t+", 1)  # "+5": int() reads it, the fast path does not
+    lines[200] = lines[200].rstrip("\n") + "\r\n"
+    path = tmp_path / "varied.tsv"
+    path.write_text("".join(lines))
+    monkeypatch.setattr(criteo, "_BLOCK_BYTES", 4096)  # ~25 lines a block
+    want = parse_lines(lines)
+    for workers in (1, 3):
+        got = read_criteo_tsv(path, workers=workers)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.labels, want.labels)
+        assert torch.equal(got.dense, want.dense)
+    assert torch.equal(read_criteo_tsv(path, max_rows=77).ids, want.ids[:, :77])
+    assert criteo._parse_block(torch.tensor(bytearray("".join(lines[:50]), "ascii")).numpy()) is not None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("0\t1\t2\n", "line 60: expected 40 tab-separated fields, got 3"),
+    (_line("2", ["1"] * 13, ["a"] * 26), "line 60: label must be 0 or 1"),
+    (_line("1", ["x"] * 13, ["a"] * 26), "line 60: dense features must be integers"),
+    (_line("1", ["1"] * 13, ["g"] * 26), "line 60: invalid literal"),
+    (_line("1", ["1"] * 13, ["8000000000000000"] * 26), "line 60: .*RESERVED_KEY"),
+    (_line("1", ["1"] * 13, ["a" * 17] * 26), "line 60: .*longer than 16 hex digits"),
+    (_line("1", ["1"] * 13, ["a"] * 26).replace("a", "\u00e9", 1), "line 60: not ASCII"),
+])
+def test_fast_criteo_reader_names_the_file_and_line(tmp_path, monkeypatch, bad, message) -> None:
+    from tieredemb.data import criteo
+
+    monkeypatch.setattr(criteo, "_BLOCK_BYTES", 2048)  # the bad line is in a later block
+    lines = _varied_lines(80)
+    lines[59] = bad
+    path = tmp_path / "bad.tsv"
+    path.write_text("".join(lines), encoding="utf-8")
+    with pytest.raises(ValueError, match=f"^{path}: Criteo {message}"):
+        read_criteo_tsv(path)
+
+
+# ------------------------------------------------------------------------------------ MovieLens
+def test_movielens_reader_features_labels_and_time_split(tmp_path) -> None:
+    from tieredemb.data.movielens import MovieLensClicks
+
+    write_movielens(tmp_path / "tiny", TINY_RATINGS)
+    src = MovieLensClicks(tmp_path / "tiny", eval_fraction=0.3, seed=1)
+    names = [f.name for f in src.features]
+    assert names == ["user_id", "item_id", "age", "gender", "occupation", "release_year", "genre"]
+    assert [f.num_embeddings for f in src.features] == [3, 4, 7, 2, 2, 67, 7]
+    assert [f.bag for f in src.features] == [False] * 6 + [True]
+    ev = src.eval_set()  # the latest 3 ratings by timestamp: 700, 800, 900
+    assert ev.labels.tolist() == [1.0, 0.0, 1.0]  # rating >= 4 is a click
+    assert ev.ids[0].tolist() == [1, 2, 0] and ev.ids[1].tolist() == [3, 0, 2]  # users, items
+    assert ev.ids[2].tolist() == [5, 0, 1]  # age buckets of 53, 17, 24
+    assert ev.ids[5].tolist() == [1, 66, 0]  # release years 1930, 1995 and unknown
+    kjt = ev.kjt(names)
+    assert kjt["genre"].lengths().tolist() == [2, 3, 1]  # Drama Romance / Animation Children's Comedy
+    assert kjt["genre"].values().tolist() == [5, 6, 0, 1, 2, 4]
+    assert torch.allclose(ev.dense[:, 0], torch.tensor([53.0, 17.0, 24.0]) / 50)
+    train = src.train_batch(0, 7)  # every training rating once, shuffled
+    assert sorted(train.ids[0].tolist()) == [0, 0, 0, 1, 1, 2, 2]
+    assert torch.equal(src.train_batch(1, 7).ids, src.train_batch(1, 7).ids)
+    baseline = src.baseline()  # items 4, 1, 3: rates 0/1, 2/2, 1/1 in the training part
+    assert baseline.scores.tolist() == [0.0, 1.0, 1.0]
+
+
+_INTER_HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+
+
+def _inter(text: str):
+    return lambda d: (d / "tiny.inter").write_text(_INTER_HEADER + text)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "tiny.item").unlink(), "tiny.item: no such file"),
+    (lambda d: (d / "tiny.inter").write_text("user_id:token\titem_id:token\n1\t2\n"),
+     "tiny.inter, line 1: no column 'rating'"),
+    (_inter("10\t1\t5\t100\n10\t1\n"), "tiny.inter, line 3: 2 tab-separated"),
+    (_inter("10\t1\tgood\t100\n"), "tiny.inter, line 2: rating 'good'"),
+    (_inter("10\t1\t5\t100\n99\t1\t5\t100\n"), "tiny.inter, line 3: user_id '99' is not in tiny.user"),
+    (_inter("10\t1\t5\t100\n"), "1 ratings are too few"),
+])
+def test_movielens_reader_names_the_problem(tmp_path, edit, message) -> None:
+    from tieredemb.data.movielens import MovieLensClicks
+
+    write_movielens(tmp_path / "tiny", TINY_RATINGS)
+    edit(tmp_path / "tiny")
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        MovieLensClicks(tmp_path / "tiny")
+
+
+def test_movielens_100k_from_recbole(movielens_dir) -> None:
+    from tieredemb.data.movielens import MovieLensClicks
+
+    src = MovieLensClicks(movielens_dir)
+    assert [f.num_embeddings for f in src.features][:2] == [943, 1682]
+    ev = src.eval_set()
+    assert len(ev) == 10_000 and 0.5 < ev.labels.mean() < 0.6
+    assert 0.70 < roc_auc(src.baseline().scores, ev.labels) < 0.71  # per-movie click rate: 0.706

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tieredemb.data import NUM_DENSE, NUM_SPARSE, ClickBatch, cat_batches
+from tieredemb.data import CLICK_FEATURES, NUM_DENSE, NUM_SPARSE, Baseline, ClickBatch, cat_batches
 from tieredemb.keys import RESERVED_KEY, splitmix64
 
 _TRAIN_STREAM = 1
@@ -95,13 +95,16 @@ class SyntheticClicks:
         auc_best = roc_auc(data.eval_set().true_logits, data.eval_set().labels)
     """
 
+    features = CLICK_FEATURES
+    num_dense = NUM_DENSE
+
     def __init__(self, config: SyntheticConfig) -> None:
         self.config = config
         rng = np.random.default_rng([config.seed, _TRUTH_STREAM])
         vocabs = np.geomspace(config.min_vocab, config.max_vocab, NUM_SPARSE).round().astype(int)
         vocabs = rng.permutation(vocabs)
         alphas = rng.uniform(config.min_alpha, config.max_alpha, NUM_SPARSE)
-        self.features = [
+        self.truth = [
             self._make_feature(f, int(vocabs[f]), float(alphas[f]), rng) for f in range(NUM_SPARSE)
         ]
         self.dense_weight = self._make_dense_weight(rng)
@@ -129,7 +132,7 @@ class SyntheticClicks:
     @property
     def vocab_sizes(self) -> list[int]:
         """Ids per categorical feature."""
-        return [f.ids.numel() for f in self.features]
+        return [f.ids.numel() for f in self.truth]
 
     def _generate(self, stream: int, index: int, batch_size: int) -> ClickBatch:
         rng = np.random.default_rng([self.config.seed, stream, index])
@@ -137,7 +140,7 @@ class SyntheticClicks:
         u = rng.random((NUM_SPARSE, batch_size))
         ids = torch.empty((NUM_SPARSE, batch_size), dtype=torch.int64)
         logits = self.config.bias + dense @ self.dense_weight  # (B,)
-        for f, feat in enumerate(self.features):
+        for f, feat in enumerate(self.truth):
             ranks = np.minimum(np.searchsorted(feat.cdf, u[f], side="right"), feat.cdf.size - 1)
             ranks = torch.from_numpy(ranks)
             ids[f] = feat.ids[ranks]
@@ -160,6 +163,10 @@ class SyntheticClicks:
             ]
             self._eval = cat_batches(parts)
         return self._eval
+
+    def baseline(self) -> Baseline | None:
+        """None: the ground truth (``true_logits``) is the yardstick here."""
+        return None
 
 
 __all__ = ["SyntheticConfig", "SyntheticClicks"]

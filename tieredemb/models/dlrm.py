@@ -3,7 +3,7 @@ interaction, top MLP to one click logit (Naumov et al., 2019)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,15 +107,23 @@ class DLRM(nn.Module):
 
 
 def make_tables(
-    feature_names: Sequence[str], embedding_dim: int, init_scale: float = 0.05
+    feature_names: Sequence[str],
+    embedding_dim: int,
+    init_scale: float = 0.05,
+    *,
+    num_embeddings: Sequence[int | None] | None = None,
+    mean_pooled: Collection[str] = (),
 ) -> list[te.TableConfig]:
-    """One table per feature, raw int64 ids (``num_embeddings=None``), sum pooling."""
+    """One table per feature: sum pooling (mean for the features in ``mean_pooled``: bags of ids),
+    raw int64 ids, or ids in ``[0, num_embeddings[i])`` where that is given."""
     init = te.init.Uniform(-init_scale, init_scale)
+    sizes = list(num_embeddings) if num_embeddings is not None else [None] * len(feature_names)
     return [
         te.TableConfig(
-            name=f"t_{f}", embedding_dim=embedding_dim, feature_names=[f], pooling="sum", initializer=init
+            name=f"t_{f}", embedding_dim=embedding_dim, feature_names=[f], num_embeddings=n,
+            pooling="mean" if f in mean_pooled else "sum", initializer=init,
         )
-        for f in feature_names
+        for f, n in zip(feature_names, sizes)
     ]
 
 
