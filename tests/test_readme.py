@@ -82,6 +82,6 @@ def test_the_quick_start_script_knows_its_commands() -> None:
         out = subprocess.run([str(run), *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == code
         assert "./run train" in out.stdout + out.stderr and "./run test" in out.stdout + out.stderr
-    quick = re.search(r"## Quick start\n(.*?)\n## ", README, re.S).group(1)
+    quick = re.search(r"## Quick start\n.*?```bash\n(.*?)```", README, re.S).group(1)
     commands = re.findall(r"^(\./run \w+)", quick, re.M)
     assert commands == ["./run train", "./run test"], commands

@@ -118,6 +118,7 @@ def _tieredemb_command() -> list[str]:
     return [script] if script else [sys.executable, "-m", "tieredemb.cli"]
 
 
+@pytest.mark.slow
 def test_cli_train_prints_summary() -> None:
     cmd = [
         *_tieredemb_command(),
@@ -163,6 +164,7 @@ def _summary(out: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("nproc, pipeline", [(2, True), (3, False)])
+@pytest.mark.slow
 def test_ranks_train_like_one_process(nproc: int, pipeline: bool) -> None:
     """``tieredemb train --nproc N`` (gloo ranks, tables sharded, dense layers under DDP, each rank a
     slice of the global batch) ends with the loss and AUC of the one-process run."""

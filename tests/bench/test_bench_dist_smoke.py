@@ -11,6 +11,7 @@ from tieredemb.bench import main
 
 
 @pytest.mark.parametrize("workload", ["hbm", "cache"])
+@pytest.mark.slow
 def test_bench_dist_smoke(workload, tmp_path, capsys):
     rc = main(["dist", "--device", "cpu", "--workload", workload, "--gpus", "1,2", "--scale", "0.001",
                "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])

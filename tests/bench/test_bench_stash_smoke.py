@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tieredemb.bench.stash import StashOptions, run
@@ -13,6 +14,7 @@ from tieredemb.storage.row_store import RowStore
 OPTS = dict(scale=0.001, device=torch.device("cpu"), steps=2, warmup=3, width=16, layers=2, long_steps=3)
 
 
+@pytest.mark.slow
 def test_bench_stash_smoke(tmp_path):
     assert run(StashOptions(**OPTS), str(tmp_path), ["stash"], log=lambda s: None) == 0
     report = json.loads(next(tmp_path.glob("*-stash.json")).read_text())

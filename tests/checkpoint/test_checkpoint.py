@@ -176,6 +176,7 @@ SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path) -> None:
     script = tmp_path / "saver.py"
     script.write_text(SAVER.format(root=os.getcwd()))
@@ -234,6 +235,7 @@ RSS_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_saving_a_table_ten_times_the_buffer_stays_within_twice_the_buffer(tmp_path) -> None:
     """Peak RSS growth of the process during the save (sampled every 0.5 ms), in a fresh process.
     glibc's mmap threshold is fixed there: by default it rises to the size of the largest block freed,

@@ -72,6 +72,7 @@ def _state_dict_phase(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 1)])
+@pytest.mark.slow
 def test_resume_on_another_world_size(before: int, after: int, tmp_path) -> None:
     mp.spawn(_phase, args=(before, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=before)
     mp.spawn(_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
@@ -133,6 +134,7 @@ def _refusals(rank: int, world: int, port: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_rank_is_every_ranks_and_changes_nothing(tmp_path) -> None:
     """Each rank checks its share of the files, and the keys it stores in the model: one file only
     rank 1 reads is corrupted; a key is in a file rank 0 reads and in one rank 1 reads (only the

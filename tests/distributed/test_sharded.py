@@ -198,6 +198,7 @@ DEVICES = [("cpu", w) for w in (2, 3)] + [("cuda", w) for w in (2, 4) if torch.c
 
 @pytest.mark.parametrize("module_name", ["EmbeddingBagCollection", "EmbeddingCollection"])
 @pytest.mark.parametrize("device, world", DEVICES)
+@pytest.mark.slow
 def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, world, module_name, tmp_path):
     mp.spawn(_worker, args=(world, _free_port(), module_name, str(tmp_path), device), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -267,6 +267,7 @@ def test_find_touch_of_one_index_among_several_tables(regions):
 
 
 @pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.slow
 def test_find_touch_contests_the_misses_of_buckets_an_earlier_batch_holds(guarded):
     """``contest``: an absent key of a bounded region whose bucket holds a way locked before the call
     (an earlier batch in flight) gets slot CONTESTED and is counted apart from the misses; the keys

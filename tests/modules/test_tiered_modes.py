@@ -100,6 +100,7 @@ def trains_alike(ebc: te.EmbeddingBagCollection, ref: te.EmbeddingBagCollection,
 @pytest.mark.parametrize("admission", [None, 2])
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("backing", ["dict", "host"])  # host memory: inserted on the device (no admission)
+@pytest.mark.slow
 def test_cache_matches_hbm_direct(optimizer, cache_buckets, eviction, admission, pipelined, backing) -> None:
     width = 4
     row_bytes = (DIM + optimizer.state_width(DIM)) * 4

@@ -412,6 +412,7 @@ def test_unique_pairs_of_keys_shared_across_tables(kernels):
 @pytest.mark.parametrize("bits, n, pad, num_tables", [
     (32, 900, 0, 3), (32, 900, 50, 1), (9, 1500, 0, 3), (4, 700, 20, 3), (1, 400, 0, 3),
     (12, 200_000 if DEVICE == "cuda" else 1500, 0, 5)])
+@pytest.mark.slow
 def test_id_order_groups_the_pairs_that_share_a_hash(gen, monkeypatch, bits, n, pad, num_tables):
     """The dedup's order, from its definition in plain Python: by the pair's sort key (table by
     table), then the pair's first position, then position; padding (past ``count``) last in its own
