@@ -147,6 +147,7 @@ STAGED_CASES = [(m, name, k) for m in MODULES for name in bad_batches(pooled=m =
 
 @pytest.mark.parametrize("module_name, case, kernels", STAGED_CASES,
                          ids=[f"{m}: {c} ({k})" for m, c, k in STAGED_CASES])
+@pytest.mark.slow
 def test_bad_batch_of_a_staged_group_changes_nothing(module_name, case, kernels):
     """As below, for a one-group collection: scores and lock counts of the index too (the staged
     probe runs before the host sees the checks)."""

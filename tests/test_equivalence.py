@@ -254,6 +254,7 @@ def test_edge_batches_match_reference_sequence(optimizer):
     ids=["default", "narrow_buckets", "one_slot_buckets"],
 )
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+@pytest.mark.slow
 def test_thousands_of_keys_grow_the_table_and_match_reference(optimizer, storage):
     """Enough distinct raw ids that the index and the row store grow many times during training."""
     gen = torch.Generator().manual_seed(42)

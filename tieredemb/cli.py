@@ -347,7 +347,7 @@ def run_bench(argv: Sequence[str]) -> int:
 
 # What a bad input raises: a wrong option value or combination, a missing, unreadable or malformed
 # file, a checkpoint that does not fit, a store that cannot be opened or reached.
-_USER_ERRORS = (ValueError, OSError, BackendError, _RankError)
+_USER_ERRORS = (ValueError, OSError, ImportError, BackendError, _RankError)  # ImportError: an optional extra
 
 
 def _one_line(error: BaseException) -> str:

@@ -33,6 +33,7 @@ def _report(workload: str = "hbm", **fields) -> dict:
     return {**report, **fields}
 
 
+@pytest.mark.slow
 def test_plots_from_cache_reports(tmp_path, monkeypatch):
     """Two ``bench cache`` runs, plotted with no ``--out``: every PNG in ./bench-plot."""
     _matplotlib()

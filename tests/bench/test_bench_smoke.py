@@ -139,6 +139,7 @@ def test_floor_bytes_follow_the_formula(report: dict) -> None:
             shape.batch_size * shape.num_tables * shape.dim * 4)
 
 
+@pytest.mark.slow
 def test_bounded_tables_are_held_to_the_reference_kernels(tmp_path) -> None:
     """``--capacity``: ours again with every table bounded (no row stored first, so misses and
     evictions every step), plain and under TrainPipeline, and the torch kernels' run of the same
@@ -333,6 +334,7 @@ def test_batches_are_a_function_of_seed_and_step() -> None:
         assert torch.equal(a.seen[t], want)
 
 
+@pytest.mark.slow
 def test_bench_checkpoint_smoke(tmp_path) -> None:
     """``tieredemb bench checkpoint`` at a tiny size: saves and loads both layouts, writes its report."""
     from tieredemb.bench import main

@@ -26,6 +26,7 @@ def test_bench_stash_smoke(tmp_path):
     assert report["long_run"]["same_rows"] == "yes"
 
 
+@pytest.mark.slow
 def test_bench_stash_catches_a_broken_restore(tmp_path, monkeypatch):
     restore = RowStore.restore
 

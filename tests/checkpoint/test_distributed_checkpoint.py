@@ -79,6 +79,7 @@ def test_resume_on_another_world_size(before: int, after: int, tmp_path) -> None
     assert_equals_one_process(tmp_path, before, after)
 
 
+@pytest.mark.slow
 def test_sharded_state_dict_into_another_layout(tmp_path) -> None:
     mp.spawn(_state_dict_phase, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     assert_equals_one_process(tmp_path, 2, 2)

@@ -22,6 +22,7 @@ from tieredemb.modules.state import TableSlice
 
 @pytest.mark.parametrize("before, after", [("hbm", "cache-rocksdb"), ("cache-rocksdb", "hbm"),
                                            ("cache-redis", "hybrid")])
+@pytest.mark.slow
 def test_resume_through_state_dict_equals_an_uninterrupted_run(before, after, tmp_path, request, monkeypatch):
     monkeypatch.setattr(table_state, "CHUNK_ROWS", 7)  # several chunks per table
     configs = storages(tmp_path, request)

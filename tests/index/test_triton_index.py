@@ -123,6 +123,7 @@ def run_workload(width: int, policy: str, max_slots: int | None, seed: int, step
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("width", [4, 6])  # 6: ways masked inside a power-of-two tile
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.slow
 def test_bounded_matches_reference(policy, width, seed):
     """Small bounded indexes: full buckets, evictions by (score, way), locked conflict misses."""
     run_workload(width, policy, max_slots=4 * width, seed=seed)
@@ -131,6 +132,7 @@ def test_bounded_matches_reference(policy, width, seed):
 @pytest.mark.parametrize("layout", ["locks", "no locks", "no scores"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("width", [4, 6])
+@pytest.mark.slow
 def test_unbounded_matches_reference(policy, width, layout):
     """Unbounded indexes starting tiny: growth by doubling, including mid-insert rehashes; with and
     without lock counts (``locking=False``: hbm_direct's index, which never evicts), and with neither
@@ -140,6 +142,7 @@ def test_unbounded_matches_reference(policy, width, layout):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.slow
 def test_regions_match_reference(seed):
     """Several tables in one index: bounded and unbounded regions, LRU and LFU side by side."""
     regions = [Region("lru", 2 * 4), Region("lfu", None, 8), Region("lfu", 3 * 4), Region("lru", None, 4)]
