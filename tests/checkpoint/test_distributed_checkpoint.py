@@ -131,6 +131,7 @@ def _refusals(rank: int, world: int, port: int, tmp: str) -> None:
         seen["good"] = {"error": error, "step": model.ebc.step, "rows": rows}
         with open(os.path.join(tmp, f"refusals-{rank}.json"), "w") as f:
             json.dump(seen, f)
+        dist.barrier()  # both ranks done before either tears its process group down
     finally:
         dist.destroy_process_group()
 
