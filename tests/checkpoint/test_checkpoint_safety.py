@@ -107,14 +107,19 @@ def saved(tmp_path) -> tuple[Path, Path, Model]:
     return tmp_path / "ckpt", version, model
 
 
+def assert_holds(target: Model, model: Model) -> None:
+    """``target`` is at ``model``'s step and holds its rows, table by table."""
+    assert target.ebc.step == model.ebc.step
+    for t in ("t", "u", "w"):
+        k, r = rows_of(target, t)
+        wk, wr = rows_of(model, t)
+        assert torch.equal(k, wk) and torch.equal(r, wr), t
+
+
 def assert_loads_like(root: Path, model: Model) -> None:
     fresh = Model(None)
     te.checkpoint.load(fresh, root)
-    assert fresh.ebc.step == model.ebc.step
-    for t in ("t", "u", "w"):
-        k, r = rows_of(fresh, t)
-        wk, wr = rows_of(model, t)
-        assert torch.equal(k, wk) and torch.equal(r, wr), t
+    assert_holds(fresh, model)
 
 
 # ------------------------------------------------------------------------------ paths
@@ -292,11 +297,7 @@ def test_a_load_failing_on_the_last_file_changes_nothing_and_can_be_retried(what
     assert path.name in str(info.value)
     assert_same(snapshot(target), before)
     te.checkpoint.load(target, good)  # the retry
-    assert target.ebc.step == model.ebc.step
-    for t in ("t", "u", "w"):
-        k, r = rows_of(target, t)
-        wk, wr = rows_of(model, t)
-        assert torch.equal(k, wk) and torch.equal(r, wr), t
+    assert_holds(target, model)
 
 
 def test_a_dense_state_of_another_shape_is_refused_before_any_change(saved) -> None:
