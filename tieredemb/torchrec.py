@@ -91,10 +91,11 @@ def _check_fields(config: BaseEmbeddingConfig, where: str) -> None:
 def _check_data_type(config: BaseEmbeddingConfig, where: str) -> None:
     if config.data_type == DataType.FP32:
         return
+    given = f"data_type=DataType.{getattr(config.data_type, 'name', config.data_type)}"
     if config.data_type in (DataType.FP16, DataType.BF16):
-        raise ValueError(f"{where}: data_type={config.data_type} is not supported yet: tieredemb.torchrec "
+        raise ValueError(f"{where}: {given} is not supported yet: tieredemb.torchrec "
                          "keeps 32-bit rows only; use DataType.FP32")
-    raise ValueError(f"{where}: data_type={config.data_type} is not supported: use DataType.FP32")
+    raise ValueError(f"{where}: {given} is not supported: use DataType.FP32")
 
 
 def _initializer(config: BaseEmbeddingConfig, where: str) -> Initializer:
@@ -126,7 +127,8 @@ def _table(config: BaseEmbeddingConfig, kind: type, names: list[str],
         if config.pooling not in _POOLING:
             extra = " (no pooling: use tieredemb.torchrec.EmbeddingCollection)" \
                 if config.pooling == PoolingType.NONE else ""
-            raise ValueError(f"{where}: pooling={config.pooling} is not supported{extra}; use "
+            given = f"pooling=PoolingType.{getattr(config.pooling, 'name', config.pooling)}"
+            raise ValueError(f"{where}: {given} is not supported{extra}; use "
                              "PoolingType.SUM or PoolingType.MEAN")
         pooling = _POOLING[config.pooling]
     init = initializer if initializer is not None else _initializer(config, where)
