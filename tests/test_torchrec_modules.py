@@ -463,3 +463,19 @@ def test_bad_batches_are_refused_and_change_nothing(batch, error, match) -> None
     good = torchrec.KeyedJaggedTensor(keys=["f"], values=torch.tensor([1]), lengths=torch.tensor([1]),
                                       weights=torch.ones(1))
     ours(good).values().sum().backward()  # the collection still works
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/torchrec.md
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_docs_example_runs(capsys) -> None:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "torchrec.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, "docs/torchrec.md examples changed: update this test"
+    exec(compile(blocks[0], "docs/torchrec.md example", "exec"), {})  # noqa: S102
+    assert "{'device': 2}" in capsys.readouterr().out
