@@ -349,6 +349,54 @@ def test_traced_dlrm_trains_like_torchrecs() -> None:
     train_models("dlrm", "adagrad", steps=3, trace=True)
 
 
+def test_dlrm_in_train_pipeline_trains_like_torchrecs() -> None:
+    """``te.TrainPipeline`` prefetches TorchRec batches into our collection inside TorchRec's DLRM
+    (the batch goes through as it is, so the prefetch is the one its forward takes)."""
+    their_ebc, theirs, our_ebc, ours = model_pair("dlrm", "adagrad")
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    class Step(torch.nn.Module):  # what TrainPipeline runs: a batch in, the loss out
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ours
+
+        def forward(self, batch):
+            dense, kjt, label = batch
+            return loss_fn(self.model(dense, kjt), label)
+
+    their_dense = [p for n, p in theirs.named_parameters() if ".embedding_bags." not in n]
+    their_opts = [torch.optim.Adagrad([t.weight for t in their_tables(their_ebc).values()], lr=0.1),
+                  torch.optim.SGD(their_dense, lr=0.05)]
+    batches = model_batches(4)
+    pipe = te.TrainPipeline(Step(), torch.optim.SGD(ours.parameters(), lr=0.05))
+    feed = iter(batches)
+    for step, (dense, kjt, label) in enumerate(batches):
+        got = pipe.progress(feed)
+        want = loss_fn(theirs(dense, kjt), label)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=f"loss of step {step + 1}")
+        for o in their_opts:
+            o.zero_grad()
+        want.backward()
+        for o in their_opts:
+            o.step()
+    assert_rows_equal(their_ebc, our_ebc, "after 4 pipelined steps")
+
+
+def test_checkpoint_round_trips_a_dlrm_over_ours(tmp_path) -> None:
+    _, _, our_ebc, ours = model_pair("dlrm", "adam")
+    dense, kjt, label = model_batches(1)[0]
+    torch.nn.BCEWithLogitsLoss()(ours(dense, kjt), label).backward()
+    te.checkpoint.save(ours, tmp_path)
+    fresh_ebc = tt.EmbeddingBagCollection(our_ebc.embedding_bag_configs(), optimizer=te.optim.Adam(lr=0.05))
+    fresh = MODELS["dlrm"](fresh_ebc)
+    te.checkpoint.load(fresh, tmp_path)
+    for name in ("t0", "t1", "t2"):
+        want, got = our_ebc.read(name, torch.arange(ROWS)), fresh_ebc.read(name, torch.arange(ROWS))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    dense, kjt, _ = model_batches(2)[1]
+    torch.testing.assert_close(fresh(dense, kjt), ours(dense, kjt))
+
+
 def test_traced_ec_is_a_leaf() -> None:
     ec = tt.EmbeddingCollection(seq_configs(EC_CASES["plain"][0]), optimizer=te.optim.SGD(lr=0.1))
 
