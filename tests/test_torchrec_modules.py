@@ -208,6 +208,25 @@ def test_our_own_collection_still_refuses_unread_features() -> None:
         ours(kjt)
 
 
+@pytest.mark.parametrize("module", ["ebc", "ec"])
+def test_a_table_without_features_reads_its_own_name(module: str) -> None:
+    make = (lambda: [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10)]) if module == "ebc" \
+        else (lambda: [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10)])
+    theirs_cls, ours_cls = ((torchrec.EmbeddingBagCollection, tt.EmbeddingBagCollection) if module == "ebc"
+                            else (torchrec.EmbeddingCollection, tt.EmbeddingCollection))
+    their_configs, our_configs = make(), make()
+    theirs = theirs_cls(their_configs)
+    ours = ours_cls(our_configs, optimizer=te.optim.SGD(lr=0.1))
+    assert our_configs[0].feature_names == their_configs[0].feature_names == ["t"]
+    copy_rows(theirs, ours)
+    kjt = torchrec.KeyedJaggedTensor(keys=["t"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    assert_outputs_equal(theirs(kjt), ours(kjt), "a table without features")
+    bad = make()
+    with pytest.raises(ValueError, match="duplicate table name"):
+        ours_cls([*bad, *bad], optimizer=te.optim.SGD(lr=0.1))
+    assert bad[0].feature_names == []  # a refused config is left as it was
+
+
 def test_ebc_initial_rows_follow_weight_init_bounds() -> None:
     """Rows never written are drawn uniformly from [weight_init_min, weight_init_max)."""
     configs = [EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=1000, feature_names=["f"],

@@ -117,9 +117,7 @@ def _initializer(config: BaseEmbeddingConfig, where: str) -> Initializer:
 def _table(config: BaseEmbeddingConfig, kind: type, names: list[str],
            initializer: Initializer | None) -> TableConfig:
     """One TorchRec config as a ``te.TableConfig`` whose features are the TorchRec output names."""
-    where = f"table {getattr(config, 'name', '?')!r}"
-    if type(config) is not kind:
-        raise TypeError(f"{where}: expected a torchrec {kind.__name__}, got {type(config).__name__}")
+    where = f"table {config.name!r}"
     _check_fields(config, where)
     _check_data_type(config, where)
     pooling = "sum"
@@ -136,14 +134,19 @@ def _table(config: BaseEmbeddingConfig, kind: type, names: list[str],
                        num_embeddings=config.num_embeddings, pooling=pooling, initializer=init)
 
 
+def _features_of(config: BaseEmbeddingConfig) -> list[str]:
+    """A table's features; none: its own name (TorchRec's rule)."""
+    return list(config.feature_names) if config.feature_names else [config.name]
+
+
 def _output_names(configs: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
     """Per table, the output name of each of its features: the feature's own name, or
     ``feature@table`` where several tables read that feature (TorchRec's naming)."""
     readers: dict[str, int] = {}
     for c in configs:
-        for f in c.feature_names:
+        for f in _features_of(c):
             readers[f] = readers.get(f, 0) + 1
-    return [[f if readers[f] == 1 else f"{f}@{c.name}" for f in c.feature_names] for c in configs]
+    return [[f if readers[f] == 1 else f"{f}@{c.name}" for f in _features_of(c)] for c in configs]
 
 
 def _tables(configs: Sequence[BaseEmbeddingConfig], kind: type,
@@ -151,18 +154,26 @@ def _tables(configs: Sequence[BaseEmbeddingConfig], kind: type,
     """The te tables of ``configs`` and, per output feature in table order, the batch feature it reads."""
     if isinstance(configs, BaseEmbeddingConfig) or not isinstance(configs, Sequence):
         raise TypeError(f"tables must be a list of torchrec {kind.__name__}")
+    for c in configs:
+        if type(c) is not kind:
+            hint = " (te.TableConfig goes to te.EmbeddingBagCollection/te.EmbeddingCollection)" \
+                if isinstance(c, TableConfig) else ""
+            raise TypeError(f"tables must be torchrec {kind.__name__}, got {type(c).__name__}{hint}")
     initializers = dict(initializers or {})
     known = {getattr(c, "name", None) for c in configs}
     unknown = sorted(set(initializers) - known)
     if unknown:
         raise ValueError(f"initializers names tables {unknown} that are not in tables")
-    for c in configs:
-        if isinstance(c, BaseEmbeddingConfig) and not c.feature_names:
-            c.feature_names = [c.name]  # TorchRec's rule: a table without features reads its own name
     tables = [_table(c, kind, names, initializers.get(c.name))
               for c, names in zip(configs, _output_names(configs))]
-    sources = [f for c in configs for f in c.feature_names]
-    return tables, sources
+    return tables, [f for c in configs for f in _features_of(c)]
+
+
+def _adopt_feature_names(configs: Sequence[BaseEmbeddingConfig]) -> None:
+    """A config without features gets its own name as its feature, as TorchRec's collections set it
+    (a model reading the configs then finds it); done once the collection is built."""
+    for c in configs:
+        c.feature_names = _features_of(c)
 
 
 def _check_device(device: object) -> None:
@@ -329,6 +340,7 @@ class EmbeddingBagCollection(_TorchRecBatches, _OurEBC):
         self._weighted = bool(is_weighted)  # read by the te collection's constructor (_uses_weights)
         super().__init__(ours, optimizer=optimizer, storage=storage, device=device, seed=seed,
                          process_group=process_group, kernels=kernels, capture=capture)
+        _adopt_feature_names(tables)
         self._configs = tables
         self._features = _Features([f for t in ours for f in t.feature_names], sources)
 
@@ -381,6 +393,7 @@ class EmbeddingCollection(_TorchRecBatches, _OurEC):
                              f"TorchRec), got {[(t.name, t.embedding_dim) for t in ours]}")
         super().__init__(ours, optimizer=optimizer, storage=storage, device=device, seed=seed,
                          process_group=process_group, kernels=kernels, capture=capture)
+        _adopt_feature_names(tables)
         self._configs = tables
         self._need_indices = bool(need_indices)
         self._names_by_table = [list(t.feature_names) for t in ours]
