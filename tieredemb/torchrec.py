@@ -160,7 +160,7 @@ def _tables(configs: Sequence[BaseEmbeddingConfig], kind: type,
                 if isinstance(c, TableConfig) else ""
             raise TypeError(f"tables must be torchrec {kind.__name__}, got {type(c).__name__}{hint}")
     initializers = dict(initializers or {})
-    known = {getattr(c, "name", None) for c in configs}
+    known = {c.name for c in configs}
     unknown = sorted(set(initializers) - known)
     if unknown:
         raise ValueError(f"initializers names tables {unknown} that are not in tables")
