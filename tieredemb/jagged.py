@@ -101,25 +101,27 @@ class JaggedTensor:
             raise ValueError("JaggedTensor needs lengths or offsets")
         if lengths is not None and offsets is not None:
             _check_agree("JaggedTensor", lengths, offsets)
+        self._set(values, weights, lengths, offsets)
+
+    def _set(self, values: torch.Tensor, weights: torch.Tensor | None, lengths: torch.Tensor | None,
+             offsets: torch.Tensor | None) -> JaggedTensor:
         self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
+        return self
 
     @classmethod
     def _of(cls, values: torch.Tensor, weights: torch.Tensor | None, lengths: torch.Tensor | None,
             offsets: torch.Tensor | None) -> JaggedTensor:
         """One made from parts already known to agree (no check, no device read)."""
-        out = cls.__new__(cls)
-        out._values, out._weights, out._lengths, out._offsets = values, weights, lengths, offsets
-        return out
+        return cls.__new__(cls)._set(values, weights, lengths, offsets)
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
               lengths_dtype: torch.dtype = torch.int32) -> JaggedTensor:
-        """No bags at all."""
+        """No bags at all (its offsets are ``[0]``)."""
         weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         return JaggedTensor._of(torch.empty(0, dtype=values_dtype, device=device), weights,
-                                torch.empty(0, dtype=lengths_dtype, device=device),
-                                torch.empty(0, dtype=lengths_dtype, device=device))
+                                torch.empty(0, dtype=lengths_dtype, device=device), None)
 
     @staticmethod
     def from_dense(values: Sequence[torch.Tensor],
@@ -443,7 +445,7 @@ class KeyedJaggedTensor:
                 self._length_per_key = []
             else:
                 per_bag = lengths.reshape(n, b)
-                self._length_per_key = per_bag.sum(dim=1).tolist()
+                self._length_per_key = [int(x) for x in per_bag.sum(dim=1).tolist()]
         return self._length_per_key
 
     def length_per_key_or_none(self) -> list[int] | None:
