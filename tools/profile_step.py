@@ -16,8 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tieredemb as te
-from tieredemb.bench.cache import RankBatches, cache_shape, prefill
-from tieredemb.bench.cache import table_configs as cache_table_configs
+from tieredemb.bench.cache import cache_shape
+from tieredemb.bench.cache_runs import RankBatches, prefill
+from tieredemb.bench.cache_runs import table_configs as cache_table_configs
 from tieredemb.bench.hbm import OPTIMIZERS, preinsert_rows, upstream_grad
 from tieredemb.bench.workloads import HbmBatches, HbmShape
 

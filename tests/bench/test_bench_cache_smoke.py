@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tieredemb.bench import main
-from tieredemb.bench.cache import CacheOptions, RankBatches, cache_shape, compare
+from tieredemb.bench.cache import cache_shape
+from tieredemb.bench.cache_runs import CacheOptions, RankBatches, compare
 
 SCALE = 0.001  # 10,000 rows a table, batch 10: 1,000 lookups a step; cache 1,000 rows a table
 
@@ -173,7 +174,8 @@ def test_interleave_must_not_be_negative() -> None:
 
 @pytest.mark.parametrize("turn", [0, 2], ids=["one-after-the-other", "in-turns"])
 def test_a_configuration_that_fails_is_reported_once_and_the_other_still_runs(turn, monkeypatch) -> None:
-    from tieredemb.bench.cache import CacheBench, ConfigRun
+    from tieredemb.bench.cache import CacheBench
+    from tieredemb.bench.cache_runs import ConfigRun
 
     start = ConfigRun.start
 

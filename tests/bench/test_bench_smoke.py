@@ -38,7 +38,7 @@ def report(tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
-                   "--optimizers", "sgd,adam", "--threads", "1"])
+                   "--optimizers", "sgd,adam", "--threads", "1", "--no-tbe"])
     assert [p.name for p in cwd.iterdir()] == ["bench-hbm"]
     files = list((cwd / "bench-hbm").glob("*-hbm.json"))
     assert len(files) == 1, f"expected one hbm report in {cwd / 'bench-hbm'}, found {files}"
@@ -88,7 +88,7 @@ def test_the_pipelined_configuration_trains_the_same_rows(tmp_path) -> None:
     """``--pipeline``: ours again under TrainPipeline (its inline, deferred prefetch), timed and held to
     the same exact rows as the plain run."""
     rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
-               "--optimizers", "sgd", "--threads", "1", "--pipeline", "--out", str(tmp_path)])
+               "--optimizers", "sgd", "--threads", "1", "--pipeline", "--no-tbe", "--out", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
     assert rc == 0 and data["ok"] is True
     labels = [r["label"] for r in data["results"] if r["configuration"] == "ours"]
@@ -146,7 +146,7 @@ def test_bounded_tables_are_held_to_the_reference_kernels(tmp_path) -> None:
     bounded tables as the reference; each bounded run's counters and rows checked against it. Every
     table with ``init_capacity`` 32 (rows allocated up front)."""
     args = ["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
-            "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64",
+            "--optimizers", "adam", "--threads", "1", "--pipeline", "--capacity", "64", "--no-tbe",
             "--out", str(tmp_path)]
     with pytest.raises(ValueError, match="init_capacity"):
         main([*args, "--init-capacity", "0"])
@@ -180,7 +180,7 @@ def test_tables_that_outgrow_their_first_allocation_train_the_same_rows(tmp_path
     """Enough steps that every table stores thousands of keys: the index rehashes and the row store
     adds segments mid-run, and the rows must still match the peer's (~30 s on CPU)."""
     rc = main(["hbm", "--scale", "0.03", "--steps", "2", "--warmup", "6", "--device", "cpu",
-               "--optimizers", "sgd", "--threads", "1", "--out", str(tmp_path)])
+               "--optimizers", "sgd", "--threads", "1", "--no-tbe", "--out", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
     ours = next(r for r in data["results"] if r["configuration"] == "ours")
     assert ours["extra"]["rows_stored"] > 10 * 5000  # over 5000 keys a table

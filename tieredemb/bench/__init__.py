@@ -3,14 +3,17 @@
     tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
                         [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
                         [--pipeline] [--capacity N] [--no-preinsert] [--init-capacity N]
-                        [--out DIR]
+                        [--batch-size B] [--no-tbe] [--tbe-precision fp32|fp16] [--turn N] [--out DIR]
 
 prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
 and writes ``<out>/<YYYYmmdd-HHMMSS>-hbm.json`` (machine, command line, options, every measurement,
 the row checks) with the table beside it as ``.txt``. Both are rewritten after each configuration, so
 a run cut short still leaves what it measured. The exit status is 0 when every configuration ran and
 ours trained the same rows as the peer (with ``--capacity``, the bounded runs the same rows as the
-torch kernels' run of the same bounded tables). Every bench's ``--out`` defaults to a folder named for
+torch kernels' run of the same bounded tables). Where ``fbgemm_gpu`` imports, FBGEMM's TBE runs too, in
+turns with ours on the same batches (``tieredemb.bench.hbm_tbe``), and a line per configuration of
+ours says whether its step is at most TBE's (``met`` / ``NOT met``); where it cannot run, a note
+says why. Every bench's ``--out`` defaults to a folder named for
 it in the current directory: ``./bench-hbm``, ``./bench-cache``, ``./bench-plot`` ...
 
     tieredemb bench cache|ssd [--scale S] [--device cpu|cuda] [--steps N] [--warmup N]
@@ -119,6 +122,15 @@ def _add_hbm(sub) -> argparse.ArgumentParser:
     hbm.add_argument("--init-capacity", type=int, default=None,
                      help="each table's init_capacity: rows and index allocated up front (with "
                           "--no-preinsert, a table that grows without rehashing up to it)")
+    hbm.add_argument("--batch-size", type=_at_least(1), default=None,
+                     help="bags a table per step (default: 10,486 x --scale)")
+    hbm.add_argument("--no-tbe", dest="tbe", action="store_false",
+                     help="leave out FBGEMM's TBE (by default it runs in turns with ours where "
+                          "fbgemm_gpu imports)")
+    hbm.add_argument("--tbe-precision", choices=["fp32", "fp16"], default="fp32",
+                     help="TBE's rows (fp16: its production default; no row check then)")
+    hbm.add_argument("--turn", type=_at_least(1), default=10,
+                     help="steps a block when ours and TBE take turns")
     _add_out(hbm, "hbm")
     return hbm
 
@@ -298,7 +310,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
         return run_stash(StashOptions(args.scale, device, args.steps, args.warmup, args.width, args.layers,
                                       args.long_steps, args.seed), args.out, argv, log=_log)
     if args.workload == "dist":
-        from tieredemb.bench.cache import CACHE_SHAPE
+        from tieredemb.bench.cache_runs import CACHE_SHAPE
         from tieredemb.bench.dist import run
 
         shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
@@ -307,11 +319,15 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             raise ValueError(f"--kernels: unknown kernels {k!r} (auto, torch or triton)")
-    options = HbmOptions(shape=HbmShape().scaled(args.scale), device=device,
+    shape = HbmShape().scaled(args.scale)
+    if args.batch_size is not None:
+        shape = dataclasses.replace(shape, batch_size=args.batch_size)
+    options = HbmOptions(shape=shape, device=device,
                          optimizers=_split(args.optimizers), kernels=_split(args.kernels),
                          steps=args.steps, warmup=args.warmup, seed=args.seed,
                          preinsert=args.preinsert, pipeline=args.pipeline, capacity=args.capacity,
-                         init_capacity=args.init_capacity)
+                         init_capacity=args.init_capacity, tbe=args.tbe,
+                         tbe_precision=args.tbe_precision, turn=args.turn)
     with _torch_threads(args.threads):
         return _run_hbm(options, argv, args.out, args.scale)
 
@@ -356,6 +372,10 @@ def _run_hbm(options: HbmOptions, argv: list[str], out_dir: str, scale: float) -
     bench.run(on_update=save)
     save()
     print(table())
+    for line in bench.notes:
+        print(line)
+    for target in bench.targets():
+        print(target.line())
     for c in bench.checks:
         verdict = "same rows" if c.passed else "DIFFERENT ROWS: " + "; ".join(c.problems)
         against = getattr(c, "reference", "peer")

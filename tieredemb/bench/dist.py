@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import tieredemb as te
-from tieredemb.bench.cache import RankBatches
-from tieredemb.bench.cache import table_configs as cache_tables
+from tieredemb.bench.cache_runs import RankBatches
+from tieredemb.bench.cache_runs import table_configs as cache_tables
 from tieredemb.bench.hbm import OPTIMIZERS, upstream_grad
 from tieredemb.bench.report import machine_info, report_path, write_report
 from tieredemb.bench.timing import time_ms

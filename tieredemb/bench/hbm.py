@@ -52,12 +52,15 @@ from tieredemb.bench.hbm_checks import (
     compare_rows,
     snapshot_rows,
 )
+from tieredemb.bench.hbm_tbe import HbmTbeRace, tbe_targets
 from tieredemb.bench.report import (
     Measurement,
+    Target,
     fill_ratios,
     host_rss_bytes,
     peak_host_rss_bytes,
 )
+from tieredemb.bench.tbe import PRECISIONS, TbeSpec, unavailable
 from tieredemb.bench.timing import (
     free_memory,
     measure_copy_bandwidth,
@@ -68,11 +71,13 @@ from tieredemb.bench.timing import (
 )
 from tieredemb.bench.workloads import HbmBatch, HbmBatches, HbmShape, scramble
 
-# optimizer name -> (ours, peer class, peer kwargs), at learning rates that move rows visibly
-OPTIMIZERS: dict[str, tuple[Callable[[], te.optim.EmbeddingOptimizer], type, dict]] = {
+# optimizer name -> (ours, nn.EmbeddingBag's torch.optim peer or None (torch has no row-wise Adagrad),
+# its kwargs: lr and eps, FBGEMM's TBE's too), at learning rates that move rows visibly
+OPTIMIZERS: dict[str, tuple[Callable[[], te.optim.EmbeddingOptimizer], type | None, dict]] = {
     "sgd": (lambda: te.optim.SGD(lr=0.01), torch.optim.SGD, {"lr": 0.01}),
     "adagrad": (lambda: te.optim.Adagrad(lr=0.01), torch.optim.Adagrad, {"lr": 0.01, "eps": 1e-10}),
-    "adam": (lambda: te.optim.Adam(lr=0.001), torch.optim.SparseAdam, {"lr": 0.001}),
+    "rowwise_adagrad": (lambda: te.optim.RowWiseAdagrad(lr=0.01), None, {"lr": 0.01, "eps": 1e-8}),
+    "adam": (lambda: te.optim.Adam(lr=0.001), torch.optim.SparseAdam, {"lr": 0.001, "eps": 1e-8}),
 }
 
 FLOOR_FORMULA = (
@@ -100,6 +105,9 @@ class HbmOptions:
     pipeline: bool = False  # each "ours" also under te.TrainPipeline
     capacity: int | None = None  # each "ours" also with tables of this max_capacity (bounded)
     init_capacity: int | None = None  # each table's init_capacity (at most its max_capacity)
+    tbe: bool = True  # FBGEMM's TBE in turns with ours, where fbgemm_gpu imports (``hbm_tbe``)
+    tbe_precision: str = "fp32"  # TBE's rows: "fp32" | "fp16"
+    turn: int = 10  # steps a block when timed in turns with TBE
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -113,6 +121,10 @@ class HbmOptions:
                                                or not 1 <= self.init_capacity <= self.shape.rows):
             raise ValueError(f"init_capacity must be None or an int in [1, {self.shape.rows}] (the "
                              f"tables' rows), got {self.init_capacity!r}")
+        if self.tbe_precision not in PRECISIONS:
+            raise ValueError(f"tbe_precision must be one of {PRECISIONS}, got {self.tbe_precision!r}")
+        if self.turn < 1:
+            raise ValueError(f"turn must be >= 1 steps, got {self.turn}")
 
 
 def run_steps(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOptions,
@@ -181,8 +193,8 @@ def run_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches
     return result
 
 
-def _build_ours(opts: HbmOptions, optimizer: str, kernels: str,
-                capacity: int | None) -> te.EmbeddingBagCollection:
+def build_ours(opts: HbmOptions, optimizer: str, kernels: str,
+               capacity: int | None) -> te.EmbeddingBagCollection:
     init = opts.init_capacity if capacity is None or opts.init_capacity is None else \
         min(opts.init_capacity, capacity)
     configs = [dataclasses.replace(c, max_capacity=capacity, init_capacity=init)
@@ -211,7 +223,7 @@ def _per_step(m: Measurement, ebc: te.EmbeddingBagCollection, before: tuple[int,
 def _train_ours(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
                 grad: torch.Tensor, capacity: int | None) -> tuple[Measurement, RowSnapshot]:
     shape, dev = opts.shape, opts.device
-    ebc = _build_ours(opts, optimizer, kernels, capacity)
+    ebc = build_ours(opts, optimizer, kernels, capacity)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
     m = Measurement("ours", optimizer, ours_label(name, capacity=capacity),
                     kernels=ours_name(name, capacity=capacity))
@@ -274,7 +286,7 @@ def run_ours_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: 
 
 def _train_pipelined(opts: HbmOptions, optimizer: str, kernels: str, batches: HbmBatches,
                      grad: torch.Tensor, capacity: int | None) -> tuple[Measurement, RowSnapshot]:
-    ebc = _build_ours(opts, optimizer, kernels, capacity)
+    ebc = build_ours(opts, optimizer, kernels, capacity)
     name = getattr(ebc.kernels, "name", type(ebc.kernels).__name__)
     m = Measurement("ours", optimizer, ours_label(name, True, capacity),
                     kernels=ours_name(name, True, capacity))
@@ -344,7 +356,8 @@ def build_peer(shape: HbmShape, device: torch.device, seed: int) -> list[torch.n
 
 
 def peer_label(optimizer: str) -> str:
-    return f"nn.EmbeddingBag + {OPTIMIZERS[optimizer][1].__name__}"
+    peer = OPTIMIZERS[optimizer][1]
+    return f"nn.EmbeddingBag + {peer.__name__ if peer else 'no torch.optim'}"
 
 
 def initial_rows(config: te.TableConfig, t: int, ranks: torch.Tensor, seed: int) -> torch.Tensor:
@@ -475,6 +488,7 @@ class HbmBench:
         self.results: list[Measurement] = []
         self.checks: list[HbmRowCheck] = []
         self.bandwidth: dict = {}
+        self.notes: list[str] = []  # configurations skipped, and why
 
     def run(self, on_update: Callable[[], None] = lambda: None) -> None:
         """Every configuration, optimizer by optimizer; ``on_update`` after each one."""
@@ -488,15 +502,52 @@ class HbmBench:
             snapshots = self._run_ours(optimizer, batches, grad, None, on_update)
             if opts.capacity is not None:
                 self._run_bounded(optimizer, batches, grad, on_update)
-            failed = Measurement("peer", optimizer, peer_label(optimizer))
-            result = self._attempt(failed, partial(run_peer, opts, optimizer, batches, grad,
-                                                   snapshots))
-            if result is not None:
-                failed, checks = result
-                self._add_checks(checks)
-            self._add(failed, on_update)
+            if OPTIMIZERS[optimizer][1] is None:
+                self._note(f"{optimizer}: no nn.EmbeddingBag peer (torch.optim has no such optimizer)")
+            else:
+                failed = Measurement("peer", optimizer, peer_label(optimizer))
+                result = self._attempt(failed, partial(run_peer, opts, optimizer, batches, grad,
+                                                       snapshots))
+                if result is not None:
+                    failed, checks = result
+                    self._add_checks(checks)
+                self._add(failed, on_update)
             self._add(floor_measurement(opts, optimizer, batches, self.bandwidth["bytes_per_s"]),
                       on_update)
+            if opts.tbe:
+                self._run_tbe(optimizer, batches, grad, on_update)
+
+    def _note(self, line: str) -> None:
+        self.notes.append(line)
+        self.log(line)
+
+    def _run_tbe(self, optimizer: str, batches: HbmBatches, grad: torch.Tensor,
+                 on_update: Callable[[], None]) -> None:
+        """Ours and FBGEMM's TBE in turns (``hbm_tbe``), or a note saying why TBE cannot run."""
+        opts = self.options
+        kwargs = OPTIMIZERS[optimizer][2]
+        spec = TbeSpec(optimizer, kwargs["lr"], kwargs.get("eps", 1e-8), precision=opts.tbe_precision)
+        why = unavailable(spec, opts.device)
+        if why is not None:
+            self._note(f"{optimizer}: {why}")
+            return
+        exact = (sgd_reference(opts, batches, grad, check_ranks(opts.shape, opts.seed))
+                 if optimizer == "sgd" else None)
+        race = HbmTbeRace(opts, optimizer, spec, partial(build_ours, opts, optimizer, opts.kernels[0], None),
+                          lambda t, ranks: initial_rows(opts.shape.table_configs()[t], t, ranks, opts.seed),
+                          lambda snap, weights: check_against_peer(opts, optimizer, snap, weights, batches,
+                                                                   exact), opts.turn)
+        failed = Measurement("tbe", optimizer, spec.label(opts.device))
+        result = self._attempt(failed, partial(race.run, batches, grad, UpstreamLoss))
+        if result is None:
+            self._add(failed, on_update)
+            return
+        measurements, check = result
+        if check is not None:
+            check.reference = "FBGEMM TBE" if check.reference == "peer" else check.reference
+            self._add_checks([check])
+        for m in measurements:
+            self._add(m, on_update)
 
     def _run_ours(self, optimizer: str, batches: HbmBatches, grad: torch.Tensor, capacity: int | None,
                   on_update: Callable[[], None], kernels: list[str] | None = None,
@@ -566,6 +617,10 @@ class HbmBench:
             self.log(f"{m.optimizer} {m.label}: {m.step_ms:.3f} ms/step")
         on_update()
 
+    def targets(self) -> list[Target]:
+        """Ours in turns with TBE against TBE's step, per optimizer and loop order."""
+        return tbe_targets(self.results)
+
     @property
     def ok(self) -> bool:
         """Every configuration ran and every row check passed."""
@@ -582,7 +637,10 @@ class HbmBench:
                         "steps": opts.steps,
                         "warmup": opts.warmup,
                         "seed": opts.seed,
-                        "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers}},
+                        "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers},
+                        "tbe": opts.tbe, "tbe_precision": opts.tbe_precision, "turn": opts.turn},
+            "notes": self.notes,
+            "targets": self.targets(),
             "bandwidth": self.bandwidth,
             "floor_formula": FLOOR_FORMULA,
             "results": self.results,
