@@ -705,8 +705,8 @@ def test_triton_staged_group_takes_a_batch_without_ids():
     tables = [te.TableConfig("t", 4, ["a", "b"])]
     paths = [te.EmbeddingBagCollection(tables, device=device, kernels=k) for k in ("torch", "triton")]
     none = torch.empty(0, dtype=torch.int64)
-    empty = te.KeyedJaggedTensor(["a", "b"], none, torch.zeros(4, dtype=torch.int64))
-    some = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 2]), torch.tensor([1, 0, 2, 0]))
+    empty = te.KeyedJaggedTensor(["a", "b"], none, lengths=torch.zeros(4, dtype=torch.int64))
+    some = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 2]), lengths=torch.tensor([1, 0, 2, 0]))
     for c in paths:
         for kjt in (empty, some):
             out = c(kjt.to(device))
@@ -729,7 +729,7 @@ def test_lookup_made_with_the_prefetch_when_every_key_is_found(module):
 
     def kjt(ids, lengths):
         weights = torch.linspace(0.5, 1.5, len(ids)) if pooled else None
-        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor(lengths),
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), lengths=torch.tensor(lengths),
                                     weights=weights).to(device)
 
     known = kjt([1, 2, 3, 2, 5, 1], [2, 1, 2, 1])
@@ -759,8 +759,8 @@ def test_a_lookup_made_before_rows_changed_is_not_used():
     the collection stops looking up early."""
     tables = [te.TableConfig("s", 4, ["a"])]
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.5))
-    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
-    b = te.KeyedJaggedTensor(["a"], torch.tensor([2, 1]), torch.tensor([1, 1]))
+    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    b = te.KeyedJaggedTensor(["a"], torch.tensor([2, 1]), lengths=torch.tensor([1, 1]))
     ebc(a).values().sum().backward()  # both keys stored
     ebc.write("s", torch.tensor([1]), torch.ones(1, 4))
     out_a = ebc(a)
@@ -786,7 +786,7 @@ def test_a_prefetch_on_another_thread_never_looks_early():
     thread's last update (launched on another stream, the change already counted), so only the thread
     that runs forward and backward looks the rows up with the prefetch."""
     ebc = te.EmbeddingBagCollection([te.TableConfig("s", 4, ["a"])], optimizer=te.optim.SGD(lr=0.5))
-    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    a = te.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     ebc(a).values().sum().backward()  # both keys stored
     worker = threading.Thread(target=ebc.prefetch, args=(a,))
     worker.start()
@@ -807,15 +807,17 @@ def test_a_bad_batch_between_early_lookups_raises_and_changes_nothing():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tables = [te.TableConfig("s", 4, ["a", "b"])]
     paths = [te.EmbeddingBagCollection(tables, device=device, kernels=k) for k in ("torch", "triton")]
-    good = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1])).to(device)
+    good = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]),
+                                lengths=torch.tensor([1, 1, 1, 1])).to(device)
     for c in paths:
         for _ in range(2):
             c(good).values().sum().backward()
     assert paths[1]._early_lookup
     before = sorted_export(paths[1], "s")
-    overrun = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([900, 1, 1, -3]))
+    overrun = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]),
+                                   lengths=torch.tensor([900, 1, 1, -3]))
     reserved = te.KeyedJaggedTensor(["a", "b"], torch.tensor([1, te.RESERVED_KEY, 3, 4]),
-                                    torch.tensor([1, 1, 1, 1]))
+                                    lengths=torch.tensor([1, 1, 1, 1]))
     for bad, message in ((overrun, "negative lengths"), (reserved, "RESERVED_KEY")):
         with pytest.raises(ValueError, match=message):
             paths[1](bad.to(device))
@@ -837,7 +839,8 @@ def test_a_deferred_prefetch_fails_at_its_forward_and_settles_before_any_change(
     tables = [te.TableConfig("s", 4, ["a", "b"])]
 
     def kjt(ids):
-        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([1] * len(ids))).to(device)
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids),
+                                    lengths=torch.tensor([1] * len(ids))).to(device)
 
     good, new = kjt([1, 2, 3, 4]), kjt([5, 6, 1, 2])  # keys 5 and 6 are new
 
@@ -907,7 +910,7 @@ def test_an_eval_forward_between_a_deferred_prefetch_and_its_forward():
     tables = [te.TableConfig("s", 4, ["a", "b"])]
 
     def kjt(ids):
-        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([1] * len(ids)))
+        return te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), lengths=torch.tensor([1] * len(ids)))
 
     runs = []
     for deferred in (False, True):
@@ -990,7 +993,7 @@ def test_forward_uses_the_prefetch_of_an_equal_batch_once() -> None:
     ebc = te.EmbeddingBagCollection([table], optimizer=te.optim.SGD(lr=0.1))
 
     def kjt() -> te.KeyedJaggedTensor:
-        return te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1]))
+        return te.KeyedJaggedTensor(["x"], torch.tensor([7]), lengths=torch.tensor([1]))
 
     ebc.prefetch(kjt())
     ebc(kjt()).values().sum().backward()
@@ -1002,20 +1005,20 @@ def test_forward_uses_the_prefetch_of_an_equal_batch_once() -> None:
 def test_forward_of_another_batch_than_the_prefetched_one_is_refused() -> None:
     table = te.TableConfig("t", 2, ["x"])
     ebc = te.EmbeddingBagCollection([table])
-    ebc.prefetch(te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1])))
+    ebc.prefetch(te.KeyedJaggedTensor(["x"], torch.tensor([7]), lengths=torch.tensor([1])))
     with pytest.raises(RuntimeError, match="oldest prefetched"):
-        ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), torch.tensor([1])))
+        ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), lengths=torch.tensor([1])))
 
 
 def test_eval_forward_between_a_prefetch_and_its_forward() -> None:
     """An eval forward leaves a training prefetch queued for its own forward."""
     table = te.TableConfig("t", 2, ["x"])
     ebc = te.EmbeddingBagCollection([table], optimizer=te.optim.SGD(lr=0.1))
-    batch = te.KeyedJaggedTensor(["x"], torch.tensor([7]), torch.tensor([1]))
+    batch = te.KeyedJaggedTensor(["x"], torch.tensor([7]), lengths=torch.tensor([1]))
     ebc.prefetch(batch)
     ebc.eval()
-    assert torch.equal(ebc(te.KeyedJaggedTensor(["x"], torch.tensor([8]), torch.tensor([1]))).values(),
-                       torch.zeros(1, 2))
+    late = te.KeyedJaggedTensor(["x"], torch.tensor([8]), lengths=torch.tensor([1]))
+    assert torch.equal(ebc(late).values(), torch.zeros(1, 2))
     ebc.train()
     ebc(batch).values().sum().backward()
     assert ebc.export("t").keys.tolist() == [7]

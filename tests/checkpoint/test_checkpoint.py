@@ -47,7 +47,7 @@ def batch(step: int) -> te.KeyedJaggedTensor:
     n = int(lengths.sum())
     weights = 1.0 / torch.arange(1, ROWS + 1, dtype=torch.float64) ** 1.1
     ids = torch.multinomial(weights, n, replacement=True, generator=gen) * 7 % ROWS
-    return te.KeyedJaggedTensor(["a", "b", "c", "d"], ids, lengths)
+    return te.KeyedJaggedTensor(["a", "b", "c", "d"], ids, lengths=lengths)
 
 
 def train(model: Model, steps: range) -> list[float]:

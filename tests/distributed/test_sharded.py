@@ -56,7 +56,7 @@ def local_batch(step: int, rank: int) -> tuple[te.KeyedJaggedTensor, int]:
         pool = torch.tensor(POOL) if f != "c" else torch.arange(50)
         values.append(pool[torch.randint(0, pool.numel(), (int(lens.sum()),), generator=gen)])
         lengths.append(lens)
-    return te.KeyedJaggedTensor(features(), torch.cat(values), torch.cat(lengths)), b
+    return te.KeyedJaggedTensor(features(), torch.cat(values), lengths=torch.cat(lengths)), b
 
 
 def concat(batches: list[te.KeyedJaggedTensor]) -> te.KeyedJaggedTensor:
@@ -69,7 +69,7 @@ def concat(batches: list[te.KeyedJaggedTensor]) -> te.KeyedJaggedTensor:
             start = int(kjt.lengths()[: i * b].sum())
             values.append(kjt.values()[start : start + int(lens.sum())])
             lengths.append(lens)
-    return te.KeyedJaggedTensor(features(), torch.cat(values), torch.cat(lengths))
+    return te.KeyedJaggedTensor(features(), torch.cat(values), lengths=torch.cat(lengths))
 
 
 def upstream(step: int, rank: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -33,7 +33,7 @@ def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", di
 def batch(gen: torch.Generator, lengths: torch.Tensor, keys: int, weighted: bool = False):
     ids = torch.randint(0, keys, (int(lengths.sum()),), generator=gen) * 7919 + 11
     weights = torch.rand(ids.numel(), generator=gen) if weighted else None
-    return te.KeyedJaggedTensor(FEATURES, ids, lengths, weights=weights).to(DEV)
+    return te.KeyedJaggedTensor(FEATURES, ids, lengths=lengths, weights=weights).to(DEV)
 
 
 def values(out) -> torch.Tensor:
@@ -476,7 +476,8 @@ def test_early_lookup_after_a_captured_prefetch(module, monkeypatch):
 
     def rolled(shift: int):  # warm's ids, each feature's rolled: only known (table, key) pairs
         parts = warm.values().split(per_feature)
-        return te.KeyedJaggedTensor(FEATURES, torch.cat([p.roll(shift) for p in parts]), lengths.to(DEV))
+        return te.KeyedJaggedTensor(FEATURES, torch.cat([p.roll(shift) for p in parts]),
+                                    lengths=lengths.to(DEV))
 
     batches = [warm, warm] + [rolled(s) for s in range(1, 6)]
     batches[4].values()[0] = 10**12 + 7  # a key no batch had

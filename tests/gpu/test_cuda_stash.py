@@ -23,7 +23,7 @@ def batches() -> list[dict]:
     for _ in range(STEPS):
         lengths = torch.randint(0, 6, (2 * BATCH,), generator=gen)
         ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
-        out.append({"kjt": te.KeyedJaggedTensor(["a", "b"], ids, lengths),
+        out.append({"kjt": te.KeyedJaggedTensor(["a", "b"], ids, lengths=lengths),
                     "w": torch.randn(ids.numel(), 1, generator=gen),
                     "dense": torch.randn(BATCH, 8, generator=gen),
                     "labels": torch.randint(0, 2, (BATCH,), generator=gen).float()})

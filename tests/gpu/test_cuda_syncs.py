@@ -47,7 +47,7 @@ def test_a_warm_step_reads_the_device_once(module, optimizer, dims, capacity):
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 5, (3 * 64,), generator=gen)
     ids = torch.randint(0, 500, (int(lengths.sum()),), generator=gen)
-    kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV)
+    kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
 
     def step():
         collection.prefetch(kjt)
@@ -78,7 +78,7 @@ def test_a_cache_step_with_misses_and_evictions_reads_the_device_once():
     for i in range(46):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
         ids = torch.randint(0, 600, (int(lengths.sum()),), generator=gen)
-        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV)
+        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
 
         def step(kjt=kjt):
             ebc.prefetch(kjt)
@@ -111,7 +111,7 @@ def test_a_bounded_step_with_misses_and_evictions_reads_the_device_once(loop):
     for _ in range(17):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
         ids = torch.randint(0, 640, (int(lengths.sum()),), generator=gen)
-        kjts.append(te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths).to(DEV))
+        kjts.append(te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV))
     if loop == "pipelined":
         ebc.prefetch_deferred(kjts[0])
     before = None
@@ -148,7 +148,7 @@ def test_a_step_that_grows_the_row_store_reads_the_device_once():
     for i in range(16):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
         ids = torch.randint(0, 400, (int(lengths.sum()),), generator=gen) + 400 * i  # new keys
-        kjt = te.KeyedJaggedTensor([f"f{t}" for t in range(3)], ids, lengths).to(DEV)
+        kjt = te.KeyedJaggedTensor([f"f{t}" for t in range(3)], ids, lengths=lengths).to(DEV)
 
         def step(kjt=kjt):
             ebc.prefetch(kjt)
@@ -214,7 +214,7 @@ def test_the_training_thread_never_waits_for_the_device_under_the_prefetch_threa
     for _ in range(14):
         lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
         ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
-        batches.append({"kjt": te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths)})
+        batches.append({"kjt": te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths)})
     pipeline = te.TrainPipeline(_Model(ebc), None, device=DEV, prefetch_in_thread=True)
     it = iter(batches)
     for _ in range(4):  # warm: kernels compiled, the pipeline full

@@ -21,7 +21,7 @@ def batches(steps: int, batch: int) -> list[dict]:
     for _ in range(steps):
         lengths = torch.randint(0, 6, (2 * batch,), generator=gen)
         ids = torch.multinomial(weights, int(lengths.sum()), replacement=True, generator=gen)
-        out.append({"kjt": te.KeyedJaggedTensor(["a", "b"], ids, lengths),
+        out.append({"kjt": te.KeyedJaggedTensor(["a", "b"], ids, lengths=lengths),
                     "grad": torch.randn(batch, 2 * DIM, generator=gen)})
     return out
 

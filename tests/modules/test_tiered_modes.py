@@ -44,7 +44,7 @@ def zipf_batches(steps: int, batch: int, seed: int) -> list[te.KeyedJaggedTensor
         n = int(lengths.sum())
         ids = (torch.multinomial(weights, n, replacement=True, generator=gen) if n
                else torch.empty(0, dtype=torch.int64))
-        out.append(te.KeyedJaggedTensor(["a", "b"], ids * 7 % ROWS, lengths))
+        out.append(te.KeyedJaggedTensor(["a", "b"], ids * 7 % ROWS, lengths=lengths))
     return out
 
 
@@ -148,7 +148,7 @@ def test_tables_batched_in_one_cache_stay_apart(backing, cache_buckets, pipeline
         ids, lengths = kjt.values(), kjt.lengths()
         a_ids = ids[: int(lengths[:5].sum())]
         batches.append(te.KeyedJaggedTensor(["a", "b", "c"], torch.cat([ids, a_ids]),
-                                            torch.cat([lengths, lengths[:5]])))
+                                            lengths=torch.cat([lengths, lengths[:5]])))
     for g, w in zip(train(cached, batches, pipelined), train(plain, batches, pipelined)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     assert sum(s.evictions for s in cached.stats().values()) > 0
@@ -298,7 +298,7 @@ def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
     storage = te.StorageConfig(hbm_budget=2 * row_bytes, backing=store, bucket_width=2, segment_rows=8)
     cached = make(storage, "lru", None, optimizer)
     plain = make(None, "lru", None, optimizer)
-    batches = [te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), torch.tensor([len(ids), 0]))
+    batches = [te.KeyedJaggedTensor(["a", "b"], torch.tensor(ids), lengths=torch.tensor([len(ids), 0]))
                for ids in ([1, 2, 3, 4, 5], [3, 4, 5, 6], [1, 5, 9], [9, 9, 2])]
     got, want = train(cached, batches, True), train(plain, batches, True)
     for g, w in zip(got, want):
@@ -425,7 +425,7 @@ def test_eval_reads_without_inserting() -> None:
         cached(kjt).values().sum().backward()
     before = sorted_rows(cached.export("t"))
     cached.eval()
-    kjt = te.KeyedJaggedTensor(["a", "b"], torch.tensor([0, 7, 299, 123]), torch.tensor([2, 1, 1, 0]))
+    kjt = te.KeyedJaggedTensor(["a", "b"], torch.tensor([0, 7, 299, 123]), lengths=torch.tensor([2, 1, 1, 0]))
     out = cached(kjt).values()
     after = sorted_rows(cached.export("t"))
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])

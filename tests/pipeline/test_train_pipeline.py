@@ -124,7 +124,7 @@ def make_kjt(gen: torch.Generator, prefix: str, batch_size: int, max_bag: int) -
     lengths = torch.randint(0, max_bag + 1, (3 * batch_size,), generator=gen)
     picks = torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)
     values = torch.tensor(POOL, dtype=torch.int64)[picks]
-    return te.KeyedJaggedTensor([f"{prefix}0", f"{prefix}1", f"{prefix}2"], values, lengths)
+    return te.KeyedJaggedTensor([f"{prefix}0", f"{prefix}1", f"{prefix}2"], values, lengths=lengths)
 
 
 def make_batches(n: int, fields=("sparse",), seed: int = 0, batch_size: int = 4, max_bag: int = 3):
@@ -408,7 +408,8 @@ def test_torchrec_batch_and_kjt():
 
 def test_a_kjt_matching_no_collection_is_a_clear_error():
     batches = make_batches(3)
-    batches[0]["extra"] = te.KeyedJaggedTensor(["nope"], torch.tensor([1]), torch.tensor([1, 0, 0, 0]))
+    batches[0]["extra"] = te.KeyedJaggedTensor(["nope"], torch.tensor([1]),
+                                               lengths=torch.tensor([1, 0, 0, 0]))
     model, opt = build(te.EmbeddingBagCollection)
     pipeline = TrainPipeline(model, opt)
     with pytest.raises(ValueError, match=r"'extra'.*\['nope'\] matches no embedding collection"):
@@ -427,7 +428,7 @@ def test_a_collection_without_a_kjt_resolves_in_forward(caplog):
 
         def forward(self, batch):  # batch: (dense, values, lengths, labels), no KJT in it
             dense, values, lengths, labels = batch
-            kjt = te.KeyedJaggedTensor(["sparse0", "sparse1", "sparse2"], values, lengths)
+            kjt = te.KeyedJaggedTensor(["sparse0", "sparse1", "sparse2"], values, lengths=lengths)
             return self.inner({"dense": dense, "sparse": kjt, "labels": labels})
 
     def plain(b):
@@ -467,7 +468,7 @@ def test_a_bad_batch_fails_when_its_turn_comes():
     bad = batches[2]["sparse"]
     values = bad.values().clone()
     values[0] = te.RESERVED_KEY
-    batches[2]["sparse"] = te.KeyedJaggedTensor(bad.keys(), values, bad.lengths())
+    batches[2]["sparse"] = te.KeyedJaggedTensor(bad.keys(), values, lengths=bad.lengths())
     want_model, want_opt = build(te.EmbeddingBagCollection)
     want = plain_loop(want_model, want_opt, batches[:2])
     model, opt = build(te.EmbeddingBagCollection)

@@ -776,7 +776,7 @@ class EmbeddingCollection(CollectionBase):
             features = [f for c in group.configs for f in c.feature_names]
             start = 0
             for i, (f, n) in enumerate(zip(features, gb.ids_per_feature)):
-                result[f] = JaggedTensor(out[start : start + n], gb.lengths[i * b : (i + 1) * b])
+                result[f] = JaggedTensor(out[start : start + n], lengths=gb.lengths[i * b : (i + 1) * b])
                 start += n
         return {f: result[f] for t in self.table_configs for f in t.feature_names}
 
