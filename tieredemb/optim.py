@@ -10,15 +10,23 @@ batch's duplicates and ``t`` the number of steps the collection has taken (1 on 
 - RowWiseAdagrad: ``s += mean(g*g); w -= lr * g / (sqrt(s) + eps)``, one ``s`` per row
 - Adam: ``torch.optim.SparseAdam``'s lazy update, ``m`` and ``v`` per element.
 
-``lr`` may be changed between steps (a learning-rate schedule sets ``optimizer.lr``); a value that
-is not a finite number > 0 is refused when it is set, so no step ever runs with it.
+Each is a ``torch.optim.Optimizer`` with no parameters and one parameter group: the collection's
+backward applies the update to the touched rows, reading the hyperparameters from
+``param_groups[0]`` at every step. So ``torch.optim.lr_scheduler``'s schedulers drive it, and
+``state_dict()`` / ``load_state_dict()`` carry its hyperparameters. ``step()`` changes no row (the rows
+were updated in backward): call it once per step, before the scheduler's, as with any optimizer.
+
+A value the update must not use (an ``lr`` that is not a finite number > 0, say) is refused: at once
+when set through ``optimizer.lr`` or the constructor, and, when written into ``param_groups`` (by a
+scheduler), at the next step of a collection, before it changes anything.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from numbers import Real
+from typing import Any
 
 import torch
 
@@ -31,17 +39,110 @@ def _checked_lr(owner: str, lr: object) -> float:
     return float(lr)
 
 
-class EmbeddingOptimizer:
-    """Base class. ``kind`` names the fused kernel variant."""
+def _checked_eps(owner: str, eps: object, positive: bool) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, Real):
+        raise TypeError(f"{owner}: eps must be a number, got {eps!r}")
+    if not (math.isfinite(eps) and (eps > 0 if positive else eps >= 0)):
+        raise ValueError(f"{owner}: eps must be a finite number {'>' if positive else '>='} 0, got {eps!r}")
+    return float(eps)
+
+
+def _checked_betas(owner: str, betas: object) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
+            any(isinstance(b, bool) or not isinstance(b, Real) for b in betas):
+        raise TypeError(f"{owner}: betas must be two numbers, got {betas!r}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{owner}: betas must be in [0, 1), got {betas!r}")
+    return float(betas[0]), float(betas[1])
+
+
+class EmbeddingOptimizer(torch.optim.Optimizer):
+    """Base class of the fused optimizers. ``kind`` names the fused kernel variant.
+
+    No parameters: ``param_groups`` is one group holding the hyperparameters (``lr`` and the
+    optimizer's own), which the next fused update reads; ``optimizer.lr`` reads and sets
+    ``param_groups[0]["lr"]``, refusing a bad value at once.
+    """
 
     kind: str = ""
-    lr: float
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "lr":  # the constructor's assignment too
-            value = _checked_lr(type(self).__name__, value)
-        super().__setattr__(name, value)
+    def __init__(self, **defaults: Any) -> None:
+        owner = type(self).__name__
+        checked = self._checked(owner, defaults)  # before the base class keeps anything
+        self._names = tuple(checked)  # the hyperparameters (torch.optim adds to ``defaults``)
+        super().__init__([{"params": []}], checked)
 
+    # -------------------------------------------------------------------- hyperparameters
+    @classmethod
+    def _checked(cls, owner: str, group: dict) -> dict:
+        """``group``'s hyperparameters checked (``TypeError``/``ValueError`` naming the bad one)."""
+        return {"lr": _checked_lr(owner, group["lr"])}
+
+    def check(self) -> None:
+        """Raise ``ValueError``/``TypeError`` if ``param_groups`` holds a value the fused update must
+        not use (a scheduler wrote an ``lr`` that is not finite and > 0, say). A collection calls it
+        before each training step changes anything."""
+        self._checked(f"{type(self).__name__} (param_groups[0])", self.param_groups[0])
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: object) -> None:
+        self.param_groups[0]["lr"] = _checked_lr(type(self).__name__, value)
+
+    # -------------------------------------------------------------------- torch.optim protocol
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Changes no row: the collection's backward already applied this step's update. With a
+        ``closure`` (which runs forward and backward), calls it and returns its loss. Call it every
+        step, as with any optimizer: learning-rate schedulers expect it."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to zero: the rows' gradients never leave the backward."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.param_groups or list(param_group.get("params", [])):
+            raise ValueError(f"{type(self).__name__} takes no parameters and has one parameter group: it "
+                             "updates the collection's rows in backward; give dense parameters to a "
+                             "torch.optim optimizer")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {}, "param_groups": [hyperparameters], "optimizer": class name}``. The rows'
+        optimizer state and the step count ``t`` belong to the collection (its ``state_dict``)."""
+        out = super().state_dict()
+        out["optimizer"] = type(self).__name__
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the hyperparameters of a ``state_dict()`` of the same optimizer class; a state of
+        another class, or holding a bad value, is refused before anything changes."""
+        owner = type(self).__name__
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise TypeError(f"{owner}.load_state_dict: expected a dict with 'param_groups'")
+        saved = state_dict.get("optimizer", owner)
+        if saved != owner:
+            raise ValueError(f"{owner}.load_state_dict: the state is a {saved}'s")
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or not isinstance(groups[0], dict):
+            raise ValueError(f"{owner}.load_state_dict: expected one parameter group, got {len(groups)}")
+        missing = [k for k in self._names if k not in groups[0]]
+        if missing:
+            raise ValueError(f"{owner}.load_state_dict: param_groups[0] lacks {missing}")
+        self._checked(f"{owner}.load_state_dict (param_groups[0])", groups[0])
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "optimizer"})
+
+    def __repr__(self) -> str:
+        group = self.param_groups[0]
+        args = ", ".join(f"{k}={group.get(k)!r}" for k in self._names)
+        return f"{type(self).__name__}({args})"
+
+    # -------------------------------------------------------------------- the update
     def state_width(self, dim: int) -> int:
         """float32 state elements stored after the D weights of a row."""
         raise NotImplementedError
@@ -51,10 +152,31 @@ class EmbeddingOptimizer:
         raise NotImplementedError
 
 
-@dataclass
+class _WithEps(EmbeddingOptimizer):
+    """An optimizer with an ``eps`` hyperparameter (``param_groups[0]["eps"]``)."""
+
+    _eps_positive = False
+
+    @classmethod
+    def _checked(cls, owner: str, group: dict) -> dict:
+        return {**super()._checked(owner, group), "eps": _checked_eps(owner, group["eps"], cls._eps_positive)}
+
+    @property
+    def eps(self) -> float:
+        return self.param_groups[0]["eps"]
+
+    @eps.setter
+    def eps(self, value: object) -> None:
+        self.param_groups[0]["eps"] = _checked_eps(type(self).__name__, value, self._eps_positive)
+
+
 class SGD(EmbeddingOptimizer):
-    lr: float = 0.01
+    """``w -= lr * g`` on the touched rows; no state."""
+
     kind = "sgd"
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__(lr=lr)
 
     def state_width(self, dim: int) -> int:
         return 0
@@ -66,11 +188,14 @@ class SGD(EmbeddingOptimizer):
         return out
 
 
-@dataclass
-class Adagrad(EmbeddingOptimizer):
-    lr: float = 0.01
-    eps: float = 1e-10
+class Adagrad(_WithEps):
+    """``s += g*g; w -= lr * g / (sqrt(s) + eps)``: ``torch.optim.Adagrad`` (lr_decay 0, initial
+    accumulator 0) on the touched rows; ``s`` per element."""
+
     kind = "adagrad"
+
+    def __init__(self, lr: float = 0.01, eps: float = 1e-10) -> None:
+        super().__init__(lr=lr, eps=eps)
 
     def state_width(self, dim: int) -> int:
         return dim
@@ -83,11 +208,13 @@ class Adagrad(EmbeddingOptimizer):
         return torch.cat([w, s], dim=1)
 
 
-@dataclass
-class RowWiseAdagrad(EmbeddingOptimizer):
-    lr: float = 0.01
-    eps: float = 1e-8
+class RowWiseAdagrad(_WithEps):
+    """``s += mean(g*g); w -= lr * g / (sqrt(s) + eps)``, one ``s`` per row."""
+
     kind = "rowwise_adagrad"
+
+    def __init__(self, lr: float = 0.01, eps: float = 1e-8) -> None:
+        super().__init__(lr=lr, eps=eps)
 
     def state_width(self, dim: int) -> int:
         return 1
@@ -100,19 +227,28 @@ class RowWiseAdagrad(EmbeddingOptimizer):
         return torch.cat([w, s], dim=1)
 
 
-@dataclass
-class Adam(EmbeddingOptimizer):
+class Adam(_WithEps):
     """Lazy Adam, exactly ``torch.optim.SparseAdam``'s update on the touched rows."""
 
-    lr: float = 0.001
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
     kind = "adam"
+    _eps_positive = True
 
-    def __post_init__(self) -> None:
-        b1, b2 = self.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"Adam betas must be in [0, 1), got {self.betas}")
+    def __init__(self, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        super().__init__(lr=lr, betas=betas, eps=eps)
+
+    @classmethod
+    def _checked(cls, owner: str, group: dict) -> dict:
+        base = super()._checked(owner, group)
+        return {"lr": base["lr"], "betas": _checked_betas(owner, group["betas"]), "eps": base["eps"]}
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self.param_groups[0]["betas"]
+
+    @betas.setter
+    def betas(self, value: object) -> None:
+        self.param_groups[0]["betas"] = _checked_betas(type(self).__name__, value)
 
     def state_width(self, dim: int) -> int:
         return 2 * dim

@@ -367,4 +367,15 @@ def _restore(collection: CollectionBase, table: str, width: int, tensors: dict |
     collection.import_rows(table, keys, rows, scores)
 
 
-__all__ = ["CheckpointError", "load", "row_hash", "save"]
+
+
+def __getattr__(name: str):
+    # the DCP planners import torch.distributed.checkpoint (~1 s): only when they are asked for
+    if name in ("DCPSavePlanner", "DCPLoadPlanner"):
+        from tieredemb.checkpoint import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CheckpointError", "DCPLoadPlanner", "DCPSavePlanner", "load", "row_hash", "save"]

@@ -230,6 +230,8 @@ class CollectionBase(nn.Module):
             self._queue.push(kjt, self._resolve(kjt, defer=True))
 
     def _resolve(self, kjt: object, defer: bool = False) -> InFlightBatch | StagedRecord:
+        if self.training:  # a scheduler's bad lr: refused before the batch changes anything
+            self.optimizer.check()
         with label("## check_batch ##"):
             given = self._layout.check(kjt)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -381,6 +383,7 @@ class CollectionBase(nn.Module):
         if state.released:
             raise RuntimeError("backward ran twice through one embedding lookup (retain_graph?): "
                                "the fused optimizer steps once per forward")
+        self.optimizer.check()  # its hyperparameters may have changed since the forward
         self.step += 1
         self._rows_changed += 1
         self._updated_on = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tieredemb.distributed import owner_of, table_salts
+
 CHUNK_ROWS = 65536
 _ENTRIES = ("keys", "scores", "weights", "optimizer_state", "admission_keys", "admission_counts")
 
@@ -35,9 +37,14 @@ class TableSlice:
 
     def __init__(self, collection, table: str, keys: torch.Tensor, cols: tuple[int, int]) -> None:
         self.collection, self._table, self._keys, self._cols = collection, table, keys, cols
+        self._version = collection._rows_changed  # the rows as they were when the snapshot was taken
         self.shape = torch.Size([keys.numel(), cols[1] - cols[0]])
         self.dtype = torch.float32
         self.device = torch.device("cpu")
+
+    @property
+    def table(self) -> str:
+        return self._table
 
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
@@ -69,6 +76,10 @@ class TableSlice:
         rows = self.collection.read_full_rows(self._table, keys)
         return rows[:, self._cols[0] : self._cols[1]].cpu()
 
+    def is_current(self) -> bool:
+        """Whether no row of the collection changed since the snapshot (no step, write or import)."""
+        return self.collection._rows_changed == self._version
+
     def materialize(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])
 
@@ -79,23 +90,28 @@ class TableSlice:
 def save(collection, destination: dict, prefix: str) -> None:
     """Put the collection's table state into ``destination`` under ``prefix``."""
     for t in collection.table_configs:
-        keys, scores = [], []
-        for k, _, s in collection.export_chunks(t.name, CHUNK_ROWS):
-            keys.append(k)
-            scores.append(s)
-        keys = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
-        dim = t.embedding_dim
-        width = dim + collection.optimizer.state_width(dim)
-        adm_keys, adm_counts = collection.admission_counts(t.name)
-        p = f"{prefix}{t.name}."
-        destination[p + "keys"] = keys
-        destination[p + "scores"] = torch.cat(scores) if scores else torch.empty(0, dtype=torch.int64)
-        destination[p + "weights"] = TableSlice(collection, t.name, keys, (0, dim))
-        destination[p + "optimizer_state"] = TableSlice(collection, t.name, keys, (dim, width))
-        destination[p + "admission_keys"] = adm_keys
-        destination[p + "admission_counts"] = adm_counts
+        save_table(collection, t.name, destination, f"{prefix}{t.name}.")
     destination[prefix + "step"] = torch.tensor(collection.step)
     destination[prefix + "clock"] = torch.tensor(collection.retired_clock())
+
+
+def save_table(collection, table: str, destination: dict, p: str) -> None:
+    """One table's entries (``keys``, ``scores``, the handles, admission) under ``p``, which is
+    ``<prefix><table>.``."""
+    keys, scores = [], []
+    for k, _, s in collection.export_chunks(table, CHUNK_ROWS):
+        keys.append(k)
+        scores.append(s)
+    keys = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
+    dim = next(t.embedding_dim for t in collection.table_configs if t.name == table)
+    width = dim + collection.optimizer.state_width(dim)
+    adm_keys, adm_counts = collection.admission_counts(table)
+    destination[p + "keys"] = keys
+    destination[p + "scores"] = torch.cat(scores) if scores else torch.empty(0, dtype=torch.int64)
+    destination[p + "weights"] = TableSlice(collection, table, keys, (0, dim))
+    destination[p + "optimizer_state"] = TableSlice(collection, table, keys, (dim, width))
+    destination[p + "admission_keys"] = adm_keys
+    destination[p + "admission_counts"] = adm_counts
 
 
 def expected_keys(collection, prefix: str) -> list[str]:
@@ -113,6 +129,9 @@ def load(collection, state: dict, prefix: str, error_msgs: list[str]) -> None:
         p = f"{prefix}{t.name}."
         keys, scores = state[p + "keys"], state[p + "scores"]
         weights, opt_state = state[p + "weights"], state[p + "optimizer_state"]
+        if all(isinstance(h, TableSlice) and h.collection is collection and h.is_current()
+               for h in (weights, opt_state)):
+            continue  # its own current state (as a DCP load leaves it): nothing to change
         if any(isinstance(h, TableSlice) and h.collection is collection for h in (weights, opt_state)):
             weights, opt_state = _tensor(weights), _tensor(opt_state)  # its own state: read before clearing
         _clear(collection, t.name)
@@ -160,3 +179,31 @@ def _chunk_starts(collection, n: int) -> range:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=collection.process_group)
         chunks = int(count)
     return range(0, chunks * CHUNK_ROWS, CHUNK_ROWS)
+
+
+def clear(collection, table: str) -> None:
+    """Remove the table's stored rows (a collective when sharded)."""
+    _clear(collection, table)
+
+
+def import_owned(collection, table: str, keys: torch.Tensor, rows: torch.Tensor | None, scores: torch.Tensor,
+                 admission: bool = False) -> None:
+    """Of saved rows (keys int64 (n,), whole rows float (n, W), scores int64 (n,); or, with
+    ``admission``, keys and their counts in ``scores``), store those this rank owns, with no
+    collective: a DCP load, where each rank reads its part of a checkpoint on its own schedule."""
+    group = next(tier for tier in collection.tiers if table in tier.names)
+    i = list(group.names).index(table)
+    device = collection.device
+    keys, scores = keys.to(device), scores.to(device)
+    if collection.world > 1:
+        salts = table_salts([table], device).expand(keys.numel())
+        mine = owner_of(keys, salts, collection.world) == collection.rank
+        keys, scores = keys[mine], scores[mine]
+        rows = None if rows is None else rows[mine.cpu()]
+    tier = group
+    with collection.mutating():
+        collection._rows_changed += 1
+        if admission:
+            tier.import_admission(i, keys, scores)
+        else:
+            tier.import_rows(i, keys, rows.to(device, torch.float32), scores)
