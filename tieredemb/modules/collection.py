@@ -573,9 +573,9 @@ class CollectionBase(nn.Module):
 
     def _import(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                 admission: bool) -> None:
-        self._table(table)  # a known table
+        dtype = self._table(table)[2].dtype  # a known table; its rows travel in its dtype
         keys = keys.to(self.device)
-        rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
+        rows, scores = rows.to(self.device, dtype), scores.to(self.device)
         with self.mutating():
             self._rows_changed += 1
             self.placement.import_rows(*self._where[table], keys, rows, scores, admission)
