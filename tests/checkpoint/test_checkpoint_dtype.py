@@ -35,7 +35,8 @@ class Model(nn.Module):
 def batch(step: int) -> te.KeyedJaggedTensor:
     gen = torch.Generator().manual_seed(step)
     lengths = torch.randint(0, 4, (8,), generator=gen)
-    return te.KeyedJaggedTensor(["a"], torch.randint(0, 50, (int(lengths.sum()),), generator=gen), lengths=lengths)
+    ids = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+    return te.KeyedJaggedTensor(["a"], ids, lengths=lengths)
 
 
 def train(model: Model, steps: range) -> None:

@@ -5,8 +5,9 @@ A table whose rows live in a key-value store cannot be handed out as one tensor.
 gives, per table (``<table>.<entry>``):
 
 - ``keys`` int64 (n,), ``scores`` int64 (n,): a snapshot taken by the call (16 bytes a row);
-- ``weights`` (n, D) and ``optimizer_state`` (n, S), in the table's dtype: ``TableSlice`` handles. They have ``shape``,
-  ``dtype``, ``numel()``, ``element_size()``, ``nbytes``, ``dim()``, ``size()``; ``narrow(0, start,
+- ``weights`` (n, D) and ``optimizer_state`` (n, S), in the table's dtype: ``TableSlice`` handles. They
+  have ``shape``, ``dtype``, ``numel()``, ``element_size()``, ``nbytes``, ``dim()``, ``size()``;
+  ``narrow(0, start,
   length)`` reads those rows (in key order of the snapshot) from wherever they live, as a CPU tensor,
   without moving any score; ``materialize()`` reads all of them;
 - ``admission_keys``, ``admission_counts``: keys counted toward admission and their counts;
