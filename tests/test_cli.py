@@ -236,3 +236,23 @@ def test_movielens_has_its_own_defaults_and_flags_win() -> None:
     assert config("--data", "movielens") == (60, 0.02)
     assert config("--data", "movielens:/x", "--steps", "7") == (7, 0.02)
     assert config() == (TrainConfig().steps, TrainConfig().emb_lr)
+
+
+def test_train_with_16bit_rows(capsys, tmp_path) -> None:
+    """``--dtype bf16``: the tables' rows are bfloat16 (the checkpoint's manifest says so, its files
+    hold 2 bytes a value), the run trains and reports; a dtype it does not know is one line, exit 2."""
+    import json
+
+    write_movielens(tmp_path / "ml", TINY_RATINGS)
+    args = ["train", "--data", f"movielens:{tmp_path / 'ml'}", "--eval-fraction", "0.3", "--steps", "4",
+            "--batch-size", "4", "--eval-every", "2", "--no-progress", "--dtype", "bf16",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
+    rc, out, err = _run(capsys, args)
+    assert rc == 0, err
+    assert "final" in _report(out)
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "ck").rglob("manifest.json")]
+    tables = [t for m in manifests for c in m["collections"].values() for t in c["tables"].values()]
+    assert tables and {t["dtype"] for t in tables} == {"bfloat16"}
+    rc = cli.main(["train", "--dtype", "int8", "--steps", "1", "--no-progress"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "--dtype" in err and "int8" in err

@@ -137,6 +137,11 @@ def _add_storage_args(p: argparse.ArgumentParser) -> None:
         "rocksdb:PATH (a RocksDB directory) or redis://HOST:PORT/DB",
     )
     p.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+        help="the embedding rows' storage type (weights and optimizer state; updates in fp32, "
+        "stochastically rounded): fp32 (default), bf16 or fp16",
+    )
+    p.add_argument(
         "--stash", action="store_true",
         help="stash the tables' device rows to host memory between the lookup and the embedding "
         "backward, so the dense model can use that memory (CUDA; on cpu the same copies run and "
@@ -194,6 +199,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         pipeline=args.pipeline,
         hbm_budget=args.hbm_budget,
         backing=args.backing,
+        dtype=args.dtype,
         stash=args.stash,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,

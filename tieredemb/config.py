@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from tieredemb.keys import RESERVED_KEY as RESERVED_KEY  # re-exported: tieredemb.config.RESERVED_KEY
 
 if TYPE_CHECKING:
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
 
 _POOLINGS = ("sum", "mean")
 _EVICTIONS = ("lru", "lfu")
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The storage types a table's rows may have (``TableConfig.dtype``)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class TableConfig:
     admission: FrequencyAdmission | None = None
     max_capacity: int | None = None
     init_capacity: int | None = None
+    dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -93,6 +99,12 @@ class TableConfig:
             raise ValueError(f"{where}: eviction must be one of {_EVICTIONS}, got {self.eviction!r}")
         self._check_capacities(where)
         self._check_policies(where)
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in ROW_DTYPES:
+            raise ValueError(f"{where}: dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {self.dtype!r}")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"{where}: stochastic_rounding must be True or False, "
+                            f"got {self.stochastic_rounding!r}")
 
     def _check_capacities(self, where: str) -> None:
         if self.max_capacity is not None and (
@@ -123,6 +135,11 @@ class TableConfig:
         if self.max_capacity is not None:
             return self.max_capacity
         return self.num_embeddings
+
+    @property
+    def rounds_stochastically(self) -> bool:
+        """Whether updated rows are rounded stochastically (a 16-bit table with the option on)."""
+        return self.stochastic_rounding and self.dtype != torch.float32
 
 
 def _default_backing() -> BackendSpec:

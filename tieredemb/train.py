@@ -48,6 +48,10 @@ EMB_OPTIMIZERS: dict[str, type[te.optim.EmbeddingOptimizer]] = {
 }
 
 
+ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``TrainConfig.dtype``'s names of the embedding rows' storage types."""
+
+
 @dataclass
 class TrainConfig:
     """Options of the training job (the command line's flags).
@@ -84,6 +88,8 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints; 0: only after the last step.
         resume: load the latest checkpoint of ``checkpoint_dir`` and train on from its step; the
             backing store is cleared and filled from the checkpoint.
+        dtype: the embedding rows' storage type: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``
+            (``TableConfig.dtype``: weights and optimizer state in it, stochastic rounding).
 
     Run inside an initialized ``torch.distributed`` default group (``torchrun``, or ``tieredemb
     train --nproc N``), ``train`` shards the embedding tables over the ranks, wraps the dense layers
@@ -113,8 +119,11 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(ROW_DTYPES)}, got {self.dtype!r}")
         if self.emb_optimizer not in EMB_OPTIMIZERS:
             raise ValueError(
                 f"emb_optimizer must be one of {sorted(EMB_OPTIMIZERS)}, got {self.emb_optimizer!r}"
@@ -273,7 +282,8 @@ def make_model(config: TrainConfig, source: ClickSource, device: torch.device, p
     features = source.features
     tables = make_tables([f.name for f in features], config.model.embedding_dim,
                          num_embeddings=[f.num_embeddings for f in features],
-                         mean_pooled=[f.name for f in features if f.bag])
+                         mean_pooled=[f.name for f in features if f.bag],
+                         dtype=ROW_DTYPES[config.dtype])
     optimizer = EMB_OPTIMIZERS[config.emb_optimizer](lr=config.emb_lr)
     storage = None
     if config.hbm_budget is not None:

@@ -30,8 +30,9 @@ class DictStore(BackendSpec):
     def __init__(self) -> None:
         self.opened: dict[str, DictBackend] = {}
 
-    def open(self, table: str, width: int, device: torch.device) -> DictBackend:
-        self.opened[table] = DictBackend(width)
+    def open(self, table: str, width: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> DictBackend:
+        self.opened[table] = DictBackend(width, dtype)
         return self.opened[table]
 
 

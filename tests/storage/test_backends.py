@@ -162,7 +162,7 @@ def test_existing_modes(make_spec, kind):
         make_spec(kind).open("user", W, CPU)
     other = make_spec(kind).open("item", W, CPU)  # another table of the same store is free
     other.close()
-    with pytest.raises(ValueError, match="rows of 5 float32, this table's rows have 6"):
+    with pytest.raises(ValueError, match="rows of 20 bytes, this table's rows have 24"):
         make_spec(kind, existing="reuse").open("user", W + 1, CPU)
     reused = make_spec(kind, existing="reuse").open("user", W, CPU)
     assert torch.equal(reused.get(keys).rows, rows)

@@ -168,7 +168,7 @@ def _save_rows(collections: dict[str, CollectionBase], out: Path, rank: int, buf
             entries = files.setdefault(cname, {})[table] = {kind: [] for kind in KINDS}
             # a chunk, safetensors' bytes copy of it and the serialized file are alive at once:
             # a third of the buffer each
-            rows_per_chunk = max(1, buffer_bytes // (3 * (4 * meta["width"] + 16)))
+            rows_per_chunk = max(1, buffer_bytes // (3 * (4 * meta["width"] + 16)))  # (float32 at most)
             base = None if previous is None else previous.get((cname, table), EMPTY_PRINT)
             seen = None if base is None else torch.zeros(base[0].numel(), dtype=torch.bool)
             all_keys, all_hashes = [], []
@@ -271,9 +271,9 @@ def load(model: torch.nn.Module, path: str | os.PathLike) -> None:
                 # (a delta deletes no key it stores: deleting first, a bounded table's buckets never
                 # hold more than one version's keys, which they held when it was saved)
                 for kind in ("deleted", "rows"):
-                    _apply(collection, configs[table], spec["width"], version,
+                    _apply(collection, configs[table], spec, version,
                            _entries(manifest, name, table, kind), kind, rank, world)
-            _apply(collection, configs[table], spec["width"], out, _entries(last, name, table, "admission"),
+            _apply(collection, configs[table], spec, out, _entries(last, name, table, "admission"),
                    "admission", rank, world)
         collection.restore_progress(meta["step"], meta["clock"])
 
@@ -317,14 +317,15 @@ def _verify_files(collections: dict[str, CollectionBase], chain: list, rank: int
     tables = []
     for name, collection in collections.items():
         for config in collection.table_configs:
-            width = last["collections"][name]["tables"][config.name]["width"]
+            spec = last["collections"][name]["tables"][config.name]
             tables.append(table_keys.TableKeys(chain, name, config.name))
             for v, (version, manifest) in enumerate(chain):
                 kinds = KINDS if version == out else ("rows", "deleted")  # admission: the last version's
                 for kind in kinds:
                     entries = _entries(manifest, name, config.name, kind)
                     for i in range(rank, len(entries), world):
-                        tensors = verify.table_file(version, entries[i], kind, config, width)
+                        tensors = verify.table_file(version, entries[i], kind, config, spec["width"],
+                                                    spec["dtype"])
                         tables[-1].add(tensors["keys"], v, kind, i)
     return tables
 
@@ -342,14 +343,15 @@ def _agree(group, problem: Exception | None) -> None:
         raise problem
 
 
-def _apply(collection: CollectionBase, config, width: int, out: Path, entries: list, kind: str, rank: int,
+def _apply(collection: CollectionBase, config, spec: dict, out: Path, entries: list, kind: str, rank: int,
            world: int) -> None:
     """Each rank reads every ``world``-th file (checked again as it is read); every rank makes the
-    same number of (collective) restores."""
+    same number of (collective) restores. ``spec``: the saved table's manifest entry."""
     for r in range(-(-len(entries) // world)):
         i = r * world + rank
-        tensors = verify.table_file(out, entries[i], kind, config, width) if i < len(entries) else None
-        _restore(collection, config.name, width, tensors, kind)
+        tensors = (verify.table_file(out, entries[i], kind, config, spec["width"], spec["dtype"])
+                   if i < len(entries) else None)
+        _restore(collection, config.name, spec["width"], tensors, kind)
 
 
 def _restore(collection: CollectionBase, table: str, width: int, tensors: dict | None, kind: str) -> None:

@@ -24,8 +24,8 @@ EMPTY_PRINT = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int
 
 
 def row_hash(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """int64 (n,): a 64-bit hash of each row's float32 bits and its score (a changed row is missed
-    with probability ~2**-64)."""
+    """int64 (n,): a 64-bit hash of each row's bits (float32 or 16-bit values) and its score (a
+    changed row is missed with probability ~2**-64)."""
     rows = rows.contiguous()
     weights = splitmix64(torch.arange(1, rows.shape[1] + 1, dtype=torch.int64, device=rows.device))
     mixed = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
@@ -33,7 +33,8 @@ def row_hash(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     # save's memory is the chunk and its serialized copy; a 4 MB chunk's hash briefly held 16 MB more)
     step = max(1, (1 << 17) // max(1, rows.shape[1]))
     for lo in range(0, rows.shape[0], step):
-        bits = rows[lo : lo + step].view(torch.int32).to(torch.int64)
+        part = rows[lo : lo + step]
+        bits = part.view(torch.int32 if part.element_size() == 4 else torch.int16).to(torch.int64)
         mixed[lo : lo + step] = (bits * weights).sum(1)
     return splitmix64(mixed ^ splitmix64(scores.to(torch.int64)))
 

@@ -19,8 +19,13 @@ from tieredemb.checkpoint.paths import inside
 from tieredemb.config import RESERVED_KEY, TableConfig
 from tieredemb.modules.collection import CollectionBase
 
-ROW_DTYPE = torch.float32  # whole rows ([weights | optimizer state]) are float32 in every tier
-ROW_DTYPE_NAME = "float32"
+# whole rows ([weights | optimizer state]) are saved in their table's dtype, named so in the manifest
+ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of a row dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def read_file(out: Path, entry: dict) -> tuple[Path, bytes]:
@@ -50,9 +55,15 @@ def parse(path: Path, data: bytes) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint file {path} is not a safetensors file ({e})") from e
 
 
-def table_file(out: Path, entry: dict, kind: str, config: TableConfig, width: int) -> dict[str, torch.Tensor]:
+def table_file(out: Path, entry: dict, kind: str, config: TableConfig, width: int,
+               saved_dtype: str = "float32") -> dict[str, torch.Tensor]:
     """The checked tensors of one chunk file of ``kind`` (rows, deleted, admission) of a table of
-    the model (``config``, row ``width``)."""
+    the model (``config``, row ``width``), its rows saved in ``saved_dtype`` (the manifest's name).
+    Rows come back in the model table's dtype: converted from the saved one (to the nearest value),
+    and refused if a value is not finite there (a float32 row beyond float16's range)."""
+    if saved_dtype not in ROW_DTYPES:
+        raise CheckpointError(f"checkpoint {out}: table {config.name!r} has rows of dtype {saved_dtype!r}, "
+                              f"not one of {sorted(ROW_DTYPES)}")
     path, data = read_file(out, entry)
     tensors = parse(path, data)
     n = entry["rows"]
@@ -63,15 +74,18 @@ def table_file(out: Path, entry: dict, kind: str, config: TableConfig, width: in
         raise CheckpointError(f"checkpoint file {path}: tensors {sorted(tensors)}, a {kind} file holds "
                               f"{sorted(expect)}")
     for name, shape in expect.items():
-        dtype = ROW_DTYPE if name == "rows" else torch.int64
+        dtype = ROW_DTYPES[saved_dtype] if name == "rows" else torch.int64
         t = tensors[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise CheckpointError(f"checkpoint file {path}: {name!r} is {t.dtype} {tuple(t.shape)}, expected "
                                   f"{dtype} {shape} ({n} rows by the manifest, table {config.name!r} rows of "
                                   f"width {width})")
     _check_keys(path, tensors["keys"], config)
-    if kind == "rows" and not bool(torch.isfinite(tensors["rows"]).all()):
-        raise CheckpointError(f"checkpoint file {path}: rows that are not finite (NaN or inf)")
+    if kind == "rows":
+        tensors["rows"] = tensors["rows"].to(config.dtype)
+        if not bool(torch.isfinite(tensors["rows"]).all()):
+            raise CheckpointError(f"checkpoint file {path}: rows that are not finite (NaN or inf) in the "
+                                  f"table's dtype {dtype_name(config.dtype)}")
     if kind == "admission" and n and int(tensors["counts"].min()) < 1:
         raise CheckpointError(f"checkpoint file {path}: admission counts below 1")
     return tensors
@@ -114,8 +128,8 @@ def table_meta(collection: CollectionBase, rows: dict[str, int] | None = None) -
     meta = collection.checkpoint_meta()
     for config in collection.table_configs:
         meta["tables"][config.name].update(
-            dtype=ROW_DTYPE_NAME, num_embeddings=config.num_embeddings, max_capacity=config.max_capacity,
-            rows=None if rows is None else rows.get(config.name, 0))
+            dtype=dtype_name(config.dtype), num_embeddings=config.num_embeddings,
+            max_capacity=config.max_capacity, rows=None if rows is None else rows.get(config.name, 0))
     return meta
 
 
@@ -135,7 +149,7 @@ def fit(name: str, collection: CollectionBase, saved: dict | None, world: int, s
     configs = {c.name: c for c in collection.table_configs}
     for table, spec in saved["tables"].items():
         ours, where_t = mine["tables"][table], f"collection {name!r} table {table!r}"
-        for field in ("dim", "width", "dtype"):
+        for field in ("dim", "width"):  # (a table of another dtype converts the saved rows)
             if ours[field] != spec[field]:
                 raise CheckpointError(f"{where_t}: {field} {ours[field]} in the model, {spec[field]} in the "
                                       f"checkpoint {where}")
@@ -159,4 +173,4 @@ def _fit_capacity(where_t: str, config: TableConfig, spec: dict, world: int, sav
             f"{saved_world}): loading would drop rows")
 
 
-__all__ = ["ROW_DTYPE", "dense_state", "fit", "parse", "read_file", "table_file", "table_meta"]
+__all__ = ["ROW_DTYPES", "dense_state", "dtype_name", "fit", "parse", "read_file", "table_file", "table_meta"]

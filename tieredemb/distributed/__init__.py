@@ -40,7 +40,10 @@ def owner_of(keys: torch.Tensor, salts: torch.Tensor, world: int) -> torch.Tenso
 
 def exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """All-to-all of ``send``'s rows: ``send_splits[r]`` consecutive rows go to rank r; returns the
-    rows received, ``recv_splits[r]`` from rank r, in rank order."""
+    rows received, ``recv_splits[r]`` from rank r, in rank order. 16-bit floats (rows of a bfloat16
+    or float16 table) travel as their bytes, which every backend moves (gloo has no 16-bit types)."""
+    if send.dtype in (torch.bfloat16, torch.float16) and send.dim() == 2:
+        return exchange(send.contiguous().view(torch.uint8), send_splits, recv_splits, group).view(send.dtype)
     out = send.new_empty((sum(recv_splits), *send.shape[1:]))
     if dist.get_world_size(group) == 1:
         out.copy_(send)

@@ -113,15 +113,16 @@ def make_tables(
     *,
     num_embeddings: Sequence[int | None] | None = None,
     mean_pooled: Collection[str] = (),
+    dtype: torch.dtype = torch.float32,
 ) -> list[te.TableConfig]:
     """One table per feature: sum pooling (mean for the features in ``mean_pooled``: bags of ids),
-    raw int64 ids, or ids in ``[0, num_embeddings[i])`` where that is given."""
+    raw int64 ids, or ids in ``[0, num_embeddings[i])`` where that is given; rows in ``dtype``."""
     init = te.init.Uniform(-init_scale, init_scale)
     sizes = list(num_embeddings) if num_embeddings is not None else [None] * len(feature_names)
     return [
         te.TableConfig(
             name=f"t_{f}", embedding_dim=embedding_dim, feature_names=[f], num_embeddings=n,
-            pooling="mean" if f in mean_pooled else "sum", initializer=init,
+            pooling="mean" if f in mean_pooled else "sum", initializer=init, dtype=dtype,
         )
         for f, n in zip(feature_names, sizes)
     ]

@@ -386,3 +386,21 @@ def check_keys(table: TableConfig, keys: object, device: torch.device) -> torch.
     keys = keys.to(device=device, dtype=torch.int64)
     _check_ids(f"<keys of table {table.name}>", table, keys)
     return keys
+
+
+def check_weights(table: TableConfig, keys: torch.Tensor, weights: object,
+                  device: torch.device) -> torch.Tensor:
+    """Rows given to ``write``: a float tensor (n, D) on the collection's device, finite once rounded
+    to the table's dtype (to the nearest value) -> the rows in that dtype on ``device``."""
+    where = f"table {table.name!r}"
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise TypeError(f"{where}: weights must be a float tensor")
+    check_device(f"{where}: weights", weights, device)
+    if tuple(weights.shape) != (keys.numel(), table.embedding_dim):
+        raise ValueError(f"{where}: weights must have shape ({keys.numel()}, {table.embedding_dim}), "
+                         f"got {tuple(weights.shape)}")
+    weights = weights.to(device=device, dtype=table.dtype)
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError(f"{where}: weights must be finite in the rows' dtype {table.dtype} (NaN, inf or "
+                         "beyond its range)")
+    return weights

@@ -33,9 +33,9 @@ from tieredemb.modules import state as table_state
 from tieredemb.modules.batch import (
     GroupBatch,
     Layout,
-    check_device,
     check_keys,
     check_tables,
+    check_weights,
 )
 from tieredemb.modules.in_flight import (
     FailedRecord,
@@ -402,7 +402,8 @@ class CollectionBase(nn.Module):
             with label("## reduce+update ##"):  # the sums go straight into the rows' update
                 self.kernels.reduce_update(grad.contiguous(), src, scale, gpf.inverse,
                                            gpf.unique_keys.numel(), gpf.sorted_ids, group.store,
-                                           gpf.addresses, self.optimizer, self.step)
+                                           gpf.addresses, self.optimizer, self.step,
+                                           group.rounding_seeds(gpf, self.step))
         with label("## release ##"):
             self._release(state)
 
@@ -473,30 +474,22 @@ class CollectionBase(nn.Module):
         return self.tiers[g], i, self.tiers[g].configs[i]
 
     def read(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Current weights of ``keys`` (float32 (n, D); zeros where not stored) and ``found`` (bool
-        (n,)). Inserts nothing and moves no score. Sharded: a collective (every rank calls it, each
-        with its own keys), answered by the keys' owners."""
+        """Current weights of ``keys`` ((n, D) in the table's dtype; zeros where not stored) and
+        ``found`` (bool (n,)). Inserts nothing and moves no score. Sharded: a collective (every rank
+        calls it, each with its own keys), answered by the keys' owners."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
         with self.mutating():  # a cache-mode read may fetch from the backing store
             return self.placement.read(*self._where[table], keys)
 
     def write(self, table: str, keys: torch.Tensor, weights: torch.Tensor) -> None:
-        """Upsert rows: keys int64 (n,) distinct, weights float (n, D), finite as float32 (the rows'
-        dtype). Optimizer state of those rows is reset to zero. Sharded: a collective; the rows go to
-        their owners (a key written by two ranks keeps the higher rank's row)."""
+        """Upsert rows: keys int64 (n,) distinct, weights float (n, D), rounded to the nearest value
+        of the table's dtype and finite there. Optimizer state of those rows is reset to zero.
+        Sharded: a collective; the rows go to their owners (a key written by two ranks keeps the
+        higher rank's row)."""
         group, i, config = self._table(table)
         keys = check_keys(config, keys, self.device)
-        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-            raise TypeError(f"table {table!r}: weights must be a float tensor")
-        check_device(f"table {table!r}: weights", weights, self.device)
-        if tuple(weights.shape) != (keys.numel(), group.dim):
-            raise ValueError(f"table {table!r}: weights must have shape ({keys.numel()}, {group.dim}), "
-                             f"got {tuple(weights.shape)}")
-        weights = weights.to(device=self.device, dtype=torch.float32)  # the rows' dtype
-        if not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"table {table!r}: weights must be finite in the rows' dtype float32 (NaN, "
-                             "inf or beyond its range)")
+        weights = check_weights(config, keys, weights, self.device)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {table!r}: write keys must be distinct")
         with self.mutating():
@@ -583,9 +576,9 @@ class CollectionBase(nn.Module):
 
     def _import(self, table: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                 admission: bool) -> None:
-        self._table(table)  # a known table
+        dtype = self._table(table)[2].dtype  # a known table; its rows travel in its dtype
         keys = keys.to(self.device)
-        rows, scores = rows.to(self.device, torch.float32), scores.to(self.device)
+        rows, scores = rows.to(self.device, dtype), scores.to(self.device)
         with self.mutating():
             self._rows_changed += 1
             self.placement.import_rows(*self._where[table], keys, rows, scores, admission)

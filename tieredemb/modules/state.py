@@ -5,8 +5,9 @@ A table whose rows live in a key-value store cannot be handed out as one tensor.
 gives, per table (``<table>.<entry>``):
 
 - ``keys`` int64 (n,), ``scores`` int64 (n,): a snapshot taken by the call (16 bytes a row);
-- ``weights`` (n, D) and ``optimizer_state`` (n, S): ``TableSlice`` handles. They have ``shape``,
-  ``dtype``, ``numel()``, ``element_size()``, ``nbytes``, ``dim()``, ``size()``; ``narrow(0, start,
+- ``weights`` (n, D) and ``optimizer_state`` (n, S), in the table's dtype: ``TableSlice`` handles. They
+  have ``shape``, ``dtype``, ``numel()``, ``element_size()``, ``nbytes``, ``dim()``, ``size()``;
+  ``narrow(0, start,
   length)`` reads those rows (in key order of the snapshot) from wherever they live, as a CPU tensor,
   without moving any score; ``materialize()`` reads all of them;
 - ``admission_keys``, ``admission_counts``: keys counted toward admission and their counts;
@@ -39,7 +40,7 @@ class TableSlice:
         self.collection, self._table, self._keys, self._cols = collection, table, keys, cols
         self._version = collection._rows_changed  # the rows as they were when the snapshot was taken
         self.shape = torch.Size([keys.numel(), cols[1] - cols[0]])
-        self.dtype = torch.float32
+        self.dtype = next(t.dtype for t in collection.table_configs if t.name == table)
         self.device = torch.device("cpu")
 
     @property
@@ -56,11 +57,11 @@ class TableSlice:
         return self.shape[0] * self.shape[1]
 
     def element_size(self) -> int:
-        return 4
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
-        return self.numel() * 4
+        return self.numel() * self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -84,7 +85,7 @@ class TableSlice:
         return self.narrow(0, 0, self.shape[0])
 
     def __repr__(self) -> str:
-        return f"TableSlice(table={self._table!r}, shape={tuple(self.shape)}, dtype=torch.float32)"
+        return f"TableSlice(table={self._table!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def save(collection, destination: dict, prefix: str) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from tieredemb.index.key_index import KeyIndex
 from tieredemb.keys import GOLDEN, RESERVED_KEY, shr, splitmix64
+from tieredemb.ops.rounding import round_rows
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
 
@@ -53,16 +54,18 @@ class TorchKernels:
     index_class = KeyIndex
 
     def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
-               programs: int | None = None) -> torch.Tensor:
-        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: a bound on a
-        kernel's grid (the Triton kernels'; nothing here)."""
-        return store.gather(addresses, dim)
+               programs: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first ``dim`` columns of rows. addresses: int64 (n,) -> (n, dim) in ``dtype``
+        (float32, the lookups' type, by default; the store's own to move rows unchanged).
+        ``programs``: a bound on a kernel's grid (the Triton kernels'; nothing here)."""
+        return store.gather(addresses, dim).to(dtype)
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
                 programs: int | None = None, source: torch.Tensor | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float32 (n, C),
-        C <= W, the rows' first C columns (the others are set to zero). ``source``: int64 (n,),
-        row i takes ``rows[source[i]]`` (rows then (m, C))."""
+        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float (n, C),
+        C <= W, the rows' first C columns (the others are set to zero), rounded to the store's dtype
+        (to the nearest value). ``source``: int64 (n,), row i takes ``rows[source[i]]`` (rows then
+        (m, C))."""
         if source is not None:
             rows = rows[source]
         if rows.shape[1] < store.width:
@@ -72,9 +75,8 @@ class TorchKernels:
     def copy_rows(self, src: RowStore, src_addresses: torch.Tensor, dst: RowStore,
                   dst_addresses: torch.Tensor, programs: int | None = None) -> None:
         """Rows ``src_addresses`` (int64 (n,)) of ``src`` to rows ``dst_addresses`` (int64 (n,),
-        distinct) of ``dst``, of the same width, where both are >= 0."""
-        if src.width != dst.width:
-            raise ValueError(f"copy_rows: rows of width {src.width} into rows of width {dst.width}")
+        distinct) of ``dst``, of the same width and dtype, where both are >= 0."""
+        check_same_rows(src, dst)
         both = (src_addresses >= 0) & (dst_addresses >= 0)
         dst.scatter(torch.where(both, dst_addresses, -1), src.gather(src_addresses).to(dst.device))
 
@@ -84,7 +86,7 @@ class TorchKernels:
         scale: float32 (n,) per-id factor (weights, 1/len for mean) or None -> float32 (b, dim).
         ``features``: the bags are that many features' blocks of B bags; bag f * B + i goes to row
         i * features + f (the rows are then (B, features * dim), sample-major)."""
-        rows = store.gather(addresses, dim)  # (n, dim)
+        rows = store.gather(addresses, dim).to(torch.float32)  # (n, dim): pooled in float32
         if scale is not None:
             rows = rows * scale[:, None]
         num_bags = offsets.numel() - 1
@@ -254,20 +256,31 @@ class TorchKernels:
 
     def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
                       inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
-                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:
+                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int,
+                      seeds: torch.Tensor | None = None) -> None:
         """The backward's two steps in one call: ``reduce_grads`` then ``optimizer_update`` of the
         rows at ``addresses`` (int64 (u,), one per unique key) with the sums (kernels may fuse them)."""
         grads = self.reduce_grads(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids)
-        self.optimizer_update(store, addresses, grads, optimizer, step)
+        self.optimizer_update(store, addresses, grads, optimizer, step, seeds)
 
     def optimizer_update(self, store: RowStore, addresses: torch.Tensor, grads: torch.Tensor,
-                         optimizer: EmbeddingOptimizer, step: int) -> None:
+                         optimizer: EmbeddingOptimizer, step: int, seeds: torch.Tensor | None = None) -> None:
         """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)
-        with their summed gradients ``grads`` float32 (u, D)."""
+        with their summed gradients ``grads`` float32 (u, D). Computed in float32; a 16-bit store's
+        rows are rounded stochastically with ``seeds`` (int64 (u,), ``rounding.row_seeds``), or to
+        the nearest value without."""
         keep = addresses >= 0
         addresses, grads = addresses[keep], grads[keep]
-        rows = store.gather(addresses)
-        store.scatter(addresses, optimizer.update(rows, grads, step))
+        rows = optimizer.update(store.gather(addresses).to(torch.float32), grads, step)
+        store.scatter(addresses, round_rows(rows, store.dtype, None if seeds is None else seeds[keep]))
+
+
+def check_same_rows(src: RowStore, dst: RowStore) -> None:
+    """``copy_rows``'s stores must hold rows of one width and dtype."""
+    if src.width != dst.width:
+        raise ValueError(f"copy_rows: rows of width {src.width} into rows of width {dst.width}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: rows of {src.dtype} into rows of {dst.dtype}")
 
 
 def bag_ids(offsets: torch.Tensor, n: int) -> torch.Tensor:

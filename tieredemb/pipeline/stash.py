@@ -199,13 +199,13 @@ class Stash:
             with c.mutating():  # after any prefetch that wrote the host copies
                 for store in stores:
                     into = self._unfreed(store)
-                    self._stashed_bytes -= store.rows_by_placement().get("stashed", 0) * store.width * 4
+                    self._stashed_bytes -= store.rows_by_placement().get("stashed", 0) * store.row_bytes
                     store.restore(self.stream, self._chunk_rows(store), into)
         if not self._stashed_bytes:
             self._pending.clear()
 
     def _chunk_rows(self, store) -> int:
-        return max(1, self.config.chunk_bytes // (store.width * 4))
+        return max(1, self.config.chunk_bytes // store.row_bytes)
 
     def _unfreed(self, store) -> dict[int, torch.Tensor]:
         """Device segments of ``store`` not freed yet (``event`` before its free site): the restore

@@ -2,8 +2,11 @@
 
 Every backend (host memory, RocksDB, Redis) answers the same verbs with the same shapes:
 
-    get(keys: int64 (n,))                -> Fetched(rows: float32 (n, W), found: bool (n,))
-    set(keys: int64 (n,), rows: float32 (n, W))           upsert
+    get(keys: int64 (n,))                -> Fetched(rows: (n, W), found: bool (n,))
+    set(keys: int64 (n,), rows: (n, W))                   upsert
+
+Rows are in the backend's ``dtype`` (the table's: float32, bfloat16 or float16); ``set`` rounds rows
+of another float dtype to it (to the nearest value).
 
 Keys and rows are on ``backend.device``: the CPU for RocksDB and Redis; the GPU for host memory
 under a CUDA collection (its index is on the GPU, its rows in pinned host memory).
@@ -27,7 +30,8 @@ import torch
 
 @dataclass
 class Fetched:
-    """Answer of ``Backend.get``: rows float32 (n, W) cpu (zeros where absent), found bool (n,) cpu."""
+    """Answer of ``Backend.get``: rows (n, W) in the backend's dtype (zeros where absent), found bool
+    (n,), on the backend's device."""
 
     rows: torch.Tensor
     found: torch.Tensor
@@ -43,9 +47,11 @@ def add_bytes(*parts: dict[str, int]) -> dict[str, int]:
 
 
 class Backend(ABC):
-    """One table's rows in a backing store. ``width`` is the float32 row width W (weights + state)."""
+    """One table's rows in a backing store. ``width`` is the row width W (weights + state), ``dtype``
+    the rows' storage type."""
 
     width: int
+    dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")  # where get/set take and give keys and rows
 
     @abstractmethod
@@ -158,6 +164,7 @@ class GroupStore:
         self.backends = backends
         self.device = backends[0].device
         self.width = backends[0].width
+        self.dtype = backends[0].dtype
 
     def _by_table(self, tables: torch.Tensor):
         """Yield (table, positions) for each table present in ``tables``."""
@@ -171,11 +178,11 @@ class GroupStore:
             start += n
 
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype, device=self.device)
         found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
         for t, pos in self._by_table(tables):
             got = self.backends[t].get(keys[pos])
-            rows[pos] = got.rows.to(self.device)
+            rows[pos] = got.rows.to(self.device, self.dtype)
             found[pos] = got.found.to(self.device)
         return Fetched(rows, found)
 
@@ -206,12 +213,13 @@ class DictBackend(Backend):
     """The simplest backend: a Python dict of key -> row. The reference the others are tested
     against, and the storage of the equivalence tests (DynamicEmb's test storage does the same)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dtype: torch.dtype = torch.float32) -> None:
         self.width = width
+        self.dtype = dtype
         self._rows: dict[int, torch.Tensor] = {}
 
     def get(self, keys: torch.Tensor) -> Fetched:
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32)
+        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         for i, k in enumerate(keys.tolist()):
             row = self._rows.get(k)
@@ -221,7 +229,7 @@ class DictBackend(Backend):
         return Fetched(rows, found)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        for k, row in zip(keys.tolist(), rows.to(torch.float32).cpu()):
+        for k, row in zip(keys.tolist(), rows.to(self.dtype).cpu()):
             self._rows[k] = row.clone()
 
     def delete(self, keys: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """Backing-store specifications: what a user names in ``StorageConfig(backing=...)``.
 
-A spec is plain configuration; the collection calls ``spec.open(table, width, device)`` once per
+A spec is plain configuration; the collection calls ``spec.open(table, width, device, dtype)`` once per
 table and gets that table's ``Backend`` (copy-based ``get``/``set``/``delete``/``scan``/``flush``/
 ``close``, see ``tieredemb.storage.backend``). In ``hbm_direct`` mode the backing store is never
 opened. ``docs/backends.md`` describes each store's layout, knobs and faults.
@@ -26,13 +26,18 @@ _EXISTING = ("error", "reuse", "clear")
 class BackendSpec:
     """Base class of backing-store specs."""
 
-    def open(self, table: str, width: int, device: torch.device) -> Backend:
-        """The backend holding ``table``'s rows of ``width`` float32 for a collection on ``device``."""
+    def open(self, table: str, width: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> Backend:
+        """The backend holding ``table``'s rows of ``width`` values in ``dtype`` (the table's
+        storage type) for a collection on ``device``."""
         raise NotImplementedError
 
-    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
-        """The store of a table group (tables of one row width): by default each table's ``open``."""
-        return GroupStore([self.open(t, width, device) for t in tables])
+    def open_group(self, tables: list[str], width: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> GroupStore:
+        """The store of a table group (tables of one row width and dtype): by default each table's
+        ``open`` (given ``dtype`` only for 16-bit rows: a spec written for float32 rows still opens)."""
+        extra = () if dtype == torch.float32 else (dtype,)
+        return GroupStore([self.open(t, width, device, *extra) for t in tables])
 
 
 def _pinned(device: torch.device | str) -> bool:
@@ -87,21 +92,23 @@ class HostMemory(BackendSpec):
         _check_int("HostMemory", "segment_rows", self.segment_rows, 1)
         _check_int("HostMemory", "reserve_rows", self.reserve_rows, 0)
 
-    def open(self, table: str, width: int, device: torch.device) -> Backend:
+    def open(self, table: str, width: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> Backend:
         from tieredemb.storage.host import HostMemoryBackend
 
         return HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
                                  device=device if _pinned(device) else None,
-                                 reserve_rows=self.reserve_rows)
+                                 reserve_rows=self.reserve_rows, dtype=dtype)
 
-    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
+    def open_group(self, tables: list[str], width: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> GroupStore:
         """One host-memory store for all the group's tables (a region each in one index), so a
         fetch or write-down is one call whatever the number of tables."""
         from tieredemb.storage.host import HostMemoryBackend, HostMemoryGroup
 
         rows = HostMemoryBackend(width, pinned=_pinned(device), segment_rows=self.segment_rows,
                                  device=device if _pinned(device) else None, tables=len(tables),
-                                 reserve_rows=self.reserve_rows * len(tables))
+                                 reserve_rows=self.reserve_rows * len(tables), dtype=dtype)
         return HostMemoryGroup(rows)
 
 
@@ -140,23 +147,25 @@ class RocksDB(BackendSpec):
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"RocksDB path must be a non-empty string, got {self.path!r}")
 
-    def open(self, table: str, width: int, device: torch.device) -> Backend:
+    def open(self, table: str, width: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> Backend:
         from tieredemb.storage.rocksdb import RocksDBStore
 
         store = self._open.get("store")
         if store is None or store.closed:
             store = RocksDBStore(self.path, self.shards)
             self._open["store"] = store
-        return _with_cache(store.open_table(table, width, self.existing), self.cache_rows, device)
+        return _with_cache(store.open_table(table, width, self.existing, dtype), self.cache_rows, device)
 
-    def open_group(self, tables: list[str], width: int, device: torch.device) -> GroupStore:
+    def open_group(self, tables: list[str], width: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> GroupStore:
         """Without a DRAM cache in front: one fan-out to the shard threads per call for the whole
         group (``RocksDBGroup``); with one, table by table through the caches."""
         if self.cache_rows:
-            return super().open_group(tables, width, device)
+            return super().open_group(tables, width, device, dtype)
         from tieredemb.storage.rocksdb import RocksDBGroup
 
-        return RocksDBGroup([self.open(t, width, device) for t in tables])
+        return RocksDBGroup([self.open(t, width, device, dtype) for t in tables])
 
 
 @dataclass(frozen=True)
@@ -214,7 +223,8 @@ class Redis(BackendSpec):
         shown["url"] = redact(self.url)
         return f"Redis({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
-    def open(self, table: str, width: int, device: torch.device) -> Backend:
+    def open(self, table: str, width: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> Backend:
         from tieredemb.storage.redis import NamespaceLease, RedisBackend
 
         lease = self._open.get("lease")
@@ -226,7 +236,8 @@ class Redis(BackendSpec):
         try:
             backend = RedisBackend(self._connect(), table, width, self.url, namespace=self.namespace,
                                    retries=self.retries, backoff_s=self.backoff_s,
-                                   chunk_keys=self.chunk_keys, cluster=self.cluster, lease=lease)
+                                   chunk_keys=self.chunk_keys, cluster=self.cluster, lease=lease,
+                                   dtype=dtype)
         except BaseException:
             lease.drop(table)
             raise

@@ -2,7 +2,8 @@
 
     key   8 bytes: big-endian uint64 of (key XOR 2**63), so byte order is numeric order of the
           signed key (RocksDB iterates a table by ascending key)
-    row   4 * W bytes: the row's float32 values, little-endian, no header
+    row   W * 2 or W * 4 bytes: the row's values in the table's dtype (float32, bfloat16 or
+          float16), little-endian, no header
 
 This format is what the stores hold: changing it makes existing stores unreadable.
 """
@@ -34,31 +35,46 @@ def decode_keys(raw: list[bytes]) -> torch.Tensor:
     return torch.from_numpy((enc.astype(np.uint64) ^ _SIGN).view(np.int64).copy())
 
 
-def row_bytes(rows: torch.Tensor) -> list[bytes]:
-    """float32 (n, W) -> n ``bytes`` of 4 * W each."""
-    r = np.ascontiguousarray(rows.detach().to(device="cpu", dtype=torch.float32).numpy(), dtype="<f4")
+def row_bytes(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> list[bytes]:
+    """(n, W) rows -> n ``bytes`` of ``W * dtype.itemsize`` each: the rows in ``dtype`` (rounded to
+    it, to the nearest value, if they are of another float type), little-endian."""
+    r = rows.detach().to(device="cpu", dtype=dtype).contiguous()
     if r.shape[0] == 0:
         return []
-    return r.view(f"V{r.shape[1] * 4}").reshape(-1).tolist()
+    raw = np.ascontiguousarray(r.view(torch.uint8).numpy())  # (n, W * itemsize), this machine's order
+    if _BIG_ENDIAN and dtype.itemsize > 1:
+        raw = raw.reshape(r.shape[0], -1, dtype.itemsize)[..., ::-1].reshape(r.shape[0], -1).copy()
+    return raw.view(f"V{raw.shape[1]}").reshape(-1).tolist()
 
 
-def decode_rows(values: list[bytes | None], width: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """n values (``None``: absent) -> (rows float32 (n, W), zeros where absent; found bool (n,)).
+def decode_rows(values: list[bytes | None], width: int, where: str,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """n values (``None``: absent) -> (rows (n, W) in ``dtype``, zeros where absent; found bool (n,)).
 
-    A stored value of another length than 4 * W (a store written with another row width) raises
-    ``BackendError`` naming ``where``.
+    A stored value of another length than ``W * dtype.itemsize`` (a store written with another row
+    width or dtype) raises ``BackendError`` naming ``where``.
     """
     n = len(values)
+    size = width * dtype.itemsize
     found = np.fromiter((v is not None for v in values), dtype=bool, count=n)
-    rows = np.zeros((n, width), dtype=np.float32)
+    raw = np.zeros((n, size), dtype=np.uint8)
     present = [v for v in values if v is not None]
     if present:
         lengths = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
-        if bool((lengths != 4 * width).any()):
-            bad = int(lengths[lengths != 4 * width][0])
+        if bool((lengths != size).any()):
+            bad = int(lengths[lengths != size][0])
             raise BackendError(
-                f"{where}: a stored row has {bad} bytes, this table's rows have {4 * width} "
-                f"(width {width}): the store was written with another embedding_dim or optimizer"
+                f"{where}: a stored row has {bad} bytes, this table's rows have {size} "
+                f"(width {width} of {str(dtype).removeprefix('torch.')}): the store was written with "
+                "another embedding_dim, optimizer or dtype"
             )
-        rows[found] = np.frombuffer(b"".join(present), dtype="<f4").reshape(-1, width)
-    return torch.from_numpy(rows), torch.from_numpy(found)
+        got = np.frombuffer(b"".join(present), dtype=np.uint8).reshape(-1, size)
+        if _BIG_ENDIAN and dtype.itemsize > 1:
+            got = got.reshape(got.shape[0], -1, dtype.itemsize)[..., ::-1].reshape(got.shape[0], -1)
+        raw[found] = got
+    if n == 0:  # (an empty byte tensor has no stride to view another type through)
+        return torch.zeros(0, width, dtype=dtype), torch.from_numpy(found)
+    return torch.from_numpy(raw).view(dtype), torch.from_numpy(found)
+
+
+_BIG_ENDIAN = np.little_endian is False  # the stored bytes are little-endian on every machine

@@ -76,7 +76,7 @@ class HostMemoryBackend(Backend, DeviceRows):
     """One table's rows in (pinned) host memory.
 
     Args:
-        width: float32 elements per row (weights + optimizer state).
+        width: elements per row (weights + optimizer state).
         pinned: page-lock the segments (only when a CUDA device will read them).
         capacity: None: unbounded (a backing store). An int: at most about this many rows, the least
             recently used row of a full bucket making room for a new one (a cache).
@@ -88,6 +88,8 @@ class HostMemoryBackend(Backend, DeviceRows):
             ``tables``, the table of each key). ``capacity`` applies per table.
         reserve_rows: rows (of all the tables together) to allocate up front, and the index sized
             for them (``RESERVE_LOAD``).
+        dtype: the rows' storage type (``TableConfig.dtype``); ``get`` gives rows in it, ``set``
+            rounds what it is given to it.
 
     A store (no ``capacity``) never evicts: its index keeps no scores and no locks (16 bytes a slot).
 
@@ -100,8 +102,10 @@ class HostMemoryBackend(Backend, DeviceRows):
 
     def __init__(self, width: int, pinned: bool = False, capacity: int | None = None,
                  segment_rows: int = 65536, bucket_width: int | None = None,
-                 device: torch.device | None = None, tables: int = 1, reserve_rows: int = 0) -> None:
+                 device: torch.device | None = None, tables: int = 1, reserve_rows: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.width = width
+        self.dtype = dtype
         self.capacity = capacity
         if capacity is not None:
             segment_rows = min(segment_rows, max(capacity, 1))
@@ -127,12 +131,12 @@ class HostMemoryBackend(Backend, DeviceRows):
             # all-in-HBM pipeline; 32 programs starve PCIe: +0.3 ms a plain cache step)
             self._uva_programs = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._index = self._kernels.index_class(device=self.device, **self._index_args)
-            self._store = RowStore(width, segment_rows, self.device, device_segments=0)
+            self._store = RowStore(width, segment_rows, self.device, device_segments=0, dtype=dtype)
         else:
             self._kernels = None
             self._index = KeyIndex(device=_CPU, **self._index_args)
             store_cls = _PinnedRowStore if pinned else RowStore
-            self._store = store_cls(width, segment_rows, _CPU)
+            self._store = store_cls(width, segment_rows, _CPU, dtype=dtype)
         self._store.reserve(reserve_rows)
         self._step = 0  # LRU clock: one tick per call
         # upserts on the device not yet read back (``set_distinct``), in order; the index's sizes
@@ -161,7 +165,7 @@ class HostMemoryBackend(Backend, DeviceRows):
         """Rows at ``addresses`` (sorted, -1 reads zeros)."""
         if self._kernels is None:
             return self._store.gather(addresses)
-        return self._kernels.gather(self._store, addresses, self.width, self._uva_programs)
+        return self._kernels.gather(self._store, addresses, self.width, self._uva_programs, self.dtype)
 
     def scatter_in_order(self, addresses: torch.Tensor, rows: torch.Tensor,
                          source: torch.Tensor | None = None) -> None:
@@ -216,7 +220,7 @@ class HostMemoryBackend(Backend, DeviceRows):
         return keys, None if tables is None else tables.reshape(-1).to(device=self.device)
 
     def get(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> Fetched:
-        """keys int64 (n,) -> rows float32 (n, W) (zeros where absent), found bool (n,), on
+        """keys int64 (n,) -> rows (n, W) in the store's dtype (zeros where absent), found bool (n,), on
         ``self.device`` (the CPU, or the CUDA device whose index this is)."""
         keys, tables = self._keys(keys, tables)
         self.settle()
@@ -241,7 +245,8 @@ class HostMemoryBackend(Backend, DeviceRows):
         return self._addresses(keys, tables)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None = None) -> None:
-        """Upsert keys int64 (n,) with rows float32 (n, W); a repeated key keeps its last row.
+        """Upsert keys int64 (n,) with rows (n, W) (rounded to the store's dtype); a repeated key keeps
+        its last row.
 
         Bounded: a key whose bucket has no room in this call (more new keys than ways) is skipped.
         """
@@ -262,7 +267,7 @@ class HostMemoryBackend(Backend, DeviceRows):
         and no host read: how many rows it took, and the keys it left out because their bucket was
         full, are read back at the next call that needs the index (``settle``)."""
         self._step += 1
-        rows = rows.to(device=self.device, dtype=torch.float32)
+        rows = rows.to(device=self.device, dtype=self.dtype)
         if self.capacity is not None:
             self.settle()
             self._insert_rows(keys, rows, tables)
@@ -373,7 +378,7 @@ class HostMemoryBackend(Backend, DeviceRows):
         self._store.free(self._index.erase(keys[last], None if tables is None else tables[last]))
 
     def scan(self, chunk_rows: int = 65536, table: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every stored row once, by ascending key: (keys int64 (m,), rows float32 (m, W)) chunks.
+        """Every stored row once, by ascending key: (keys int64 (m,), rows (m, W) in the store's dtype).
 
         The keys are a snapshot taken at the first chunk; rows are read as each chunk is yielded.
         Do not ``set`` or ``delete`` while scanning (a freed row may be reused).
@@ -394,7 +399,8 @@ class HostMemoryBackend(Backend, DeviceRows):
         self._upserts.clear()
         self._sizes_read = [0] * len(self._regions)
         self._index = KeyIndex(device=self.device, **self._index_args)
-        self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0)
+        self._store = RowStore(self.width, self._store.segment_rows, self.device, device_segments=0,
+                               dtype=self.dtype)
 
     def nbytes(self) -> int:
         """Host bytes held by rows (allocated segments)."""
@@ -416,7 +422,7 @@ class _TableView(Backend):
 
     def __init__(self, rows: HostMemoryBackend, t: int) -> None:
         self.rows, self.t = rows, t
-        self.width, self.device = rows.width, rows.device
+        self.width, self.device, self.dtype = rows.width, rows.device, rows.dtype
 
     def _tables(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.full((keys.numel(),), self.t, dtype=torch.int64, device=self.device)
@@ -452,6 +458,7 @@ class HostMemoryGroup(GroupStore):
         self.device_rows = rows
         self.device = rows.device
         self.width = rows.width
+        self.dtype = rows.dtype
         self.backends = [_TableView(rows, t) for t in range(len(rows._regions))]
 
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
@@ -488,9 +495,9 @@ class CachedBackend(Backend):
     """
 
     def __init__(self, store: Backend, cache_rows: int, pinned: bool = False) -> None:
-        self.width = store.width
+        self.width, self.dtype = store.width, store.dtype
         self.store = store
-        self.cache = HostMemoryBackend(store.width, pinned=pinned, capacity=cache_rows)
+        self.cache = HostMemoryBackend(store.width, pinned=pinned, capacity=cache_rows, dtype=store.dtype)
         self.hits = 0
         self.misses = 0
 

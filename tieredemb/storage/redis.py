@@ -3,7 +3,7 @@
 Layout: one Redis string per row.
 
     key    <namespace>:<table>:<8 bytes>   the 8 bytes big-endian (key XOR 2**63)  (``codec``)
-    value  4 * W bytes, the row's float32 values
+    value  W * 4 (float32) or W * 2 (bfloat16, float16) bytes, the row in the table's dtype
 
 A table's keys are exactly ``len(prefix) + 8`` bytes, so the SCAN pattern ``<prefix>????????``
 cannot match another table's keys even when one table's name extends another's (``a`` and ``a:b``).
@@ -244,7 +244,7 @@ class RedisBackend(Backend):
     Args:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (see ``connect``).
         table: the table name (part of the key prefix).
-        width: float32 elements per row.
+        width: elements per row.
         url: for messages (redacted).
         namespace: first part of every key.
         retries: retries of a call after a transient failure.
@@ -253,12 +253,15 @@ class RedisBackend(Backend):
         cluster: ``client`` is a ``RedisCluster``.
         lease: the namespace's lease the table is opened under (``NamespaceLease.hold``): writes
             are refused once it is lost, and ``close`` drops the table from it.
+        dtype: the rows' storage type (``TableConfig.dtype``).
     """
 
     def __init__(self, client: Any, table: str, width: int, url: str, namespace: str = "tieredemb",
                  retries: int = 3, backoff_s: float = 0.1, chunk_keys: int = 1024,
-                 cluster: bool = False, lease: NamespaceLease | None = None) -> None:
+                 cluster: bool = False, lease: NamespaceLease | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.client = client
+        self.dtype = dtype
         self.lease = lease
         self.table = table
         self.width = width
@@ -289,18 +292,19 @@ class RedisBackend(Backend):
                 f"existing='clear' to delete them"
             )
         value = self._call("get", self.client.get, first)
-        if value is not None and len(value) != 4 * self.width:
+        if value is not None and len(value) != self.width * self.dtype.itemsize:
             raise ValueError(
-                f"{self._where} holds rows of {len(value) // 4} float32, this table's rows have "
-                f"{self.width} (embedding_dim + optimizer state): reuse it with the same "
-                f"embedding_dim and optimizer, or pass existing='clear'"
+                f"{self._where} holds rows of {len(value)} bytes, this table's rows have "
+                f"{self.width * self.dtype.itemsize} ({self.width} values of {self.dtype}: embedding_dim "
+                f"+ optimizer state): reuse it with the same embedding_dim, optimizer and dtype, or pass "
+                f"existing='clear'"
             )
 
     # ------------------------------------------------------------------------------------ verbs
     def get(self, keys: torch.Tensor) -> Fetched:
         names = self._names(keys)
         values = self._call("get", self._mget, names) if names else []
-        rows, found = decode_rows(values, self.width, self._where)
+        rows, found = decode_rows(values, self.width, self._where, self.dtype)
         return Fetched(rows, found)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
@@ -308,7 +312,7 @@ class RedisBackend(Backend):
         names = self._names(keys)
         if names:
             self._writable()
-            self._call("set", self._mset, names, row_bytes(rows.reshape(-1, self.width)))
+            self._call("set", self._mset, names, row_bytes(rows.reshape(-1, self.width), self.dtype))
 
     def delete(self, keys: torch.Tensor) -> None:
         names = self._names(keys)
@@ -326,7 +330,7 @@ class RedisBackend(Backend):
             present = [i for i, v in enumerate(values) if v is not None]
             if not present:
                 continue
-            rows, _ = decode_rows([values[i] for i in present], self.width, self._where)
+            rows, _ = decode_rows([values[i] for i in present], self.width, self._where, self.dtype)
             yield decode_keys([names[i][len(self.prefix):] for i in present]), rows
 
     def size(self) -> int:

@@ -7,7 +7,7 @@ Layout of a store at ``path``::
         column family "t:<table>" one per table: tables never see each other's keys, and dropping
                                   a table (existing="clear") is one call, not a delete per row
         key   8 bytes, big-endian (key XOR 2**63): byte order is numeric order  (``codec``)
-        value 4 * W bytes, the row's float32 values
+        value W * 4 (float32) or W * 2 (bfloat16, float16) bytes, the row in the table's dtype
 
 A key lives in shard ``((splitmix64(key) & 0xFFFFFFFF) * S) >> 32``: the low half of the hash, so
 shards do not follow the device index's buckets (which use the high half). Each call splits its keys
@@ -197,8 +197,10 @@ class RocksDBStore:
         self.families = []
         return first_error
 
-    def open_table(self, table: str, width: int, existing: str) -> RocksDBBackend:
-        """The backend of ``table`` (rows of ``width`` float32), creating its column families."""
+    def open_table(self, table: str, width: int, existing: str,
+                   dtype: torch.dtype = torch.float32) -> RocksDBBackend:
+        """The backend of ``table`` (rows of ``width`` values in ``dtype``), creating its column
+        families."""
         if self.closed:
             raise BackendError(f"RocksDB store {self.path} is closed")
         if table in self.tables:
@@ -214,7 +216,7 @@ class RocksDBStore:
                     if name not in families:
                         self.dbs[shard].create_column_family(name, _options())
                         families.add(name)
-                backend = RocksDBBackend(self, table, width)
+                backend = RocksDBBackend(self, table, width, dtype)
                 backend.check_existing(existing)
         except BaseException:
             if backend is not None:  # its column-family handles would keep the databases open
@@ -243,10 +245,12 @@ class RocksDBBackend(Backend):
     Opened by ``te.storage.RocksDB(path).open(table, width, device)``; used from one I/O worker.
     """
 
-    def __init__(self, store: RocksDBStore, table: str, width: int) -> None:
+    def __init__(self, store: RocksDBStore, table: str, width: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.store = store
         self.table = table
         self.width = width
+        self.dtype = dtype
         self.attach()
         self._where = f"RocksDB table {table!r} of {store.path}"
 
@@ -266,11 +270,12 @@ class RocksDBBackend(Backend):
                 f"RocksDB store {self.store.path} already holds rows of table {self.table!r}: pass "
                 f"existing='reuse' to train on from them or existing='clear' to delete them"
             )
-        if len(first) != 4 * self.width:
+        if len(first) != self.width * self.dtype.itemsize:
             raise ValueError(
-                f"{self._where} holds rows of {len(first) // 4} float32, this table's rows have "
-                f"{self.width} (embedding_dim + optimizer state): reuse it with the same "
-                f"embedding_dim and optimizer, or pass existing='clear'"
+                f"{self._where} holds rows of {len(first)} bytes, this table's rows have "
+                f"{self.width * self.dtype.itemsize} ({self.width} values of {self.dtype}: embedding_dim "
+                f"+ optimizer state): reuse it with the same embedding_dim, optimizer and dtype, or pass "
+                f"existing='clear'"
             )
 
     # ------------------------------------------------------------------------------------ verbs
@@ -278,12 +283,13 @@ class RocksDBBackend(Backend):
         keys = keys.reshape(-1).to(torch.int64)
         n = keys.numel()
         if n == 0:
-            return Fetched(torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool))
+            return Fetched(torch.zeros(0, self.width, dtype=self.dtype), torch.zeros(0, dtype=torch.bool))
         order, groups = self._by_shard(keys)
         with self.store.using("get", self.table):
             parts = self._each_shard(self._get_shard, groups)
-            rows_sorted, found_sorted = decode_rows([v for p in parts for v in p], self.width, self._where)
-        rows = torch.empty(n, self.width)
+            rows_sorted, found_sorted = decode_rows([v for p in parts for v in p], self.width, self._where,
+                                                    self.dtype)
+        rows = torch.empty(n, self.width, dtype=self.dtype)
         found = torch.empty(n, dtype=torch.bool)
         idx = torch.from_numpy(order)
         rows[idx], found[idx] = rows_sorted, found_sorted
@@ -295,7 +301,7 @@ class RocksDBBackend(Backend):
         if keys.numel() == 0:
             return
         order, groups = self._by_shard(keys)
-        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)])
+        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)], self.dtype)
         starts = np.cumsum([0] + [len(g) for _, g in groups])
         batches = [(s, g, values[a:b]) for (s, g), a, b in zip(groups, starts[:-1], starts[1:])]
         with self.store.using("set", self.table, writes=True):
@@ -391,7 +397,7 @@ class RocksDBBackend(Backend):
         self.store.dbs[shard].write(batch, self.store.write_options)
 
     def _chunk(self, keys: list[bytes], values: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, _ = decode_rows(values, self.width, self._where)
+        rows, _ = decode_rows(values, self.width, self._where, self.dtype)
         return decode_keys(keys), rows
 
 
@@ -428,7 +434,7 @@ class RocksDBGroup(GroupStore):
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         keys, tables = keys.reshape(-1).to(torch.int64).cpu(), tables.reshape(-1).to(torch.int64).cpu()
         n = keys.numel()
-        rows = torch.zeros(n, self.width)
+        rows = torch.zeros(n, self.width, dtype=self.dtype)
         found = torch.zeros(n, dtype=torch.bool)
         if n == 0:
             return Fetched(rows, found)
@@ -441,7 +447,7 @@ class RocksDBGroup(GroupStore):
             parts = [part for shard_parts in self._fan_out(read, plan) for part in shard_parts]
             idx = torch.from_numpy(order)
             for a, b, values in parts:
-                r, f = decode_rows(values, self.width, self._where)
+                r, f = decode_rows(values, self.width, self._where, self.dtype)
                 rows[idx[a:b]], found[idx[a:b]] = r, f
         return Fetched(rows, found)
 
@@ -451,7 +457,7 @@ class RocksDBGroup(GroupStore):
         if keys.numel() == 0:
             return
         order, plan = self._plan(keys, tables)
-        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)])
+        values = row_bytes(rows.reshape(-1, self.width)[torch.from_numpy(order)], self.dtype)
 
         def write(shard: int, runs) -> None:
             batch = WriteBatch(raw_mode=True)

@@ -1,6 +1,7 @@
 """RowStore: rows ``[weights | optimizer state]`` addressed by a stable int64 row address.
 
-Rows live in fixed-size segments (``segment_rows x width`` float32); address = segment * segment_rows
+Rows live in fixed-size segments (``segment_rows x width`` of the rows' ``dtype``: float32,
+bfloat16 or float16); address = segment * segment_rows
 + offset. Growth appends a segment, so there is never a 2x copy peak and an address stays valid for
 the life of its row, whatever the index above does. A segment lives in device memory, or, past
 ``device_segments``, in (pinned) host memory: that is hybrid mode.
@@ -30,16 +31,19 @@ class RowStore:
     """Segmented row storage with a free list.
 
     Args:
-        width: float32 elements per row (D + optimizer state).
+        width: elements per row (D + optimizer state).
         segment_rows: rows per segment.
         device: the compute device; segments are allocated there.
         device_segments: at most this many segments on ``device``; the next ones go to host memory
             (pinned when ``device`` is CUDA, so kernels read them through UVA). None: no limit.
+        dtype: the rows' storage type (``TableConfig.dtype``). ``gather`` gives rows in it;
+            ``scatter`` rounds what it is given to it (to the nearest value).
     """
 
     def __init__(self, width: int, segment_rows: int, device: torch.device,
-                 device_segments: int | None = None) -> None:
+                 device_segments: int | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.width = width
+        self.dtype = dtype
         self.segment_rows = segment_rows
         self.device = torch.device(device)
         self.device_segments = device_segments
@@ -59,9 +63,9 @@ class RowStore:
 
     @classmethod
     def over(cls, rows: torch.Tensor) -> RowStore:
-        """A read-only view of ``rows`` (float32 (n, W), contiguous) as one segment: address i is
-        row i. Lets the row kernels pool rows that came from elsewhere (a shard owner)."""
-        store = cls(rows.shape[1], max(1, rows.shape[0]), rows.device)
+        """A read-only view of ``rows`` ((n, W) of a row dtype, contiguous) as one segment: address i
+        is row i. Lets the row kernels pool rows that came from elsewhere (a shard owner)."""
+        store = cls(rows.shape[1], max(1, rows.shape[0]), rows.device, dtype=rows.dtype)
         store.segments, store.placement = [rows.contiguous()], ["device"]
         return store
 
@@ -94,7 +98,7 @@ class RowStore:
             max(0, min(missing, self.device_segments - len(self.segments)))
         if missing > on_device + len(self._spares):
             self._spares += host_segments(missing - on_device - len(self._spares), self.segment_rows,
-                                          self.width, self.device.type == "cuda")
+                                          self.width, self.device.type == "cuda", self.dtype)
         for _ in range(missing):
             self._add_segment()
 
@@ -113,14 +117,14 @@ class RowStore:
 
     def _add_segment(self) -> None:
         if self.device_segments is None or len(self.segments) < self.device_segments:
-            seg = torch.zeros(self.segment_rows, self.width, dtype=torch.float32, device=self.device)
+            seg = torch.zeros(self.segment_rows, self.width, dtype=self.dtype, device=self.device)
             self.placement.append("device")
         else:
             self.placement.append("host")
             if not self._spares:  # pinned: a block of several segments (page-locking is slow)
                 cuda = self.device.type == "cuda"
-                count = max(1, min(64, _SLAB_BYTES // (self.segment_rows * self.width * 4))) if cuda else 1
-                self._spares = host_segments(count, self.segment_rows, self.width, cuda)
+                count = max(1, min(64, _SLAB_BYTES // (self.segment_rows * self.row_bytes))) if cuda else 1
+                self._spares = host_segments(count, self.segment_rows, self.width, cuda, self.dtype)
             seg = self._spares.pop(0)
         base = len(self.segments) * self.segment_rows
         self.segments.append(seg)
@@ -137,8 +141,13 @@ class RowStore:
     def rows_in_use(self) -> int:
         return self.rows_allocated() - self._free_count
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return self.width * self.dtype.itemsize
+
     def nbytes(self) -> int:
-        return self.rows_allocated() * self.width * 4
+        return self.rows_allocated() * self.row_bytes
 
     def rows_by_placement(self) -> dict[str, int]:
         """Allocated rows per placement: ``{"device": ..., "host": ...}``, and ``"stashed"`` while
@@ -191,18 +200,20 @@ class RowStore:
 
     # --------------------------------------------------------------------------- row access
     def gather(self, addresses: torch.Tensor, cols: int | None = None) -> torch.Tensor:
-        """Rows at ``addresses`` (int64 (n,)), first ``cols`` columns; address < 0 gives zeros."""
+        """Rows at ``addresses`` (int64 (n,)), first ``cols`` columns, in the store's dtype; address
+        < 0 gives zeros."""
         cols = self.width if cols is None else cols
-        out = torch.zeros(addresses.numel(), cols, dtype=torch.float32, device=self.device)
+        out = torch.zeros(addresses.numel(), cols, dtype=self.dtype, device=self.device)
         for _, seg, idx, pos in self._by_segment(addresses):
             out[pos] = seg[idx.to(seg.device), :cols].to(self.device)
         return out
 
     def scatter(self, addresses: torch.Tensor, rows: torch.Tensor, col_start: int = 0) -> None:
-        """rows[i] -> row addresses[i] from column ``col_start``; addresses distinct, >= 0."""
+        """rows[i] -> row addresses[i] from column ``col_start``; addresses distinct, >= 0. Rows of
+        another float dtype are rounded to the store's (to the nearest value)."""
         cols = rows.shape[1]
         for _, seg, idx, pos in self._by_segment(addresses):
-            seg[idx.to(seg.device), col_start : col_start + cols] = rows[pos].to(seg.device)
+            seg[idx.to(seg.device), col_start : col_start + cols] = rows[pos].to(seg.device, self.dtype)
 
     def _by_segment(self, addresses: torch.Tensor):
         """Yield (segment number, segment, offsets in it, positions in ``addresses``)."""
@@ -227,7 +238,7 @@ class RowStore:
 
     def device_bytes(self) -> int:
         """Bytes of the segments in device memory (what ``stash`` would move)."""
-        return self.placement.count("device") * self.segment_rows * self.width * 4
+        return self.placement.count("device") * self.segment_rows * self.row_bytes
 
     def stash(self, stream: torch.cuda.Stream | None, chunk_rows: int) -> dict[int, torch.Tensor]:
         """Copy every device segment to its host buffer (pinned on CUDA; allocated at the first stash,
@@ -237,7 +248,8 @@ class RowStore:
         moved = [s for s, p in enumerate(self.placement) if p == "device"]
         new = [s for s in moved if s not in self._buffers]
         if new:  # one block for the segments without a buffer yet
-            blocks = host_segments(len(new), self.segment_rows, self.width, self.device.type == "cuda")
+            blocks = host_segments(len(new), self.segment_rows, self.width, self.device.type == "cuda",
+                                   self.dtype)
             self._buffers.update(zip(new, blocks))
         released = {}
         with _on(stream, self.device):
@@ -262,7 +274,7 @@ class RowStore:
         # one allocation for all fresh segments: freed at the next stash as one block, which the
         # caching allocator can split for the activations (separate segment-sized blocks serve only
         # requests up to a segment's size)
-        block = torch.empty(len(fresh) * self.segment_rows, self.width, device=self.device)
+        block = torch.empty(len(fresh) * self.segment_rows, self.width, dtype=self.dtype, device=self.device)
         targets = dict(into)
         targets.update({s: block[i * self.segment_rows : (i + 1) * self.segment_rows]
                         for i, s in enumerate(fresh)})
@@ -296,15 +308,16 @@ class RowStore:
 _SLAB_BYTES = 256 << 20  # pinned host segments are made this many bytes at a time (at most 64)
 
 
-def host_segments(count: int, rows: int, width: int, pinned: bool) -> list[torch.Tensor]:
-    """At least ``count`` zeroed host segments of (rows, width) float32, views of one block. torch's
+def host_segments(count: int, rows: int, width: int, pinned: bool,
+                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """At least ``count`` zeroed host segments of (rows, width) ``dtype``, views of one block. torch's
     pinned allocator rounds a block up to a power of two bytes (measured on the H200 machine: ten
     33.8 MB blocks took 671 MB, one 15.5 GB block 17.2 GB), so a pinned block is cut into as many
     segments as its rounded size holds."""
-    seg_bytes = rows * width * 4
+    seg_bytes = rows * width * dtype.itemsize
     if pinned and seg_bytes:
         count = (1 << (count * seg_bytes - 1).bit_length()) // seg_bytes
-    block = torch.zeros(count * rows, width, dtype=torch.float32, pin_memory=pinned)
+    block = torch.zeros(count * rows, width, dtype=dtype, pin_memory=pinned)
     return list(block.split(rows))
 
 

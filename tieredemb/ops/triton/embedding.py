@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from tieredemb.ops import reference
 from tieredemb.ops.triton.checks import batch_checks
@@ -42,6 +43,7 @@ from tieredemb.ops.triton.reduce import (
     _reduce_keys_kernel,
     _reduce_pieces_kernel,
 )
+from tieredemb.ops.triton.rounding import ROUND_BF16, ROUND_FP16, ROUND_NEAREST
 from tieredemb.ops.triton.update import _optimizer_kernel
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.row_store import RowStore
@@ -59,6 +61,15 @@ _NO_KEY = 2**63 - 1  # the reduction plan's key of a program past the last piece
 _MAX_RUN_PROGRAMS = 1024  # the dedup's runs: programs of consecutive blocks, counts summed in one load
 _REGROUP_PROGRAMS = 64  # programs over the hashes two pairs share (each takes one at a time)
 _OPTIMIZER_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+_ROW_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_STOCHASTIC = {torch.bfloat16: ROUND_BF16, torch.float16: ROUND_FP16}
+
+
+def _rounding(store: RowStore, seeds: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """The update's ROUND for ``store``'s rows and its seeds (None: no stochastic rounding)."""
+    if seeds is None or store.dtype not in _STOCHASTIC:
+        return ROUND_NEAREST, None
+    return _STOCHASTIC[store.dtype], seeds.contiguous()
 
 
 def _block_d(dim: int) -> int:
@@ -128,12 +139,12 @@ class TritonKernels:
     index_class = TritonKeyIndex
 
     def gather(self, store: RowStore, addresses: torch.Tensor, dim: int,
-               programs: int | None = None) -> torch.Tensor:
-        """Weights of rows. addresses: int64 (n,) -> float32 (n, dim). ``programs``: at most that
-        many programs (each loops over its share): rows in host memory need a few loads in flight,
-        not the whole device."""
+               programs: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first ``dim`` columns of rows. addresses: int64 (n,) -> (n, dim) in ``dtype`` (float32
+        by default). ``programs``: at most that many programs (each loops over its share): rows in
+        host memory need a few loads in flight, not the whole device."""
         n = addresses.numel()
-        out = torch.empty(n, dim, dtype=torch.float32, device=addresses.device)
+        out = torch.empty(n, dim, dtype=dtype, device=addresses.device)
         if n == 0 or dim == 0:
             return out
         block_d = _block_d(dim)
@@ -148,14 +159,16 @@ class TritonKernels:
             store.segment_rows,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
+            ROW_DTYPE=_ROW_DTYPES[store.dtype],
             num_warps=_num_warps(block_n * block_d),
         )
         return out
 
     def scatter(self, store: RowStore, addresses: torch.Tensor, rows: torch.Tensor,
                 programs: int | None = None, source: torch.Tensor | None = None) -> None:
-        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float32 (n, C),
-        C <= W, the rows' first C columns (the others are set to zero). ``programs``: as ``gather``.
+        """Whole rows in place. addresses: int64 (n,) distinct (-1: none); rows: float (n, C),
+        C <= W, the rows' first C columns (the others are set to zero), rounded to the store's dtype
+        (to the nearest value). ``programs``: as ``gather``.
         ``source``: int64 (n,), row i takes ``rows[source[i]]`` (rows then (m, C))."""
         n = addresses.numel()
         if n == 0:
@@ -174,18 +187,19 @@ class TritonKernels:
             HAS_SOURCE=source is not None,
             BLOCK_N=block_n,
             BLOCK_W=block_w,
+            ROW_DTYPE=_ROW_DTYPES[store.dtype],
             num_warps=_num_warps(block_n * block_w),
         )
 
     def copy_rows(self, src: RowStore, src_addresses: torch.Tensor, dst: RowStore,
                   dst_addresses: torch.Tensor, programs: int | None = None) -> None:
         """Rows ``src_addresses`` (int64 (n,)) of ``src`` to rows ``dst_addresses`` (int64 (n,),
-        distinct) of ``dst``, of the same width, where both are >= 0. ``programs``: as ``gather``."""
+        distinct) of ``dst``, of the same width and dtype, where both are >= 0. ``programs``: as
+        ``gather``."""
         n = src_addresses.numel()
         if n == 0:
             return
-        if src.width != dst.width:
-            raise ValueError(f"copy_rows: rows of width {src.width} into rows of width {dst.width}")
+        reference.check_same_rows(src, dst)
         block_w = _block_d(src.width)
         block_n = _block_rows(block_w)
         _copy_rows_kernel[(_programs(n, block_n, programs),)](
@@ -199,6 +213,7 @@ class TritonKernels:
             dst.segment_rows,
             BLOCK_N=block_n,
             BLOCK_W=block_w,
+            ROW_DTYPE=_ROW_DTYPES[src.dtype],
             num_warps=_num_warps(block_n * block_w),
         )
 
@@ -236,6 +251,7 @@ class TritonKernels:
             HAS_SCALE=scale is not None,
             BLOCK_I=chunk,
             BLOCK_D=block_d,
+            ROW_DTYPE=_ROW_DTYPES[store.dtype],
             num_warps=_bag_warps(chunk * block_d),
         )
         return out
@@ -380,21 +396,22 @@ class TritonKernels:
 
     def reduce_update(self, grad_src: torch.Tensor, src_of_id: torch.Tensor, scale: torch.Tensor | None,
                       inverse: torch.Tensor, num_unique: int, sorted_ids: object | None, store: RowStore,
-                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int) -> None:
-        """``optimizer_update(store, addresses, reduce_grads(...), optimizer, step)`` in the
+                      addresses: torch.Tensor, optimizer: EmbeddingOptimizer, step: int,
+                      seeds: torch.Tensor | None = None) -> None:
+        """``optimizer_update(store, addresses, reduce_grads(...), optimizer, step, seeds)`` in the
         reduction's kernels: each key's row is updated by the program that finishes its sum, and the
         (u, D) sums are never written (~0.1 ms and u x D x 4 bytes of device memory on ``hbm``)."""
         n, dim = inverse.numel(), grad_src.shape[1]
         if n == 0 or num_unique == 0 or dim == 0:
             grads = self.reduce_grads(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids)
-            self.optimizer_update(store, addresses, grads, optimizer, step)
+            self.optimizer_update(store, addresses, grads, optimizer, step, seeds)
             return
         self._reduce(grad_src, src_of_id, scale, inverse, num_unique, sorted_ids,
-                     (store, addresses.contiguous(), optimizer, step))
+                     (store, addresses.contiguous(), optimizer, step, seeds))
 
     def _reduce(self, grad_src, src_of_id, scale, inverse, num_unique, sorted_ids, update):
         """``reduce_grads`` (``update`` None: returns the sums) or ``reduce_update`` (``update``:
-        store, addresses, optimizer, step; returns None)."""
+        store, addresses, optimizer, step, seeds; returns None)."""
         n, dim = inverse.numel(), grad_src.shape[1]
         dev = grad_src.device
         if sorted_ids is None:
@@ -416,25 +433,29 @@ class TritonKernels:
         out = None if update else torch.empty(num_unique, dim, dtype=torch.float32, device=dev)
         partial = torch.empty(grid, dim, dtype=torch.float32, device=dev)
         if update:
-            store, addresses, optimizer, step = update
+            store, addresses, optimizer, step, seeds = update
             table, width, seg_rows = store.pointer_table(), store.width, store.segment_rows
             lr, eps, beta1, beta2, step_size, kind = _optimizer_args(optimizer, step)
+            row_dtype, (rounding, seeds) = _ROW_DTYPES[store.dtype], _rounding(store, seeds)
         else:  # unused: the update's arguments
             table, addresses, width, seg_rows = partial, partial, dim, 1
             lr, eps, beta1, beta2, step_size, kind = 0.0, 0.0, 0.0, 0.0, 0.0, 0
+            row_dtype, rounding, seeds = tl.float32, ROUND_NEAREST, None
+        seeds = addresses if seeds is None else seeds  # (a pointer not read)
         block_d = _block_d(dim)
         chunk = max(1, min(32, _TILE_ELEMS // block_d))
         _reduce_pieces_kernel[(grid,)](
             grad_src.contiguous(), src_of_id.contiguous(), inverse if scale is None else scale.contiguous(),
             order, starts, counts, piece_key, piece_first, partial if out is None else out, partial,
-            num_unique, dim, table, addresses, width, seg_rows, lr, eps, beta1, beta2, step_size,
+            num_unique, dim, table, addresses, seeds, width, seg_rows, lr, eps, beta1, beta2, step_size,
             HAS_SCALE=scale is not None, PIECE=_PIECE, CHUNK=chunk, BLOCK_D=block_d, UPDATE=bool(update),
-            KIND=kind, PRESORTED=presorted, num_warps=_bag_warps(chunk * block_d),
+            KIND=kind, PRESORTED=presorted, ROW_DTYPE=row_dtype, ROUND=rounding,
+            num_warps=_bag_warps(chunk * block_d),
         )
         _reduce_keys_kernel[(k,)](
             partial, counts, piece_first, candidates, partial if out is None else out, num_unique, dim, table,
-            addresses, width, seg_rows, lr, eps, beta1, beta2, step_size, PIECE=_PIECE, BLOCK_D=block_d,
-            UPDATE=bool(update), KIND=kind, num_warps=1,
+            addresses, seeds, width, seg_rows, lr, eps, beta1, beta2, step_size, PIECE=_PIECE,
+            BLOCK_D=block_d, UPDATE=bool(update), KIND=kind, ROW_DTYPE=row_dtype, ROUND=rounding, num_warps=1,
         )
         return out
 
@@ -445,18 +466,22 @@ class TritonKernels:
         grads: torch.Tensor,
         optimizer: EmbeddingOptimizer,
         step: int,
+        seeds: torch.Tensor | None = None,
     ) -> None:
         """Fused update in place of the rows at ``addresses`` (int64 (u,), distinct; < 0 skipped)
-        with their summed gradients ``grads`` float32 (u, D)."""
+        with their summed gradients ``grads`` float32 (u, D). Computed in float32; a 16-bit store's
+        rows are rounded stochastically with ``seeds`` (int64 (u,)), or to the nearest value without."""
         n, dim = addresses.numel(), grads.shape[1]
         if n == 0 or dim == 0:
             return
         lr, eps, beta1, beta2, step_size, kind = _optimizer_args(optimizer, step)
+        rounding, seeds = _rounding(store, seeds)
         block_d = _block_d(dim)
         block_n = _block_rows(block_d)
         _optimizer_kernel[(triton.cdiv(n, block_n),)](
             store.pointer_table(),
             addresses.contiguous(),
+            addresses if seeds is None else seeds,
             grads.contiguous(),
             n,
             dim,
@@ -470,5 +495,7 @@ class TritonKernels:
             KIND=kind,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
+            ROW_DTYPE=_ROW_DTYPES[store.dtype],
+            ROUND=rounding,
             num_warps=_num_warps(block_n * block_d),
         )

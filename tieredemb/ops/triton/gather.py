@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tieredemb.ops.triton.launch import fast_launch
+from tieredemb.ops.triton.rounding import _nearest
 from tieredemb.ops.triton.rows import _block_of_rows, _row_pointers
 
 
@@ -16,38 +17,39 @@ from tieredemb.ops.triton.rows import _block_of_rows, _row_pointers
 @triton.jit(do_not_specialize=["n"])
 def _scatter_kernel(
     ptr_table, addresses, rows_in, source, n, in_width, row_width, segment_rows, HAS_SOURCE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ROW_DTYPE: tl.constexpr
 ):
     # grid: (cdiv(n, BLOCK_N),) or fewer programs, each then taking every num_programs-th block;
-    # rows_in: float32 (m, in_width) -> the rows at addresses (row i: rows_in[source[i]] with
-    # HAS_SOURCE, else rows_in[i]), their columns from in_width on zero
+    # rows_in: float (m, in_width) -> the rows at addresses (row i: rows_in[source[i]] with
+    # HAS_SOURCE, else rows_in[i]; converted to the rows' type, to the nearest value), their columns
+    # from in_width on zero
     cols = tl.arange(0, BLOCK_W)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
         rows, in_range, valid, dst = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width,
-                                                    BLOCK_N)
+                                                    BLOCK_N, ROW_DTYPE)
         if HAS_SOURCE:
             rows = tl.load(source + rows, mask=in_range, other=0)
         mask = valid[:, None] & (cols[None, :] < row_width)
         given = mask & (cols[None, :] < in_width)
         w = tl.load(rows_in + rows[:, None] * in_width + cols[None, :], mask=given, other=0.0)
-        tl.store(dst[:, None] + cols[None, :], w, mask=mask)
+        tl.store(dst[:, None] + cols[None, :], _nearest(w, ROW_DTYPE), mask=mask)
 
 
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _copy_rows_kernel(
     src_table, src_addresses, dst_table, dst_addresses, n, row_width, src_segment_rows, dst_segment_rows,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ROW_DTYPE: tl.constexpr
 ):
     # grid: as _scatter_kernel; row src_addresses[i] of one store -> row dst_addresses[i] of another
-    # (of the same width), where both are >= 0
+    # (of the same width and type), where both are >= 0
     cols = tl.arange(0, BLOCK_W)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
         rows, in_range, valid, src = _block_of_rows(src_table, src_addresses, block, n, src_segment_rows,
-                                                    row_width, BLOCK_N)
+                                                    row_width, BLOCK_N, ROW_DTYPE)
         to = tl.load(dst_addresses + rows, mask=in_range, other=-1)
         valid = valid & (to >= 0)
-        dst = _row_pointers(dst_table, to, valid, dst_segment_rows, row_width)
+        dst = _row_pointers(dst_table, to, valid, dst_segment_rows, row_width, ROW_DTYPE)
         mask = valid[:, None] & (cols[None, :] < row_width)
         tl.store(dst[:, None] + cols[None, :], tl.load(src[:, None] + cols[None, :], mask=mask), mask=mask)
 
@@ -55,14 +57,16 @@ def _copy_rows_kernel(
 @fast_launch
 @triton.jit(do_not_specialize=["n"])
 def _gather_kernel(
-    ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+    ptr_table, addresses, out, n, D, row_width, segment_rows, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_DTYPE: tl.constexpr
 ):
-    # grid: (cdiv(n, BLOCK_N),) or fewer programs, as _scatter_kernel; out: float32 (n, D)
+    # grid: (cdiv(n, BLOCK_N),) or fewer programs, as _scatter_kernel; out: (n, D) of float32 or the
+    # rows' type (the values converted)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols[None, :] < D
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.num_programs(0)):
         rows, in_range, valid, src = _block_of_rows(ptr_table, addresses, block, n, segment_rows, row_width,
-                                                    BLOCK_N)
+                                                    BLOCK_N, ROW_DTYPE)
         w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask, other=0.0)
         tl.store(out + rows[:, None] * D + cols[None, :], w, mask=in_range[:, None] & cmask)
 
@@ -83,8 +87,9 @@ def _gather_pool_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROW_DTYPE: tl.constexpr,
 ):
-    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag. Bag f * B + b (B =
+    # grid: (num_bags,); out: float32 (num_bags, D); one program sums one bag, in float32. Bag f * B + b (B =
     # bags_per_feature) goes to row b * features + f: (B, features * D) with each sample's features
     # side by side.
     bag = tl.program_id(0).to(tl.int64)
@@ -99,8 +104,9 @@ def _gather_pool_kernel(
         in_bag = ids < end
         addr = tl.load(addresses + ids, mask=in_bag, other=-1)
         valid = addr >= 0
-        src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width)
+        src = _row_pointers(ptr_table, addr, valid, segment_rows, row_width, ROW_DTYPE)
         w = tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        w = w.to(tl.float32)
         if HAS_SCALE:
             s = tl.load(scale + ids, mask=in_bag, other=0.0)
             w = w * s[:, None]

@@ -106,7 +106,7 @@ def _reduce_pieces_kernel(
     partial,
     num_unique,
     D,
-    ptr_table, addresses, row_width, segment_rows, lr, eps, beta1, beta2, step_size,  # UPDATE's
+    ptr_table, addresses, seeds, row_width, segment_rows, lr, eps, beta1, beta2, step_size,  # UPDATE's
     HAS_SCALE: tl.constexpr,
     PIECE: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -114,6 +114,8 @@ def _reduce_pieces_kernel(
     UPDATE: tl.constexpr,
     KIND: tl.constexpr,
     PRESORTED: tl.constexpr,
+    ROW_DTYPE: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     # grid: (an upper bound of the number of pieces,); piece_key[pid] >= num_unique: no piece.
     # UPDATE: a key of one piece updates its row (addresses[key]) with the sum instead of storing it.
@@ -143,9 +145,13 @@ def _reduce_pieces_kernel(
             acc += tl.sum(g, axis=0)
         if count <= PIECE:  # the key's only piece: its result
             if UPDATE:
-                addr = tl.load(addresses + key + tl.zeros([1], dtype=tl.int64))
-                _update_rows(ptr_table, addr, acc[None, :], D, row_width, segment_rows, lr, eps, beta1,
-                             beta2, step_size, KIND, BLOCK_D)
+                at = key + tl.zeros([1], dtype=tl.int64)
+                if ROUND != 0:  # noqa: SIM108 (a constexpr branch: the other one is not compiled)
+                    seed = tl.load(seeds + at)
+                else:
+                    seed = at
+                _update_rows(ptr_table, tl.load(addresses + at), seed, acc[None, :], D, row_width,
+                             segment_rows, lr, eps, beta1, beta2, step_size, KIND, BLOCK_D, ROW_DTYPE, ROUND)
             else:
                 tl.store(out + key * D + cols, acc, mask=cmask)
         else:
@@ -155,8 +161,9 @@ def _reduce_pieces_kernel(
 @fast_launch
 @triton.jit(do_not_specialize=["num_unique"])
 def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_unique, D, ptr_table, addresses,
-                        row_width, segment_rows, lr, eps, beta1, beta2, step_size, PIECE: tl.constexpr,
-                        BLOCK_D: tl.constexpr, UPDATE: tl.constexpr, KIND: tl.constexpr):
+                        seeds, row_width, segment_rows, lr, eps, beta1, beta2, step_size, PIECE: tl.constexpr,
+                        BLOCK_D: tl.constexpr, UPDATE: tl.constexpr, KIND: tl.constexpr,
+                        ROW_DTYPE: tl.constexpr, ROUND: tl.constexpr):
     # grid: (k,) over the compacted keys of several pieces (num_unique: an empty slot); such a key
     # adds its partials in piece order (UPDATE: and updates its row with the sum).
     key = tl.load(candidates + tl.program_id(0))
@@ -169,8 +176,12 @@ def _reduce_keys_kernel(partial, counts, piece_first, candidates, out, num_uniqu
         for p in range(first, first + (count + PIECE - 1) // PIECE):
             acc += tl.load(partial + p * D + cols, mask=cmask, other=0.0)
         if UPDATE:
-            addr = tl.load(addresses + key + tl.zeros([1], dtype=tl.int64))
-            _update_rows(ptr_table, addr, acc[None, :], D, row_width, segment_rows, lr, eps, beta1, beta2,
-                         step_size, KIND, BLOCK_D)
+            at = key + tl.zeros([1], dtype=tl.int64)
+            if ROUND != 0:  # noqa: SIM108 (a constexpr branch: the other one is not compiled)
+                seed = tl.load(seeds + at)
+            else:
+                seed = at
+            _update_rows(ptr_table, tl.load(addresses + at), seed, acc[None, :], D, row_width, segment_rows,
+                         lr, eps, beta1, beta2, step_size, KIND, BLOCK_D, ROW_DTYPE, ROUND)
         else:
             tl.store(out + key * D + cols, acc, mask=cmask)

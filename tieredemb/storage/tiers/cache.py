@@ -414,7 +414,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
 
     def _fetch(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
         """Rows of missed pairs on the device: the backend's where it has them, else initial rows.
-        Returns ``rows`` float32 (m, W) and ``found`` bool (m,), on the device."""
+        Returns ``rows`` (m, W) in the rows' dtype and ``found`` bool (m,), on the device."""
         got = self._get(keys, tables)
         rows = got.rows.to(self.device)
         found = got.found.to(self.device)
@@ -460,7 +460,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         rows are retried then, in order."""
         if keys.numel() == 0:
             return
-        rows = self.kernels.gather(self.store, addresses, self.width)
+        rows = self.kernels.gather(self.store, addresses, self.width, dtype=self.dtype)
         self.writes.keep(keys, tables, rows)
 
     # ---------------------------------------------------------------------------------- release
@@ -509,7 +509,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         in the backend where the bucket has no room."""
         self.place_overflow()
         tables = self._tables_of(table, keys)
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype, device=self.device)
         rows[:, : self.dim] = weights
         if self.bound is not None and self.configs[table].max_capacity is not None:
             held = self.bound.find_or_insert(keys, step, tables=tables)
@@ -551,7 +551,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
                  for k, r, sc in self.export_chunks(table, 1 << 16)]
         if not parts:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            parts = [(empty, torch.empty(0, self.width, device=self.device), empty)]
+            parts = [(empty, torch.empty(0, self.width, dtype=self.dtype, device=self.device), empty)]
         k, rows, sc = (torch.cat(p) for p in zip(*parts))
         return TableRows(k, rows[:, : self.dim], rows[:, self.dim :], sc)
 
@@ -623,7 +623,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             self.writes.drain()
             out.rows["backend"] = self.below.table(table).size()
         out.capacity = self.index.capacity(table)
-        fetched, written = (self._moved[:, table] * self.width * 4).tolist()
+        fetched, written = (self._moved[:, table] * self.store.row_bytes).tolist()
         out.bytes_moved = {"backend->device": fetched, "device->backend": written}
         return out
 

@@ -298,7 +298,7 @@ class OnDeviceInsertion:
         wanted = torch.where(rows >= 0, keys[pos], RESERVED_KEY)
         below = self._rows_below
         located, found = below.locate(wanted, vtables)
-        down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width)
+        down = self.kernels.gather(self.store, torch.where(victim, rows, -1), self.width, dtype=self.dtype)
         # (what the side stream reads from this one stays referenced to the join)
         with self._streams.beside() as fetching:
             fetch = below.address_order(located)

@@ -1,9 +1,9 @@
 """A group of tables in ``hbm_direct`` (or ``hybrid``) mode: one KeyIndex over one RowStore.
 
-Tables of one row width are batched into a group (FBGEMM's table-batched embedding does the same):
-one index with a region per table, one row store, so a step runs one dedup, one probe, one gather,
-one gradient reduction and one optimizer update for the whole group instead of one per table. The
-identity of a row is (table, key); a table's region gives it its own buckets, eviction policy and
+Tables of one row width and dtype are batched into a group (FBGEMM's table-batched embedding does
+the same): one index with a region per table, one row store, so a step runs one dedup, one probe, one
+gather, one gradient reduction and one optimizer update for the whole group instead of one per table.
+The identity of a row is (table, key); a table's region gives it its own buckets, eviction policy and
 bound, so batching changes no result.
 
 Prefetch resolves: it turns the unique (table, key) pairs of a batch into row addresses (inserting,
@@ -23,6 +23,7 @@ from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, MAX_LOAD, InsertResult, KeyIndex, Region, region_counts
 from tieredemb.ops.capture import CapturedStages
 from tieredemb.ops.reference import TorchKernels
+from tieredemb.ops.rounding import row_seeds, table_bases
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
@@ -56,7 +57,7 @@ class DeviceTier(DeviceInsertion):
     the device first and in host memory after (hybrid).
 
     Args:
-        configs: the tables (same ``embedding_dim``).
+        configs: the tables (same ``embedding_dim``, ``dtype`` and rounding).
         optimizer: their fused optimizer (sets the row width D + state).
         seed: seed of the initial rows.
         device: compute device.
@@ -90,7 +91,12 @@ class DeviceTier(DeviceInsertion):
         if all(b is not None for b in bounded):  # a group that can never fill a whole segment
             segment_rows = min(segment_rows, max(1, sum(bounded)))
         device_segments = None if device_rows is None else max(1, device_rows // segment_rows)
-        self.store = RowStore(self.width, segment_rows, device, device_segments=device_segments)
+        self.dtype = configs[0].dtype  # the rows' storage type (one per group)
+        self.store = RowStore(self.width, segment_rows, device, device_segments=device_segments,
+                              dtype=self.dtype)
+        # a 16-bit group's updates are rounded stochastically: each table's base of the draws
+        self._rounding = (table_bases(seed, self.names, device) if configs[0].rounds_stochastically
+                          else None)
         if self._rows_up_front:
             self.store.reserve(sum(c.init_capacity or 0 for c in configs))
         self.admission = None
@@ -326,7 +332,8 @@ class DeviceTier(DeviceInsertion):
             self._give_rows(res)
         rows = self._slot_rows(res)[placed]
         scratch = pf.addresses[pos[placed]]
-        self.kernels.scatter(self.store, rows, self.kernels.gather(self.store, scratch, self.width))
+        self.kernels.scatter(self.store, rows, self.kernels.gather(self.store, scratch, self.width,
+                                                                   dtype=self.dtype))
         pf.addresses[pos[placed]] = rows
         kept = pf.scratch.numel() - scratch.numel()  # the scratch rows still the batch's
         pf.scratch = pf.scratch[torch.nonzero_static(~torch.isin(pf.scratch, scratch), size=kept).squeeze(1)]
@@ -407,8 +414,9 @@ class DeviceTier(DeviceInsertion):
         return out
 
     def _initial_rows(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """float32 (n, W): weights from each key's table's initializer, optimizer state zero."""
-        weights = self._initial_weights(keys, tables)
+        """(n, W) in the rows' dtype: weights from each key's table's initializer (rounded to the
+        nearest value), optimizer state zero."""
+        weights = self._initial_weights(keys, tables).to(self.dtype)
         return torch.nn.functional.pad(weights, (0, self.width - self.dim))
 
     def _initial_weights(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -469,6 +477,14 @@ class DeviceTier(DeviceInsertion):
         for later in list(self._pending):
             self.settle(later)
 
+    def rounding_seeds(self, pf: GroupPrefetch, step: int) -> torch.Tensor | None:
+        """int64 (u,) the seeds of the stochastic rounding of ``pf``'s rows updated at ``step``
+        (``rounding.row_seeds``: from the table, the key and the step alone), or None: the group's
+        rows are float32, or rounded to the nearest value."""
+        if self._rounding is None:
+            return None
+        return row_seeds(self._rounding[pf.unique_tables], pf.unique_keys, step)
+
     # ------------------------------------------------------------------------------ row access
     def _tables_of(self, table: int, keys: torch.Tensor) -> torch.Tensor:
         return torch.full_like(keys, table)
@@ -492,7 +508,7 @@ class DeviceTier(DeviceInsertion):
         if bool((res.slots < 0).any()):
             raise RuntimeError(f"table {self.names[table]!r}: no room for {int((res.slots < 0).sum())} "
                                "keys (their buckets are full of rows locked by in-flight batches)")
-        rows = torch.zeros(keys.numel(), self.width, dtype=torch.float32, device=self.device)
+        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype, device=self.device)
         rows[:, : self.dim] = weights
         self.kernels.scatter(self.store, addresses, rows)
         self._count((EVICTIONS, res.evicted_tables, None))
@@ -569,7 +585,7 @@ class DeviceTier(DeviceInsertion):
             rows=rows, capacity=self.configs[table].max_capacity,
             lookups=self.lookups[table], unique_lookups=unique, hits=hits, misses=misses,
             conflict_misses=conflicts, evictions=evictions, not_admitted=not_admitted,
-            bytes_moved={}, memory_bytes={k: v * self.width * 4 for k, v in rows.items()},
+            bytes_moved={}, memory_bytes={k: v * self.store.row_bytes for k, v in rows.items()},
             index_bytes=self.index_bytes(table),
         )
 

@@ -13,7 +13,7 @@ from tieredemb.storage.tiers.device import DeviceTier
 
 
 def _row_bytes(t: TableConfig, optimizer: EmbeddingOptimizer) -> int:
-    return (t.embedding_dim + optimizer.state_width(t.embedding_dim)) * 4
+    return (t.embedding_dim + optimizer.state_width(t.embedding_dim)) * t.dtype.itemsize
 
 
 def _shard_rows(t: TableConfig, world: int) -> int | None:
@@ -54,10 +54,12 @@ def _budget_rows(tables: list[TableConfig], optimizer: EmbeddingOptimizer, budge
 
 
 def group_tables(tables: list[TableConfig]) -> list[list[int]]:
-    """Tables batched together: those of one embedding dim (so one row width), in config order."""
-    groups: dict[int, list[int]] = {}
+    """Tables batched together: those of one embedding dim (so one row width), one row dtype and
+    one rounding (so one row store and one update), in config order."""
+    groups: dict[tuple, list[int]] = {}
     for t, config in enumerate(tables):
-        groups.setdefault(config.embedding_dim, []).append(t)
+        key = (config.embedding_dim, config.dtype, config.rounds_stochastically)
+        groups.setdefault(key, []).append(t)
     return list(groups.values())
 
 
@@ -76,7 +78,9 @@ def build_tiers(mode: str, tables: list[TableConfig], members: list[list[int]],
     out = []
     for m in members:
         width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
-        below = storage.backing.open_group([tables[t].name for t in m], width, device)
+        dtype = tables[m[0]].dtype  # named only for 16-bit rows (a spec for float32 rows still opens)
+        below = storage.backing.open_group([tables[t].name for t in m], width, device,
+                                           **({} if dtype == torch.float32 else {"dtype": dtype}))
         out.append(CacheTier([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
                               below=below))
     return out

@@ -60,9 +60,10 @@ class WriteDowns:
     def keep(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
         """Hold distinct pairs' rows until the backing store has taken them, and hand them to it.
         A failed write loses no row: the failure is raised at the next call that needs the store
-        (never in the middle of a prefetch), and the rows are retried then, in order."""
+        (never in the middle of a prefetch), and the rows are retried then, in order. Rows of another
+        float dtype than the store's are rounded to it (to the nearest value)."""
         bdev = self.device
-        pending = Pending(keys.to(bdev), tables.to(bdev), rows.to(bdev))
+        pending = Pending(keys.to(bdev), tables.to(bdev), rows.to(bdev, self.below.dtype))
         self.unwritten.append(pending)
         if self.error is None:  # after a failure, later rows wait for it: order matters
             self._send(pending)
@@ -178,7 +179,7 @@ class WriteDowns:
         (k, W), in (table, key) order."""
         if not self.unwritten:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return empty, empty, torch.empty(0, self.below.width, device=self.device)
+            return empty, empty, torch.empty(0, self.below.width, dtype=self.below.dtype, device=self.device)
         keys, tables, rows = (torch.cat(parts) for parts in zip(*((p.keys, p.tables, p.rows)
                                                                   for p in self.unwritten)))
         real = (keys != RESERVED_KEY).nonzero().squeeze(1)  # not the padding of a padded write
@@ -189,10 +190,10 @@ class WriteDowns:
         return pairs[:, 1], pairs[:, 0], rows[newest]
 
     def _lookup_kept(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The newest row kept here of each pair: rows float32 (n, W) (zeros where none), found
-        bool (n,)."""
+        """The newest row kept here of each pair: rows (n, W) in the store's dtype (zeros where none),
+        found bool (n,)."""
         n = keys.numel()
-        rows = torch.zeros(n, self.below.width, device=self.device)
+        rows = torch.zeros(n, self.below.width, dtype=self.below.dtype, device=self.device)
         kkeys, ktables, krows = self._kept()
         if n == 0 or kkeys.numel() == 0:
             return rows, torch.zeros(n, dtype=torch.bool, device=self.device)
