@@ -449,8 +449,6 @@ def custom_init(weight: torch.Tensor) -> None:
 
 BAD_CONFIGS = [  # (configs, keyword arguments, error, what the message names)
     ([bag(pooling=PoolingType.NONE)], {}, ValueError, "pooling=PoolingType.NONE"),
-    ([bag(data_type=DataType.FP16)], {}, ValueError, "16|32-bit"),
-    ([bag(data_type=DataType.BF16)], {}, ValueError, "data_type=DataType.BF16"),
     ([bag(data_type=DataType.INT8)], {}, ValueError, "data_type=DataType.INT8"),
     ([bag(init_fn=custom_init)], {}, ValueError, "init_fn"),
     ([bag(need_pos=True)], {}, ValueError, "need_pos"),
@@ -503,8 +501,8 @@ def test_ec_refusals() -> None:
         tt.EmbeddingCollection(mixed, optimizer=te.optim.SGD(lr=0.1))
     with pytest.raises(TypeError, match="EmbeddingConfig"):
         tt.EmbeddingCollection([bag()], optimizer=te.optim.SGD(lr=0.1))
-    bad = dataclasses.replace(mixed[0], data_type=DataType.FP16)
-    with pytest.raises(ValueError, match="32-bit"):
+    bad = dataclasses.replace(mixed[0], data_type=DataType.INT4)
+    with pytest.raises(ValueError, match="data_type=DataType.INT4 is not supported"):
         tt.EmbeddingCollection([bad], optimizer=te.optim.SGD(lr=0.1))
 
 
@@ -546,3 +544,22 @@ def test_the_docs_example_runs(capsys) -> None:
     assert len(blocks) == 1, "docs/torchrec.md examples changed: update this test"
     exec(compile(blocks[0], "docs/torchrec.md example", "exec"), {})  # noqa: S102
     assert "{'device': 2}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("data_type, dtype", [(DataType.FP16, torch.float16),
+                                             (DataType.BF16, torch.bfloat16)])
+def test_16_bit_data_types_store_rows_in_that_dtype(data_type, dtype) -> None:
+    """TorchRec's FP16/BF16 ``data_type`` is the rows' dtype; the output is float32 and equals
+    TorchRec's table with the same 16-bit rows, pooled in float32."""
+    config = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                                data_type=data_type)
+    ours = tt.EmbeddingBagCollection([config], optimizer=te.optim.SGD(lr=0.1))
+    rows = torch.randn(10, 4).to(dtype)
+    ours.write("t", torch.arange(10), rows.float())
+    stored, found = ours.read("t", torch.arange(10))
+    assert stored.dtype == dtype and bool(found.all()) and torch.equal(stored, rows)
+    kjt = torchrec.KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 7]), lengths=torch.tensor([2, 1]))
+    out = ours(kjt).values()
+    assert out.dtype == torch.float32
+    want = torch.stack([rows[1].float() + rows[2].float(), rows[7].float()])
+    torch.testing.assert_close(out.detach(), want)

@@ -88,14 +88,14 @@ def _check_fields(config: BaseEmbeddingConfig, where: str) -> None:
                              f"tieredemb.torchrec (only its default, {default!r})")
 
 
-def _check_data_type(config: BaseEmbeddingConfig, where: str) -> None:
-    if config.data_type == DataType.FP32:
-        return
+def _row_dtype(config: BaseEmbeddingConfig, where: str) -> torch.dtype:
+    """The rows' dtype for TorchRec's ``data_type``: FP32, FP16 and BF16 (weights and optimizer
+    state stored so, the math in float32, stochastic rounding: ``te.TableConfig.dtype``)."""
+    dtypes = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+    if config.data_type in dtypes:
+        return dtypes[config.data_type]
     given = f"data_type=DataType.{getattr(config.data_type, 'name', config.data_type)}"
-    if config.data_type in (DataType.FP16, DataType.BF16):
-        raise ValueError(f"{where}: {given} is not supported yet: tieredemb.torchrec "
-                         "keeps 32-bit rows only; use DataType.FP32")
-    raise ValueError(f"{where}: {given} is not supported: use DataType.FP32")
+    raise ValueError(f"{where}: {given} is not supported: use DataType.FP32, FP16 or BF16")
 
 
 def _initializer(config: BaseEmbeddingConfig, where: str) -> Initializer:
@@ -119,7 +119,7 @@ def _table(config: BaseEmbeddingConfig, kind: type, names: list[str],
     """One TorchRec config as a ``te.TableConfig`` whose features are the TorchRec output names."""
     where = f"table {config.name!r}"
     _check_fields(config, where)
-    _check_data_type(config, where)
+    dtype = _row_dtype(config, where)
     pooling = "sum"
     if kind is EmbeddingBagConfig:
         if config.pooling not in _POOLING:
@@ -131,7 +131,8 @@ def _table(config: BaseEmbeddingConfig, kind: type, names: list[str],
         pooling = _POOLING[config.pooling]
     init = initializer if initializer is not None else _initializer(config, where)
     return TableConfig(name=config.name, embedding_dim=config.embedding_dim, feature_names=names,
-                       num_embeddings=config.num_embeddings, pooling=pooling, initializer=init)
+                       num_embeddings=config.num_embeddings, pooling=pooling, initializer=init,
+                       dtype=dtype)
 
 
 def _features_of(config: BaseEmbeddingConfig) -> list[str]:
@@ -308,9 +309,10 @@ class EmbeddingBagCollection(_TorchRecBatches, _OurEBC):
     Args:
         tables: ``torchrec.EmbeddingBagConfig`` list. Read: ``name``, ``embedding_dim``,
             ``num_embeddings`` (ids in ``[0, num_embeddings)``; only the ids used take memory),
-            ``feature_names``, ``pooling`` (``SUM`` or ``MEAN``), ``data_type`` (``FP32``),
-            ``weight_init_min``/``weight_init_max`` (uniform initial rows). Any other field at a
-            value other than its default, or a custom ``init_fn``, is refused naming it.
+            ``feature_names``, ``pooling`` (``SUM`` or ``MEAN``), ``data_type`` (``FP32``, ``FP16``,
+            ``BF16``: the rows' dtype), ``weight_init_min``/``weight_init_max`` (uniform initial
+            rows). Any other field at a value other than its default, or a custom ``init_fn``, is
+            refused naming it.
         device: compute device, ``"cpu"`` (default) or ``"cuda"``.
         optimizer: ``te.optim.SGD | Adagrad | RowWiseAdagrad | Adam``, applied to the touched rows
             inside ``loss.backward()``.

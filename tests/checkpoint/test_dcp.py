@@ -194,3 +194,34 @@ def test_two_gloo_ranks_resume_through_dcp_like_one_process(after, tmp_path):
     mp.spawn(_dcp_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
     mp.spawn(_dcp_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
     assert_equals_one_process(tmp_path, 2, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_tables_round_trip(tmp_path, dtype) -> None:
+    """Rows stored in 16 bits save and load through DCP in their dtype, bit for bit, into a fresh
+    model in cache mode; a float32 table takes them exactly (every 16-bit value is a float32 one),
+    as ``te.checkpoint`` does."""
+    def model(mode: str = "hbm_direct", rows: torch.dtype = dtype) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.ebc = te.EmbeddingBagCollection([te.TableConfig("t0", 4, ["f"], dtype=rows)],
+                                          optimizer=te.optim.Adam(lr=0.05), storage=storage(mode, tmp_path),
+                                          seed=3)
+        return m
+
+    trained = model()
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        kjt = random_batch(gen, {"f": range(40)}, batch_size=4, max_bag=3).kjt()
+        trained.ebc(kjt).values().sum().backward()
+    save(trained, tmp_path / "ckpt")
+    fresh = model("cache_host")
+    load(fresh, tmp_path / "ckpt")
+    got, want = sorted_export(fresh.ebc, "t0"), sorted_export(trained.ebc, "t0")
+    assert want[1].dtype == dtype and want[0].numel() > 10
+    for x, y in zip(got[:3], want[:3]):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    wide = model(rows=torch.float32)
+    load(wide, tmp_path / "ckpt")
+    got = sorted_export(wide.ebc, "t0")
+    assert got[1].dtype == torch.float32 and torch.equal(got[1], want[1].float())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2].float())
