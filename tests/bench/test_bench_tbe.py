@@ -140,3 +140,21 @@ def test_the_cache_bench_says_why_tbe_did_not_run(tmp_path) -> None:
     assert data["tbe_check"] is None
     text = next(tmp_path.glob("*-cache.txt")).read_text()
     assert "FBGEMM's TBE skipped: MANAGED_CACHING needs CUDA" in text
+
+
+def test_16_bit_rows_are_timed_beside_tbe_fp16(tmp_path) -> None:
+    """``--dtype bf16``: ours' tables store 16-bit rows (the floor counts 2 bytes a value), TBE's
+    fp16 rows beside them; no row check (16-bit rows are not the fp32 peers')."""
+    rc = main(["hbm", "--scale", str(SCALE), "--steps", "2", "--warmup", "2", "--device", "cpu",
+               "--optimizers", "sgd", "--threads", "1", "--dtype", "bf16", "--tbe-precision", "fp16",
+               "--turn", "2", "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("*-hbm.json")).read_text())
+    assert rc == 0 and data["options"]["dtype"] == "bf16" and data["checks"] == []
+    labels = [r["label"] for r in data["results"]]
+    assert "ours (torch kernels), bf16 rows" in labels and "FBGEMM TBE (HOST, fp16)" in labels
+    assert "ours (torch kernels), in turns with TBE, bf16 rows" in labels
+    floor = next(r for r in data["results"] if r["configuration"] == "floor")
+    unique = floor["unique_keys_per_step"]
+    assert floor["extra"]["bytes_per_step"]["rows_read_and_written"] == unique * 128 * 2 * 2
+    with pytest.raises(ValueError, match="bounded tables"):
+        HbmOptions(shape=HbmShape().scaled(SCALE), dtype="bf16", capacity=64)

@@ -3,7 +3,8 @@
     tieredemb bench hbm [--scale S] [--device cpu|cuda] [--optimizers sgd,adam] [--steps N]
                         [--warmup N] [--kernels auto|torch|triton[,...]] [--threads N] [--seed N]
                         [--pipeline] [--capacity N] [--no-preinsert] [--init-capacity N]
-                        [--batch-size B] [--no-tbe] [--tbe-precision fp32|fp16] [--turn N] [--out DIR]
+                        [--batch-size B] [--dtype fp32|bf16|fp16] [--no-tbe] [--tbe-precision fp32|fp16]
+                        [--turn N] [--out DIR]
 
 prints one table (configuration | optimizer | step ms | lookups/s | speedup vs peer | x floor | ...)
 and writes ``<out>/<YYYYmmdd-HHMMSS>-hbm.json`` (machine, command line, options, every measurement,
@@ -129,6 +130,9 @@ def _add_hbm(sub) -> argparse.ArgumentParser:
                           "fbgemm_gpu imports)")
     hbm.add_argument("--tbe-precision", choices=["fp32", "fp16"], default="fp32",
                      help="TBE's rows (fp16: its production default; no row check then)")
+    hbm.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                     help="ours' rows (weights and optimizer state); 16-bit rows are timed, not "
+                          "checked row for row against the fp32 peers")
     hbm.add_argument("--turn", type=_at_least(1), default=10,
                      help="steps a block when ours and TBE take turns")
     _add_out(hbm, "hbm")
@@ -327,7 +331,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
                          steps=args.steps, warmup=args.warmup, seed=args.seed,
                          preinsert=args.preinsert, pipeline=args.pipeline, capacity=args.capacity,
                          init_capacity=args.init_capacity, tbe=args.tbe,
-                         tbe_precision=args.tbe_precision, turn=args.turn)
+                         tbe_precision=args.tbe_precision, turn=args.turn, dtype=args.dtype)
     with _torch_threads(args.threads):
         return _run_hbm(options, argv, args.out, args.scale)
 

@@ -80,6 +80,8 @@ OPTIMIZERS: dict[str, tuple[Callable[[], te.optim.EmbeddingOptimizer], type | No
     "adam": (lambda: te.optim.Adam(lr=0.001), torch.optim.SparseAdam, {"lr": 0.001, "eps": 1e-8}),
 }
 
+ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 FLOOR_FORMULA = (
     "bytes/step = U * (D + S) * 4 * 2   (each unique key's row, weights + optimizer state, read and "
     "written once; U = unique keys summed over tables, S = state floats per row: SGD 0, Adagrad D, "
@@ -108,6 +110,7 @@ class HbmOptions:
     tbe: bool = True  # FBGEMM's TBE in turns with ours, where fbgemm_gpu imports (``hbm_tbe``)
     tbe_precision: str = "fp32"  # TBE's rows: "fp32" | "fp16"
     turn: int = 10  # steps a block when timed in turns with TBE
+    dtype: str = "fp32"  # ours' rows: "fp32" | "bf16" | "fp16" (16-bit: no row check)
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
@@ -125,6 +128,14 @@ class HbmOptions:
             raise ValueError(f"tbe_precision must be one of {PRECISIONS}, got {self.tbe_precision!r}")
         if self.turn < 1:
             raise ValueError(f"turn must be >= 1 steps, got {self.turn}")
+        if self.dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(ROW_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "fp32" and self.capacity is not None:
+            raise ValueError("capacity: bounded tables are checked row for row; run them with fp32 rows")
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return ROW_DTYPES[self.dtype]
 
 
 def run_steps(step: Callable[[HbmBatch], None], batches: HbmBatches, opts: HbmOptions,
@@ -197,7 +208,7 @@ def build_ours(opts: HbmOptions, optimizer: str, kernels: str,
                capacity: int | None) -> te.EmbeddingBagCollection:
     init = opts.init_capacity if capacity is None or opts.init_capacity is None else \
         min(opts.init_capacity, capacity)
-    configs = [dataclasses.replace(c, max_capacity=capacity, init_capacity=init)
+    configs = [dataclasses.replace(c, max_capacity=capacity, init_capacity=init, dtype=opts.row_dtype)
                for c in opts.shape.table_configs()]
     ebc = te.EmbeddingBagCollection(configs, optimizer=OPTIMIZERS[optimizer][0](),
                                     device=opts.device, seed=opts.seed, kernels=kernels)
@@ -453,7 +464,8 @@ def floor_measurement(opts: HbmOptions, optimizer: str, batches: HbmBatches,
     shape = opts.shape
     unique = [sum(batches.batch(i).unique_keys)
               for i in range(opts.warmup, opts.warmup + opts.steps)]
-    parts = floor_bytes(shape, OPTIMIZERS[optimizer][0](), statistics.mean(unique))
+    parts = floor_bytes(shape, OPTIMIZERS[optimizer][0](), statistics.mean(unique),
+                        opts.row_dtype.itemsize)
     m = Measurement("floor", optimizer, "bandwidth floor")
     m.set_times([sum(parts.values()) / bandwidth * 1e3], shape.lookups)
     m.unique_keys_per_step = statistics.mean(unique)
@@ -465,9 +477,9 @@ def floor_measurement(opts: HbmOptions, optimizer: str, batches: HbmBatches,
 
 
 def floor_bytes(shape: HbmShape, optimizer: te.optim.EmbeddingOptimizer,
-                unique_keys: float) -> dict[str, float]:
+                unique_keys: float, value_bytes: int = 4) -> dict[str, float]:
     """Bytes one step must move, by part (``FLOOR_FORMULA``)."""
-    row_bytes = (shape.dim + optimizer.state_width(shape.dim)) * 4
+    row_bytes = (shape.dim + optimizer.state_width(shape.dim)) * value_bytes
     pooled = shape.batch_size * shape.num_tables * shape.dim * 4
     return {"rows_read_and_written": unique_keys * row_bytes * 2, "ids_read": shape.lookups * 8,
             "output_written": pooled, "output_grad_read": pooled}
@@ -500,6 +512,8 @@ class HbmBench:
         grad = upstream_grad(opts.shape, opts.device, opts.seed)
         for optimizer in opts.optimizers:
             snapshots = self._run_ours(optimizer, batches, grad, None, on_update)
+            if opts.dtype != "fp32":  # a 16-bit table's rows are not the fp32 peers' (tests/modules
+                snapshots = []        # hold them to fp32 references within the dtype's rounding)
             if opts.capacity is not None:
                 self._run_bounded(optimizer, batches, grad, on_update)
             if OPTIMIZERS[optimizer][1] is None:
@@ -533,10 +547,11 @@ class HbmBench:
             return
         exact = (sgd_reference(opts, batches, grad, check_ranks(opts.shape, opts.seed))
                  if optimizer == "sgd" else None)
+        check = None if opts.dtype != "fp32" else (
+            lambda snap, weights: check_against_peer(opts, optimizer, snap, weights, batches, exact))
         race = HbmTbeRace(opts, optimizer, spec, partial(build_ours, opts, optimizer, opts.kernels[0], None),
                           lambda t, ranks: initial_rows(opts.shape.table_configs()[t], t, ranks, opts.seed),
-                          lambda snap, weights: check_against_peer(opts, optimizer, snap, weights, batches,
-                                                                   exact), opts.turn)
+                          check, opts.turn)
         failed = Measurement("tbe", optimizer, spec.label(opts.device))
         result = self._attempt(failed, partial(race.run, batches, grad, UpstreamLoss))
         if result is None:
@@ -611,6 +626,8 @@ class HbmBench:
         return None
 
     def _add(self, m: Measurement, on_update: Callable[[], None]) -> None:
+        if m.configuration == "ours" and self.options.dtype != "fp32":
+            m.label += f", {self.options.dtype} rows"
         self.results.append(m)
         fill_ratios(self.results)
         if m.error is None:
@@ -638,7 +655,8 @@ class HbmBench:
                         "warmup": opts.warmup,
                         "seed": opts.seed,
                         "learning_rates": {o: OPTIMIZERS[o][2]["lr"] for o in opts.optimizers},
-                        "tbe": opts.tbe, "tbe_precision": opts.tbe_precision, "turn": opts.turn},
+                        "tbe": opts.tbe, "tbe_precision": opts.tbe_precision, "turn": opts.turn,
+                        "dtype": opts.dtype},
             "notes": self.notes,
             "targets": self.targets(),
             "bandwidth": self.bandwidth,

@@ -72,14 +72,16 @@ class HbmTbeRace:
         spec: TBE's configuration (its optimizer the same as ours, its hyperparameters ours').
         build_ours: builds ours' collection with every row stored (``hbm.build_ours``).
         initial: ``initial(t, ranks)`` -> float32 (k, D) initial rows (TBE's rows start as ours').
-        check: ``check(snapshot, tbe_weights)`` -> the row check of ours against TBE.
+        check: ``check(snapshot, tbe_weights)`` -> the row check of ours against TBE (None: no check;
+            none either where TBE's rows are fp16).
         turn: steps a block.
     """
 
     def __init__(self, opts, optimizer: str, spec: TbeSpec,
                  build_ours: Callable[[], te.EmbeddingBagCollection],
                  initial: Callable[[int, torch.Tensor], torch.Tensor],
-                 check: Callable[[object, list[torch.Tensor]], HbmRowCheck], turn: int = 10) -> None:
+                 check: Callable[[object, list[torch.Tensor]], HbmRowCheck] | None,
+                 turn: int = 10) -> None:
         self.opts, self.optimizer, self.spec, self.turn = opts, optimizer, spec, turn
         self.build_ours, self.initial, self.check = build_ours, initial, check
 
@@ -114,7 +116,7 @@ class HbmTbeRace:
                 m.peak_device_bytes, m.host_rss_bytes = peak, host_rss_bytes()
                 m.extra["in_turns_of"] = self.turn
             check = None
-            if self.spec.precision == "fp32":
+            if self.check is not None and self.spec.precision == "fp32":
                 snap = snapshot_rows(ebc, opts.shape, dev, opts.seed, "in turns with TBE")
                 snap.preinserted, snap.table_rows = opts.preinsert, opts.shape.rows
                 check = self.check(snap, tbe.weights())
