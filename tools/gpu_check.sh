@@ -33,6 +33,11 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# FBGEMM's TBE, the benches' peer, where a packed copy travelled along (.peers/fbgemm: its setup.sh
+# unpacks it) and fbgemm_gpu is not installed already
+if [ -f .peers/fbgemm/setup.sh ] && ! python3 -c "import fbgemm_gpu" 2>/dev/null; then
+    PYTHONPATH="$(bash .peers/fbgemm/setup.sh /tmp/fbgemm):$PYTHONPATH"
+fi
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
 
