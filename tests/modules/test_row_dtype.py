@@ -232,19 +232,21 @@ def test_triton_kernels_train_the_rows_the_reference_does(dtype):
     reference kernels, but where the two float32 computations straddle a rounding point (one value
     apart there)."""
     pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter on a CPU
     rows = {}
     for kernels in ("torch", "triton"):
         ebc = te.EmbeddingBagCollection(tables_of(dtype), optimizer=te.optim.Adam(lr=0.02), seed=4,
-                                        kernels=kernels)
+                                        kernels=kernels, device=device)
         gen = torch.Generator().manual_seed(2)
         for _ in range(3):
             lengths = torch.randint(0, 4, (3 * 4,), generator=gen)
             ids = torch.randint(-10, 10, (int(lengths.sum()),), generator=gen)
-            out = ebc(te.KeyedJaggedTensor(["a", "b", "c"], ids, lengths=lengths)).values()
-            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            kjt = te.KeyedJaggedTensor(["a", "b", "c"], ids.to(device), lengths=lengths.to(device))
+            out = ebc(kjt).values()
+            (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
         e = ebc.export("t")
         order = torch.argsort(e.keys)
-        rows[kernels] = torch.cat([e.weights[order], e.optimizer_state[order]], 1)
+        rows[kernels] = torch.cat([e.weights[order], e.optimizer_state[order]], 1).cpu()
     a, b = rows["triton"], rows["torch"]
     assert a.dtype == dtype
     step = ((b.view(torch.int16) + 1).view(dtype).float() - b.float()).abs()
