@@ -63,7 +63,8 @@ def test_the_readme_python_examples_run(tmp_path, monkeypatch) -> None:
             import tieredemb as te
 
             fresh = te.EmbeddingBagCollection(namespace["tables_of_the_first"],
-                                              optimizer=te.optim.RowWiseAdagrad(lr=0.05))
+                                              optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                              device=torch.device(device))
             namespace["fresh_model"] = namespace["Model"](fresh)
         if ("te.Stash(" in code or "StashConfig" in code) and device == "cpu":
             continue  # stashing moves device memory to the host: a CUDA feature (tests/gpu run it)
