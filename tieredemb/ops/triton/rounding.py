@@ -13,19 +13,23 @@ ROUND_NEAREST, ROUND_BF16, ROUND_FP16 = 0, 1, 2  # the update's ROUND: how rows 
 
 @triton.jit
 def _element_bits(seed, col):
-    """int64 (R, C) in [0, 2**32): the draws of the elements of rows with seeds ``seed`` (int64 (R,))
-    at columns ``col`` (int64 (C,))."""
-    h = (seed[:, None] + col[None, :] * 0x9E3779B9) & 0xFFFFFFFF
+    """uint32 (R, C): the draws of the elements of rows with seeds ``seed`` (int64 (R,) in
+    [0, 2**32)) at columns ``col`` (int64 (C,)). In 32-bit unsigned arithmetic, whose wrap-around is
+    the reference's masking to 32 bits (64-bit multiplies cost several instructions each)."""
+    golden = tl.full([1], 0x9E3779B9, tl.uint32)
+    fmix1 = tl.full([1], 0x85EBCA6B, tl.uint32)
+    fmix2 = tl.full([1], 0xC2B2AE35, tl.uint32)
+    h = seed.to(tl.uint32)[:, None] + col.to(tl.uint32)[None, :] * golden
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h * fmix1
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h * fmix2
     return h ^ (h >> 16)
 
 
 @triton.jit
 def _stochastic_round(x, bits, ROUND: tl.constexpr):
-    """float32 ``x`` rounded up or down at random (``bits``: int64 draws of x's shape) onto the
+    """float32 ``x`` rounded up or down at random (``bits``: uint32 draws of x's shape) onto the
     values of bfloat16 (ROUND_BF16) or float16 (ROUND_FP16); still float32, exact in that type."""
     xi = x.to(tl.int32, bitcast=True)
     if ROUND == 1:
