@@ -261,6 +261,9 @@ def host_times(ebc, kjts, grad, args) -> None:
     from tieredemb.storage.tiers import cache_on_device
     from tieredemb.storage.tiers import device as table
 
+    if args.overlap not in (None, "deferred"):
+        raise SystemExit("--host times the plain loop, or with --overlap deferred TrainPipeline's order")
+    deferred = args.overlap == "deferred"
     spent: dict[str, float] = {}
     calls: dict[str, int] = {}
 
@@ -312,10 +315,16 @@ def host_times(ebc, kjts, grad, args) -> None:
         before = dict(spent)
         t_step = time.perf_counter()
         kjt = kjts[i]
-        with timer("prefetch"):
-            ebc.prefetch(kjt)
-        with timer("forward"):
-            out = ebc(kjt).values()
+        if deferred:  # TrainPipeline's order: batch i was prefetched during step i - 1
+            with timer("forward"):
+                out = ebc(kjt).values()
+            with timer("prefetch"):
+                ebc.prefetch_deferred(kjts[i + 1])
+        else:
+            with timer("prefetch"):
+                ebc.prefetch(kjt)
+            with timer("forward"):
+                out = ebc(kjt).values()
         t_call = time.perf_counter()
         with timer("backward"):
             out.backward(grad)
