@@ -9,7 +9,6 @@ depends on the shard."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tieredemb as te
+from tests.distributed.test_sharded import _free_port
 
 STEPS, WORLD = 6, 2
 MODES = ("hbm_direct", "cache")
@@ -68,10 +68,6 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def concat(batches: list[te.KeyedJaggedTensor]) -> te.KeyedJaggedTensor:

@@ -4,8 +4,6 @@ data; its re-layouts on the device equal those on the host."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -14,20 +12,9 @@ import tieredemb as te
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run through tools/gpu_check.sh)", allow_module_level=True)
 
+from tests.gpu.test_cuda_syncs import host_reads  # noqa: E402 (CUDA only)
+
 DEV = torch.device("cuda")
-
-
-def host_reads(fn) -> list[str]:
-    """The synchronizing operations ``fn`` runs (torch.cuda.set_sync_debug_mode's warnings)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def host_batch() -> te.KeyedJaggedTensor:
