@@ -1,6 +1,7 @@
 """Fused embedding optimizers: their state lives in the row, beside the weights.
 
-A row is ``[weights (D) | state (state_width(D))]`` float32, in every tier. ``update`` is the pure-torch
+A row is ``[weights (D) | state (state_width(D))]`` in the table's dtype (``TableConfig.dtype``:
+float32, or 16-bit with the update computed in float32), in every tier. ``update`` is the pure-torch
 reference of the fused update (it is the CPU path); the Triton kernel in ``tieredemb.ops.triton`` does
 the same arithmetic in one pass over row and state. Per row, with ``g`` the gradient summed over the
 batch's duplicates and ``t`` the number of steps the collection has taken (1 on the first):
