@@ -91,6 +91,28 @@ def test_a_bad_state_is_refused_naming_the_entry_and_changes_nothing():
     assert model.ebc.step == 3
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e39], ids=["nan", "inf", "beyond_float32"])
+def test_rows_that_are_not_finite_are_refused_and_change_nothing(bad):
+    """Bad values never enter a table: a loaded row that is not finite in the table's dtype (a
+    float64 1e39 overflows float32) is refused, naming the entry and row, before any row changes."""
+    model = Model(None)
+    train(model, range(3))
+    before = {t: rows_of(model, t) for t in ("t", "u", "w")}
+    other = Model(None)
+    train(other, range(10, 13))
+    state = {k: (v.materialize() if hasattr(v, "materialize") else v) for k, v in other.state_dict().items()}
+    weights = state["ebc.w.optimizer_state" if bad == 1e39 else "ebc.w.weights"].double()
+    weights[2, 0] = bad
+    state["ebc.w.optimizer_state" if bad == 1e39 else "ebc.w.weights"] = weights
+    entry = "optimizer_state" if bad == 1e39 else "weights"
+    with pytest.raises(RuntimeError, match=f"ebc.w.{entry}: row 2 is not finite"):
+        model.load_state_dict(state)
+    for t, (k, r) in before.items():
+        k2, r2 = rows_of(model, t)
+        assert torch.equal(k, k2) and torch.equal(r, r2)
+    assert model.ebc.step == 3
+
+
 def test_loading_replaces_the_rows_and_a_model_loads_its_own_state():
     a, b = Model(None), Model(None)
     train(a, range(4))

@@ -162,6 +162,24 @@ def _check(collection, state: dict, prefix: str) -> str | None:
             if got != shape:
                 return (f"{p}{entry}: shape {got}, expected {shape} (table {t.name!r}: dim {dim}, "
                         f"optimizer {type(collection.optimizer).__name__})")
+        for entry in ("weights", "optimizer_state"):
+            bad = _first_not_finite(state[p + entry], t.dtype)
+            if bad is not None:
+                return (f"{p}{entry}: row {bad} is not finite in the table's dtype {t.dtype} (NaN, inf "
+                        "or beyond its range): nothing was loaded")
+    return None
+
+
+def _first_not_finite(rows, dtype: torch.dtype) -> int | None:
+    """The first row of ``rows`` (a tensor or a handle read in chunks) with a value that is not
+    finite once stored in ``dtype``, or None."""
+    n = rows.shape[0]
+    for start in range(0, n, CHUNK_ROWS):
+        chunk = rows.narrow(0, start, min(CHUNK_ROWS, n - start))
+        if chunk.numel() and chunk.is_floating_point():
+            ok = torch.isfinite(chunk.to(dtype)).all(dim=1)
+            if not bool(ok.all()):
+                return start + int((~ok).nonzero()[0])
     return None
 
 
