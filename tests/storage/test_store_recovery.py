@@ -20,6 +20,7 @@ these tests skip on a laptop and fail in CI.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -321,3 +322,21 @@ def test_redis_close_releases_only_its_own_lease(redis_server):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_redis_lease_renewal_during_an_outage_warns_once(redis_factory, caplog):
+    """The renewal thread retries every TTL/3 while the server is away, warning once for the outage
+    (not at every try), and says when renewing works again; the lease holds on after it."""
+    server = redis_factory()
+    table = open_table(server.url, lease_ttl_s=0.3)
+    with caplog.at_level(logging.WARNING, logger="tieredemb.storage.redis"):
+        server.stop()
+        time.sleep(0.8)  # about 8 renewals fail
+        server.start()
+        time.sleep(0.4)  # a renewal succeeds
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("renewing the lease failed" in m for m in messages) == 1, messages
+    assert sum("renewing the lease works again" in m for m in messages) == 1, messages
+    with pytest.raises(BackendError, match="held"):  # renewed: still this table's namespace
+        open_table(server.url, "v")
+    table.close()

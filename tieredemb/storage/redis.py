@@ -146,6 +146,7 @@ class NamespaceLease:
         self.token = secrets.token_hex(16).encode()
         self.tables: set[str] = set()
         self.lost = False
+        self.failing = False  # the last renewal failed (the server away): logged once an outage
         ttl_ms = max(1, round(ttl_s * 1000))
         try:  # a reply lost after the SET took: the key holds our token
             taken = call(self.where, "lease", lambda: client.set(self.key, self.token, nx=True, px=ttl_ms)
@@ -188,8 +189,14 @@ class NamespaceLease:
         try:
             held = self.client.eval(_RENEW, 1, self.key, self.token, max(1, round(self.ttl_s * 1000)))
         except RedisError as e:  # the server is away: the lease lasts its TTL, the next renewal retries
-            log.warning("%s: renewing the lease failed: %s", self.where, e)
+            if not self.failing:  # once an outage, not every TTL/3 while it lasts
+                log.warning("%s: renewing the lease failed (retried every %.3g s, quietly): %s",
+                            self.where, self.ttl_s / 3, e)
+            self.failing = True
             return
+        if self.failing:
+            log.warning("%s: renewing the lease works again", self.where)
+            self.failing = False
         if held:
             self.renewed_at = time.monotonic()
             return
