@@ -417,6 +417,19 @@ def test_a_kjt_matching_no_collection_is_a_clear_error():
     assert model.calls == 0
 
 
+def test_a_batch_on_the_meta_device_is_a_clear_error():
+    """A batch with no data (``meta``) is refused naming the device, when its turn comes; the model
+    never sees it."""
+    batches = make_batches(2)
+    sparse = batches[0]["sparse"]
+    batches[0]["sparse"] = te.KeyedJaggedTensor(sparse.keys(), sparse.values().to("meta"),
+                                                lengths=sparse.lengths().to("meta"))
+    model, opt = build(te.EmbeddingBagCollection)
+    with pytest.raises(ValueError, match="meta device holds no data"):
+        TrainPipeline(model, opt).progress(iter(batches))
+    assert model.calls == 0
+
+
 def test_a_collection_without_a_kjt_resolves_in_forward(caplog):
     """The model builds its KJT itself: nothing to prefetch, same training, one warning."""
     batches = make_batches(4)

@@ -48,6 +48,12 @@ def move_batch(obj: object, device: torch.device) -> object:
     """``obj`` on ``device``: tensors and objects with ``.to`` (KJTs, TorchRec batches) are moved with
     ``non_blocking=True``; dicts, lists, tuples and dataclasses field by field; anything else as is."""
     if isinstance(obj, torch.Tensor) or (callable(getattr(obj, "to", None)) and not isinstance(obj, type)):
+        data = obj if isinstance(obj, torch.Tensor) else getattr(obj, "values", None)
+        data = data() if callable(data) else data
+        to_meta = torch.device(device).type == "meta"
+        if isinstance(data, torch.Tensor) and data.device.type == "meta" and not to_meta:
+            raise ValueError(f"a batch on the meta device holds no data to move to {device}: give the "
+                             "pipeline batches with their ids")
         return obj.to(device, non_blocking=True)
     return _map_fields(obj, lambda v: move_batch(v, device))
 
