@@ -7,7 +7,7 @@
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
+#                        [--dist] [--stash] [--tbe] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
@@ -20,6 +20,10 @@
 #
 # --stash: only the stashing tests (tests/gpu/test_cuda_stash.py, tests/pipeline/test_stash.py) and
 # `bench stash` (with --long-steps 200); extra bench arguments after --.
+#
+# --tbe: only ours against FBGEMM's TBE (carry .peers: ../shared/peers/fbgemm), in turns: bench hbm at
+# batch 10,486 and 1,311 (SGD, row-wise Adagrad, Adam; plain and TrainPipeline) and bench cache
+# --reserve against MANAGED_CACHING; the TBE lines and row checks are printed, the reports go to $OUT.
 #
 # --check-launch: only the CUDA kernel, index and module suites with TIEREDEMB_FAST_LAUNCH=check (every
 # launch through Triton, an error if one FastLaunch key stands for two compiled kernels): run it before
@@ -44,6 +48,7 @@ mkdir -p "$OUT"
 run_tests=1
 run_dist=0
 run_stash=0
+run_tbe=0
 run_check_launch=0
 ab_old=""
 variants=()
@@ -64,6 +69,7 @@ while [ $# -gt 0 ]; do
         --profile) run_profile=1 ;;
         --dist) run_dist=1 ;;
         --stash) run_stash=1 ;;
+        --tbe) run_tbe=1 ;;
         --check-launch) run_check_launch=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
@@ -143,6 +149,24 @@ if [ -n "$ab_old" ]; then
     echo "== GPU time per kernel, Adam, new / old"
     kb new "$here" adam --profile 2>&1 | grep -v -E " (step|reduce_update) " | tee -a "$OUT/ab.log"
     kb old "$old_root" adam --profile 2>&1 | grep -v -E " (step|reduce_update) " | tee -a "$OUT/ab.log"
+    exit 0
+fi
+
+if [ "$run_tbe" = 1 ]; then
+    # ours against FBGEMM's TBE, in turns (benchmarks/results/hbm.md, cache.md): both batch sizes,
+    # every optimizer TBE trains on fp32 rows, then the cache over pinned host memory
+    python3 -c "import fbgemm_gpu" 2>/dev/null || { echo "gpu_check --tbe: fbgemm_gpu does not import" \
+        "(carry .peers: cp -r ../shared/peers/fbgemm .peers/)" >&2; exit 2; }
+    bench=(python3 -m tieredemb.bench)
+    for batch in 10486 1311; do
+        echo "== bench hbm --batch-size $batch"
+        timeout 200 "${bench[@]}" hbm --device cuda --optimizers sgd,rowwise_adagrad,adam --pipeline \
+            --steps 30 --warmup 10 --batch-size "$batch" --out "$OUT/tbe-$batch" "${bench_args[@]}" \
+            2>"$OUT/tbe-$batch.log" | grep -E "TBE|^check" | cut -c1-160
+    done
+    echo "== bench cache --reserve"
+    timeout 200 "${bench[@]}" cache --device cuda --scale "$cache_scale" --reserve --out "$OUT/tbe-cache" \
+        2>"$OUT/tbe-cache.log" | grep -E "TBE|ours / all|^check" | cut -c1-160
     exit 0
 fi
 
