@@ -21,6 +21,7 @@ from tieredemb.storage.backend import Backend, GroupStore
 from tieredemb.storage.urls import redact
 
 _EXISTING = ("error", "reuse", "clear")
+_TUNINGS = ("default", "point_lookup")  # tieredemb.storage.rocksdb.TUNINGS (not imported: rocksdict)
 
 
 class BackendSpec:
@@ -116,8 +117,9 @@ class HostMemory(BackendSpec):
 class RocksDB(BackendSpec):
     """Rows in RocksDB on local disk (through ``rocksdict``), sharded by key hash.
 
-    One database per shard under ``path``, a column family per table, WAL off (``flush()`` makes
-    rows durable). All tables opened from one spec share its databases and worker threads.
+    One database per shard under ``path``, a column family per table, writes through the
+    write-ahead log (not synced). All tables opened from one spec share its databases and worker
+    threads.
 
     Args:
         path: the store's directory (created if missing). One process at a time: give each rank of a
@@ -126,16 +128,36 @@ class RocksDB(BackendSpec):
             created with.
         existing: ``"error"`` | ``"reuse"`` | ``"clear"`` (module docstring).
         cache_rows: rows of a write-through DRAM cache in front, per table (0: none).
+        direct_reads: read table files with O_DIRECT, around the OS page cache: reads then cost
+            what the disk costs, and only RocksDB's block cache (``block_cache_bytes``) keeps
+            blocks in memory. The file system must accept O_DIRECT (else ``BackendError`` at open).
+        direct_writes: write flushes and compactions with O_DIRECT (the write-ahead log stays
+            buffered): they no longer fill the page cache with rows nobody reads back.
+        block_cache_bytes: RocksDB's cache of table blocks. ``None``: RocksDB's default, a cache of
+            its own per column family (shards x tables of them); ``0``: none; ``n``: one LRU cache
+            of ``n`` bytes shared by every shard and table of the store, index and filter blocks
+            counted in it.
+        bloom_bits_per_key: bloom filter bits a key in each table file (0: no filter): a get of an
+            absent key (a first-time id) reads no data block. 10 bits: about 1% false positives.
+        tuning: ``"default"`` (RocksDB's defaults) or ``"point_lookup"``: rows uncompressed, a hash
+            index in each data block, a bloom filter on the memtable, dynamic level sizes and
+            writes synced every MiB in the background (``docs/backends.md``).
 
     Example::
 
         te.StorageConfig(hbm_budget="8GiB", backing=te.storage.RocksDB("/tmp/emb", shards=8))
+        te.storage.RocksDB("/mnt/nvme/emb", direct_reads=True, block_cache_bytes=4 << 30)
     """
 
     path: str
     shards: int = 8
     existing: str = "error"
     cache_rows: int = 0
+    direct_reads: bool = False
+    direct_writes: bool = False
+    block_cache_bytes: int | None = None
+    bloom_bits_per_key: int = 10
+    tuning: str = "default"
     # the open store, shared by every table opened from this spec (RocksDB allows one handle per
     # database in a process); not configuration: excluded from init, repr and equality
     _open: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -146,6 +168,21 @@ class RocksDB(BackendSpec):
         _check_int("RocksDB", "cache_rows", self.cache_rows, 0)
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"RocksDB path must be a non-empty string, got {self.path!r}")
+        for name in ("direct_reads", "direct_writes"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"RocksDB {name} must be True or False, got {getattr(self, name)!r}")
+        if self.block_cache_bytes is not None:
+            _check_int("RocksDB", "block_cache_bytes", self.block_cache_bytes, 0)
+        _check_int("RocksDB", "bloom_bits_per_key", self.bloom_bits_per_key, 0)
+        if self.tuning not in _TUNINGS:
+            raise ValueError(f"RocksDB tuning must be one of {_TUNINGS}, got {self.tuning!r}")
+
+    def disk_options(self):
+        """The ``DiskOptions`` of the store (``tieredemb.storage.rocksdb``)."""
+        from tieredemb.storage.rocksdb import DiskOptions
+
+        return DiskOptions(self.direct_reads, self.direct_writes, self.block_cache_bytes,
+                           self.bloom_bits_per_key, self.tuning)
 
     def open(self, table: str, width: int, device: torch.device,
              dtype: torch.dtype = torch.float32) -> Backend:
@@ -153,7 +190,7 @@ class RocksDB(BackendSpec):
 
         store = self._open.get("store")
         if store is None or store.closed:
-            store = RocksDBStore(self.path, self.shards)
+            store = RocksDBStore(self.path, self.shards, self.disk_options())
             self._open["store"] = store
         return _with_cache(store.open_table(table, width, self.existing, dtype), self.cache_rows, device)
 

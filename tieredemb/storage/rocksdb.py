@@ -22,6 +22,10 @@ reopens the databases first (``RocksDBStore.reopen``), and the caller retries th
 write (it still holds them). While the fault lasts the reopen fails, and the databases are opened
 read-only instead: reads go on, every write raises.
 
+How the databases use the disk is a ``DiskOptions`` (``te.storage.RocksDB``'s ``direct_reads``,
+``direct_writes``, ``block_cache_bytes``, ``bloom_bits_per_key``, ``tuning``): every shard and column
+family gets the same options, and a bounded block cache is one cache shared by all of them.
+
 Every RocksDB or OS error comes out as ``BackendError`` naming the store's path and the table,
 chained to the original.
 """
@@ -35,10 +39,21 @@ import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from rocksdict import AccessType, BlockBasedOptions, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import (
+    AccessType,
+    BlockBasedOptions,
+    Cache,
+    DataBlockIndexType,
+    DBCompressionType,
+    Options,
+    Rdict,
+    WriteBatch,
+    WriteOptions,
+)
 
 from tieredemb.keys import splitmix64
 from tieredemb.storage.backend import Backend, Fetched, GroupStore
@@ -64,14 +79,55 @@ def _count_keys(family: Rdict) -> int:
     return sum(1 for _ in keys)
 
 
-def _options() -> Options:
-    opts = Options(raw_mode=True)
-    opts.create_if_missing(True)
-    opts.create_missing_column_families(True)
-    table = BlockBasedOptions()
-    table.set_bloom_filter(10, False)  # most first-time keys are absent: skip their disk reads
-    opts.set_block_based_table_factory(table)
-    return opts
+TUNINGS = ("default", "point_lookup")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """How a store's databases use the disk (validated by ``te.storage.RocksDB``, which documents
+    each field; ``docs/backends.md`` says what each costs)."""
+
+    direct_reads: bool = False  # O_DIRECT reads: no page cache under the block cache
+    direct_writes: bool = False  # O_DIRECT flushes and compactions
+    block_cache_bytes: int | None = None  # None: RocksDB's own cache per column family; 0: none
+    bloom_bits_per_key: int = 10  # 0: no bloom filter
+    tuning: str = "default"  # "default" | "point_lookup"
+
+    @property
+    def direct(self) -> bool:
+        return self.direct_reads or self.direct_writes
+
+    def shared_cache(self) -> Cache | None:
+        """The one block cache of a bounded store (None: each column family's own, or none)."""
+        return Cache(self.block_cache_bytes) if self.block_cache_bytes else None
+
+    def build(self, cache: Cache | None) -> Options:
+        """The options of one database or column family; ``cache`` from ``shared_cache``."""
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        table = BlockBasedOptions()
+        if self.bloom_bits_per_key:  # most first-time keys are absent: skip their disk reads
+            table.set_bloom_filter(self.bloom_bits_per_key, False)
+        if self.block_cache_bytes == 0:
+            table.disable_cache()
+        elif cache is not None:
+            # the bound covers index and filter blocks too; level 0's stay pinned (read by every get)
+            table.set_block_cache(cache)
+            table.set_cache_index_and_filter_blocks(True)
+            table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+        if self.tuning == "point_lookup":
+            table.set_data_block_index_type(DataBlockIndexType.binary_and_hash())
+            table.set_data_block_hash_ratio(0.75)
+            opts.set_compression_type(DBCompressionType.none())  # float rows hardly compress
+            opts.set_memtable_prefix_bloom_ratio(0.02)
+            opts.set_memtable_whole_key_filtering(True)
+            opts.set_level_compaction_dynamic_level_bytes(True)
+            opts.set_bytes_per_sync(1 << 20)
+        opts.set_block_based_table_factory(table)
+        opts.set_use_direct_reads(self.direct_reads)
+        opts.set_use_direct_io_for_flush_and_compaction(self.direct_writes)
+        return opts
 
 
 class RocksDBStore:
@@ -86,11 +142,15 @@ class RocksDBStore:
         path: the store's directory (created if missing).
         shards: databases (and worker threads). A store is always reopened with the count it was
             created with; another count is an error.
+        disk: how the databases use the disk (``DiskOptions``; default: RocksDB's defaults with
+            bloom filters of 10 bits a key).
     """
 
-    def __init__(self, path: str, shards: int) -> None:
+    def __init__(self, path: str, shards: int, disk: DiskOptions | None = None) -> None:
         self.path = os.path.abspath(path)
         self.shards = shards
+        self.disk = disk or DiskOptions()
+        self.block_cache = self.disk.shared_cache()
         self.tables: dict[str, RocksDBBackend] = {}
         self.closed = False
         self.failed = False  # a write failed: the databases refuse writes until reopened
@@ -100,7 +160,15 @@ class RocksDBStore:
         with self._errors("open"):
             os.makedirs(self.path, exist_ok=True)
             self._check_meta()
-            self._open_dbs()
+            try:
+                self._open_dbs()
+            except Exception as e:
+                said = str(e).lower()
+                if self.disk.direct and ("direct" in said or "invalid argument" in said):
+                    raise RuntimeError(f"{e} (direct I/O is on: the file system of {self.path} "
+                                       f"must accept O_DIRECT; pass direct_reads=False and "
+                                       f"direct_writes=False where it does not)") from e
+                raise
         self.pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="tieredemb-rocksdb")
         self.write_options = WriteOptions()  # through the write-ahead log (module docstring)
 
@@ -178,12 +246,17 @@ class RocksDBStore:
                 names: list[str] = []
                 if os.path.exists(os.path.join(shard_path, "CURRENT")):
                     names = [n for n in Rdict.list_cf(shard_path, Options(raw_mode=True)) if n != "default"]
-                self.dbs.append(Rdict(shard_path, _options(), column_families={n: _options() for n in names},
+                self.dbs.append(Rdict(shard_path, self.options(),
+                                      column_families={n: self.options() for n in names},
                                       access_type=access))
                 self.families.append(set(names))
         except BaseException:
             self._close_dbs()  # release the shards' locks: the path may be retried
             raise
+
+    def options(self) -> Options:
+        """Options of a database or column family of this store."""
+        return self.disk.build(self.block_cache)
 
     def _close_dbs(self) -> Exception | None:
         """Close every database, popped first (no reference left keeps one open, even if its close
@@ -214,7 +287,7 @@ class RocksDBStore:
                         self.dbs[shard].drop_column_family(name)
                         families.discard(name)
                     if name not in families:
-                        self.dbs[shard].create_column_family(name, _options())
+                        self.dbs[shard].create_column_family(name, self.options())
                         families.add(name)
                 backend = RocksDBBackend(self, table, width, dtype)
                 backend.check_existing(existing)
