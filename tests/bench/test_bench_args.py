@@ -57,3 +57,22 @@ def test_a_bad_path_device_or_value_raises_a_one_line_error(case, tmp_path):
         main([args[0], *SMALL[args[0]], "--device", "cpu", "--out", str(tmp_path / "out"), *args[1:]])
     assert match in str(caught.value) and "\n" not in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]  # nothing written
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--direct-reads"], True), (["--no-direct-reads"], False)])
+def test_ssd_reads_with_o_direct_unless_told_not_to(flag, want, tmp_path, monkeypatch):
+    from tieredemb.bench import cache
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def capture(self, options, log=None):
+        seen["options"] = options
+        raise Built
+
+    monkeypatch.setattr(cache.CacheBench, "__init__", capture)
+    with pytest.raises(Built):
+        main(["ssd", "--scale", "0.0005", "--device", "cpu", "--out", str(tmp_path), *flag])
+    assert seen["options"].direct_reads is want

@@ -87,6 +87,35 @@ def test_ssd_reports_raw_rocksdb_rates(report: dict) -> None:
         assert _finite_positive(rates[key]), key
 
 
+def test_ssd_reports_the_disk_and_the_floor_of_the_step(report: dict) -> None:
+    """ssd: the disk's own figures (O_DIRECT where the file system takes it; RocksDB then reads with
+    O_DIRECT too), and the least step time they allow ours' misses and writes, beside the step."""
+    if report["workload"] != "ssd":
+        assert report["disk"] is None and report["disk_floor"] is None
+        assert report["options"]["direct_reads"] is False
+        return
+    d = report["disk"]
+    for key in ("seq_write_bytes_per_s", "seq_read_bytes_per_s", "random_read_iops",
+                "random_read_bytes_per_s"):
+        assert _finite_positive(d[key]), key
+    assert d["file_bytes"] >= 16 << 20 and d["random_read_threads"] == 32 and d["random_reads"] > 0
+    assert (d["note"] is None) == d["direct"]
+    assert report["options"]["direct_reads"] is d["direct"]  # asked for (the default), where allowed
+    assert report["rocksdb_rates"]["direct_reads"] is d["direct"]
+    ours = next(r for r in report["results"] if r["configuration"] == "ours")
+    x = ours["extra"]
+    f = report["disk_floor"]
+    misses, written = x["misses_per_step"], x["bytes_moved_per_step"]["device->backend"]
+    assert misses > 0 and written > 0
+    want = 1e3 * (misses / d["random_read_iops"] + written / d["seq_write_bytes_per_s"])
+    assert f["floor_ms"] == pytest.approx(want) and f["step_ms"] == ours["step_ms"]
+    assert ours["x_floor"] == pytest.approx(ours["step_ms"] / want)
+    text = report["_text"]
+    assert "random 4 KiB reads" in text and "from 32 threads" in text
+    assert f"disk floor of ours' step: {want:.3f} ms" in text
+    assert ("O_DIRECT reads" in ours["label"]) is d["direct"]
+
+
 def test_a_cpu_run_says_device_memory_not_hbm(report: dict) -> None:
     """On a CPU the peer's tables are in host memory: the reports call it device memory ("HBM" is
     a GPU's); "hbm_direct", the storage mode's name, stays."""

@@ -128,8 +128,10 @@ def test_options_reach_rocksdb(tmp_path):
         assert "cache_index_and_filter_blocks=true" in text
         assert "filter_policy=bloomfilter" in text and "no_block_cache=false" in text
         default = _options_file(str(tmp_path / "p" / shard))
-        assert "use_direct_reads=false" in default and "use_direct_io_for_flush_and_compaction=false" in default
-        assert "filter_policy=bloomfilter" in default and "data_block_index_type=kDataBlockBinarySearch" in default
+        assert "use_direct_reads=false" in default
+        assert "use_direct_io_for_flush_and_compaction=false" in default
+        assert "filter_policy=bloomfilter" in default
+        assert "data_block_index_type=kDataBlockBinarySearch" in default
         assert "cache_index_and_filter_blocks=false" in default
         bare_text = _options_file(str(tmp_path / "b" / shard))
         assert "filter_policy=nullptr" in bare_text and "no_block_cache=true" in bare_text

@@ -19,9 +19,13 @@ moved each way per step and the achieved host<->device bandwidth (bytes moved / 
 the pinned copy bandwidth measured at the start. After the steps ours is flushed and its rows of a
 sample of keys (hot, random, and the last batch's) are compared with the peer's.
 
-``ssd`` adds raw ``rocksdict`` rates on the same disk (``raw_rocksdb_rates``): multi-get and
-write-batch put of 516-byte rows, one thread per shard, next to ``RocksDBBackend.get``/``set`` on the
-same keys, rows and call sizes.
+``ssd`` first measures the disk itself on the store directory's file system
+(``tieredemb.bench.disk``: sequential write and read, random 4 KiB reads from many threads, all with
+O_DIRECT) and prints beside ours' step the least time the disk allows it (misses / random-read IOPS +
+bytes written / sequential write). RocksDB reads with O_DIRECT (``direct_reads``, on by default) so
+that the page cache does not stand in for the disk. It then adds raw ``rocksdict`` rates on the same
+disk (``raw_rocksdb_rates``): multi-get and write-batch put of 516-byte rows, one thread per shard,
+next to ``RocksDBBackend.get``/``set`` on the same keys, rows and call sizes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from tieredemb.bench.cache_runs import (
     compare,
 )
 from tieredemb.bench.cache_tbe import TBE_CACHE_TARGET, TbeCacheRun, compare_tbe, tbe_cache_unavailable
+from tieredemb.bench.disk import DiskFigures, floor_line, measure_disk, step_floor
 from tieredemb.bench.hbm import upstream_grad
 from tieredemb.bench.report import (
     Measurement,
@@ -104,14 +109,15 @@ def _pinned_copy_ms(nbytes: int, device: torch.device, repeats: int) -> tuple[fl
 class _RawStores:
     """``shards`` raw rocksdict DBs, each written and read by a thread of its own: a ``WriteBatch``
     (through the write-ahead log, as the backend writes) and one multi-get a shard a call, the calls
-    ``calls`` ranges of ``kb``/``vb``."""
+    ``calls`` ranges of ``kb``/``vb``; reads with O_DIRECT where ``direct_reads``."""
 
     def __init__(self, directory: str, shards: int, kb: list[bytes], vb: list[bytes],
-                 calls: list[tuple[int, int]]) -> None:
+                 calls: list[tuple[int, int]], direct_reads: bool = False) -> None:
         from rocksdict import Options, Rdict, WriteOptions
 
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
+        opts.set_use_direct_reads(direct_reads)
         self.dbs = [Rdict(os.path.join(directory, f"shard-{s:02d}"), opts) for s in range(shards)]
         self.write_options = WriteOptions()
         self.pool = ThreadPoolExecutor(max_workers=shards)
@@ -155,12 +161,13 @@ class _RawStores:
 
 
 def raw_rocksdb_rates(directory: str, rows: int, width: int, shards: int, call_rows: int,
-                      seed: int, rounds: int = 3) -> dict:
+                      seed: int, rounds: int = 3, direct_reads: bool = False) -> dict:
     """Raw rocksdict put and multi-get rates of ``rows`` random keys in calls of ``call_rows`` keys
     (``_RawStores``) against ``RocksDBBackend.set``/``get`` on the same keys, rows and calls in a
     store beside it. The two are timed in turns, ``rounds`` times each (a later round's puts
     overwrite the keys), and each rate is the median round's: the host's speed moves between one
-    measurement and the next on the device machines."""
+    measurement and the next on the device machines. Both read with O_DIRECT where
+    ``direct_reads``."""
     gen = torch.Generator().manual_seed(seed + 31)
     keys = torch.unique(torch.randint(0, 1 << 62, (rows,), generator=gen))
     keys = keys[torch.randperm(keys.numel(), generator=gen)]
@@ -170,9 +177,9 @@ def raw_rocksdb_rates(directory: str, rows: int, width: int, shards: int, call_r
     calls = [(a, min(a + call_rows, n)) for a in range(0, n, call_rows)]
     raw = _RawStores(os.path.join(directory, "raw"), shards,
                      [int(k).to_bytes(8, "big") for k in keys.tolist()],
-                     [bytes(v) for v in vals.numpy()], calls)  # numpy rows: width * 4 bytes each
-    backend = te.storage.RocksDB(os.path.join(directory, "backend"), shards=shards).open(
-        "bench", width, torch.device("cpu"))
+                     [bytes(v) for v in vals.numpy()], calls, direct_reads)  # numpy rows: width * 4 B
+    backend = te.storage.RocksDB(os.path.join(directory, "backend"), shards=shards,
+                                 direct_reads=direct_reads).open("bench", width, torch.device("cpu"))
 
     def backend_set() -> tuple[float, int]:
         t0 = time.perf_counter()
@@ -203,6 +210,7 @@ def raw_rocksdb_rates(directory: str, rows: int, width: int, shards: int, call_r
         raw.close()
         backend.close()
     result = {"rows": n, "row_bytes": row_nbytes, "call_rows": call_rows, "threads": shards,
+              "direct_reads": direct_reads,
               "rounds": rounds, "raw_get_found": found["raw_get"], "backend_get_found": found["backend_get"]}
     for name, times in secs.items():
         t = statistics.median(times)
@@ -224,6 +232,7 @@ class CacheBench:
         self.notes: list[str] = []  # configurations skipped, and why
         self.bandwidth: dict = {}
         self.raw: dict | None = None
+        self.disk: DiskFigures | dict | None = None  # ssd: the disk's own figures, or {"error": ...}
         self.cache_rows: list[int] = []
         self.directory: str | None = None
         self._live: list[ConfigRun] = []  # configurations built and not yet finished or failed
@@ -244,6 +253,8 @@ class CacheBench:
             self.directory = opts.directory or tempfile.mkdtemp(prefix="tieredemb-ssd-", dir="/tmp")
             os.makedirs(self.directory, exist_ok=True)
         try:
+            if opts.workload == "ssd":
+                self._measure_disk(on_update)
             self._run(batches, grad, on_update)
         finally:
             if made_dir and self.directory:
@@ -255,8 +266,8 @@ class CacheBench:
         if opts.workload == "ssd":
             store_dir = os.path.join(self.directory, "store")
             shutil.rmtree(store_dir, ignore_errors=True)
-            backing = te.storage.RocksDB(store_dir, shards=opts.shards)
-            label = f"ours (cache, RocksDB x{opts.shards})"
+            backing = te.storage.RocksDB(store_dir, shards=opts.shards, direct_reads=self.direct_reads)
+            label = f"ours (cache, RocksDB x{opts.shards}{', O_DIRECT reads' if self.direct_reads else ''})"
         else:
             backing = te.storage.HostMemory(reserve_rows=s.rows if opts.reserve else 0)
             label = "ours (cache, host memory" + (", reserved)" if opts.reserve else ")")
@@ -290,8 +301,8 @@ class CacheBench:
             rates_dir = os.path.join(self.directory, "rates")
             shutil.rmtree(rates_dir, ignore_errors=True)  # a reused --dir: start from empty stores
             try:
-                self.raw = raw_rocksdb_rates(rates_dir, n, s.dim + 1,
-                                             opts.shards, call, opts.seed)
+                self.raw = raw_rocksdb_rates(rates_dir, n, s.dim + 1, opts.shards, call, opts.seed,
+                                             direct_reads=self.direct_reads)
                 self.log(f"raw rocksdict: get {self.raw['raw_get_rows_per_s']:.3g} rows/s, put "
                          f"{self.raw['raw_put_rows_per_s']:.3g} rows/s; RocksDBBackend get "
                          f"{self.raw['backend_get_rows_per_s']:.3g}, set "
@@ -300,6 +311,42 @@ class CacheBench:
                 self.log(traceback.format_exc())
                 self.raw = {"error": f"{type(e).__name__}: {e}"}
             on_update()
+
+    def _measure_disk(self, on_update: Callable[[], None]) -> None:
+        """The disk's figures on the store directory's file system; a file of 4 GB x scale (at
+        least 16 MiB), random reads for 3 s x scale (at least 0.5 s)."""
+        scale = self.options.scale
+        file_bytes = max(16 << 20, int((4 << 30) * scale))
+        try:
+            self.disk = measure_disk(self.directory, file_bytes, read_s=min(3.0, max(0.5, 3.0 * scale)),
+                                     seed=self.options.seed)
+            self.log(self.disk.line())
+            if self.disk.note:
+                self.log(self.disk.note)
+                if self.options.direct_reads:
+                    self.notes.append(f"RocksDB reads through the page cache: {self.disk.note}")
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            self.log(traceback.format_exc())
+            self.disk = {"error": f"{type(e).__name__}: {e}"}
+        on_update()
+
+    @property
+    def direct_reads(self) -> bool:
+        """RocksDB reads with O_DIRECT: asked for, and the disk measurement found it accepted."""
+        return self.options.direct_reads and isinstance(self.disk, DiskFigures) and self.disk.direct
+
+    def disk_floor(self) -> dict | None:
+        """The least step time the disk allows ours' misses and writes (``step_floor``); the table's
+        "x floor" of ours is its step over it."""
+        ours = next((r for r in self.results if r.configuration == "ours" and r.error is None and r.extra),
+                    None)
+        if ours is None or not isinstance(self.disk, DiskFigures):
+            return None
+        x = ours.extra
+        floor = step_floor(self.disk, x["misses_per_step"], x["bytes_moved_per_step"]["device->backend"],
+                           ours.step_ms)
+        ours.x_floor = floor["step_over_floor"]
+        return floor
 
     def _measure(self, runs: list[ConfigRun], on_update: Callable[[], None]) -> None:
         """Each run measured, its checked rows in ``rows`` (None where it failed; its error goes in
@@ -337,6 +384,7 @@ class CacheBench:
 
         if self._attempt(run, phase, on_update):
             fill_ratios(self.results)
+            self.disk_floor()  # ssd: ours' x floor, against the disk's
             on_update()
 
     def _attempt(self, run: ConfigRun, phase: Callable[[], None], on_update: Callable[[], None]) -> bool:
@@ -359,6 +407,7 @@ class CacheBench:
     def ok(self) -> bool:
         return (all(r.error is None for r in self.results) and self.check is not None
                 and self.check.passed and not (self.raw or {}).get("error")
+                and not isinstance(self.disk, dict)
                 and (self.tbe_check is None or self.tbe_check.passed))
 
     @property
@@ -387,6 +436,12 @@ class CacheBench:
         if ratio is not None:  # a target for cache; none for ssd, where RocksDB's rate sets the step
             lines.append(f"ours / {self.all_on_device} step time: {ratio:.2f}x" if ssd else targets[0].line())
         lines += [t.line() for t in targets if t.what.startswith("ours / FBGEMM")] + self.notes
+        if isinstance(self.disk, DiskFigures):
+            lines.append(self.disk.line())
+        elif self.disk:
+            lines.append(f"disk measurement FAILED: {self.disk['error']}")
+        if (floor := self.disk_floor()) is not None:
+            lines.append(floor_line(floor))
         for r in self.results:
             x = r.extra
             if r.configuration != "ours" or r.error is not None or not x:
@@ -457,7 +512,7 @@ class CacheBench:
             "options": {"device": str(opts.device), "steps": opts.steps, "warmup": opts.warmup,
                         "seed": opts.seed, "budget_fraction": opts.budget_fraction,
                         "shards": opts.shards, "prefill": opts.prefill, "optimizer": OPTIMIZER,
-                        "interleave": opts.interleave,
+                        "interleave": opts.interleave, "direct_reads": self.direct_reads,
                         "lr": LR, "directory": self.directory},
             "footprint_bytes": opts.footprint_bytes,
             "hbm_budget_bytes": int(opts.budget_fraction * opts.footprint_bytes),
@@ -470,6 +525,8 @@ class CacheBench:
             "tbe_check": self.tbe_check,
             "notes": self.notes,
             "rocksdb_rates": self.raw,
+            "disk": self.disk,
+            "disk_floor": self.disk_floor(),
         }
 
 

@@ -56,6 +56,9 @@ class CacheOptions:
     shards: int = 8
     prefill: bool = True
     raw_rows: int | None = None  # ssd baseline rows (default: scaled from 1M)
+    # ssd: RocksDB reads the disk with O_DIRECT (RocksDB(direct_reads=True)), not the page cache,
+    # where the directory's file system allows it
+    direct_reads: bool = True
     # cache: the host store's rows page-locked and its index sized up front (HostMemory.reserve_rows),
     # and the all-in-HBM peer's rows and index (TableConfig.init_capacity)
     reserve: bool = False
@@ -72,6 +75,11 @@ class CacheOptions:
             raise ValueError(f"interleave must be >= 0 steps, got {self.interleave}")
         if not 0 < self.budget_fraction < 1:
             raise ValueError(f"budget fraction must be in (0, 1), got {self.budget_fraction}")
+
+    @property
+    def scale(self) -> float:
+        """Rows against the full-scale workload's (sizes the ssd bench's disk file and baseline)."""
+        return self.shape.rows / CACHE_SHAPE.rows
 
     @property
     def row_bytes(self) -> int:
