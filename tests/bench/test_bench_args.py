@@ -59,7 +59,8 @@ def test_a_bad_path_device_or_value_raises_a_one_line_error(case, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]  # nothing written
 
 
-@pytest.mark.parametrize("flag, want", [([], True), (["--direct-reads"], True), (["--no-direct-reads"], False)])
+@pytest.mark.parametrize("flag, want",
+                         [([], True), (["--direct-reads"], True), (["--no-direct-reads"], False)])
 def test_ssd_reads_with_o_direct_unless_told_not_to(flag, want, tmp_path, monkeypatch):
     from tieredemb.bench import cache
 
