@@ -171,3 +171,47 @@ def test_bad_options_are_refused_before_anything_is_made(tmp_path, kw, error, ma
     with pytest.raises(error, match=match):
         te.storage.RocksDB(str(path), **kw)
     assert not path.exists()
+
+
+@pytest.mark.faults
+def test_a_tuned_store_recovers_from_a_full_disk(tmpfs):
+    """The reopen after a failed write keeps the options and the shared block cache: a full disk
+    fails the write; once the disk grows, the same write succeeds, and every row is there."""
+    from tests.storage.conftest import remount
+    from tieredemb.storage.errors import BackendError
+
+    disk = tmpfs("2m")
+    probe = os.path.join(disk, "probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600))
+    except OSError as e:
+        pytest.skip(f"this kernel's tmpfs refuses O_DIRECT: {e}")
+    os.unlink(probe)
+    spec = te.storage.RocksDB(os.path.join(disk, "db"), shards=2, **OPTIONS["all"])
+    backend = spec.open("t", W, CPU)
+    cache = backend.store.block_cache
+    ref = DictBackend(W)
+    gen = torch.Generator().manual_seed(1)
+    failed = None
+    for i in range(60):  # 60 x 4,000 rows x 32 bytes: 7.7 MB, more than the disk
+        keys, rows = torch.arange(i * 4000, (i + 1) * 4000), torch.randn(4000, W, generator=gen)
+        try:
+            backend.set(keys, rows)
+            backend.flush()
+        except BackendError as e:
+            assert "No space left" in str(e)
+            failed = keys, rows
+            break
+        ref.set(keys, rows)
+    assert failed is not None, "the disk never filled"
+    remount(disk, "size=64m")
+    backend.set(*failed)  # reopened inside, with the same options
+    ref.set(*failed)
+    assert backend.store.block_cache is cache and not backend.store.failed
+    backend.flush()
+    _same_as_dict(backend, ref)
+    backend.close()
+    again = te.storage.RocksDB(os.path.join(disk, "db"), shards=2, existing="reuse", **OPTIONS["all"])
+    reopened = again.open("t", W, CPU)
+    _same_as_dict(reopened, ref)
+    reopened.close()
