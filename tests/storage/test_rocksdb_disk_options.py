@@ -215,3 +215,20 @@ def test_a_tuned_store_recovers_from_a_full_disk(tmpfs):
     reopened = again.open("t", W, CPU)
     _same_as_dict(reopened, ref)
     reopened.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_refused_direct_open_says_what_to_do(tmp_path, monkeypatch, direct):
+    """What RocksDB answers on a file system without O_DIRECT (simulated: no such file system here)
+    comes out as a BackendError that names the option to turn off, only when direct I/O is on."""
+    from tieredemb.storage.errors import BackendError
+    from tieredemb.storage.rocksdb import RocksDBStore
+
+    def refused(self, read_only=False):
+        raise RuntimeError("Invalid argument: Direct I/O is not supported by the specified DB.")
+
+    monkeypatch.setattr(RocksDBStore, "_open_dbs", refused)
+    with pytest.raises(BackendError) as info:
+        te.storage.RocksDB(str(tmp_path / "s"), direct_reads=direct).open("t", W, CPU)
+    assert str(tmp_path / "s") in str(info.value) and "Direct I/O is not supported" in str(info.value)
+    assert ("pass direct_reads=False" in str(info.value)) is direct
