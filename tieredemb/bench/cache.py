@@ -313,7 +313,7 @@ class CacheBench:
             on_update()
 
     def _measure_disk(self, on_update: Callable[[], None]) -> None:
-        """The disk's figures on the store directory's file system; a file of 4 GB x scale (at
+        """The disk's figures on the store directory's file system; a file of 4 GiB x scale (at
         least 16 MiB), random reads for 3 s x scale (at least 0.5 s)."""
         scale = self.options.scale
         file_bytes = max(16 << 20, int((4 << 30) * scale))
