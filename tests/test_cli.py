@@ -256,3 +256,11 @@ def test_train_with_16bit_rows(capsys, tmp_path) -> None:
     rc = cli.main(["train", "--dtype", "int8", "--steps", "1", "--no-progress"])
     _, err = capsys.readouterr()
     assert rc == 2 and "--dtype" in err and "int8" in err
+
+
+def test_nproc_under_a_launcher_is_one_line(capsys, monkeypatch) -> None:
+    """torchrun starts the processes: ``--nproc 2`` inside one of its 4 would spawn 8."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    rc, _, err = _run(capsys, ["train", "--nproc", "2"])
+    assert rc == 2 and "--nproc 2 under a launcher of 4 processes" in err

@@ -238,7 +238,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device")
     config = _config_from_args(args)
-    if config.stash and not config.device.startswith("cuda"):
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and args.nproc > 1:
+        raise ValueError(f"--nproc {args.nproc} under a launcher of {world} processes (torchrun): leave "
+                         "--nproc at 1, the launcher starts the processes")
+    if config.stash and not config.device.startswith("cuda") and rank == 0:
         print("tieredemb train: note: --stash on cpu runs the stash and restore copies but frees no "
               "device memory (there is none): it saves memory on cuda", file=sys.stderr)
     if args.nproc > 1 and config.batch_size % args.nproc:
@@ -248,9 +252,8 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--nproc {args.nproc} needs as many GPUs, torch sees "
                              f"{torch.cuda.device_count()}")
         return _spawn(config, args.nproc, args.no_progress)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: join its group
-        return _train_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, config,
-                           args.no_progress)
+    if world > 1:  # launched by torchrun (one node or several): join its group
+        return _train_rank(rank, world, None, config, args.no_progress)
     return _train_and_report(config, args.no_progress)
 
 
@@ -295,7 +298,12 @@ def _train_rank(rank: int, world: int, port: int | None, config: TrainConfig, no
 
     cuda = config.device.startswith("cuda")
     if cuda:
+        # the GPU of this process on its node: torchrun's LOCAL_RANK (RANK counts every node's
+        # processes); spawned here, the rank itself
         local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} (local rank {local} on its node) needs GPU {local}, torch sees "
+                             f"{torch.cuda.device_count()}: start at most that many processes a node")
         torch.cuda.set_device(local)
         config = replace(config, device=f"cuda:{local}")
     if port is not None and "OMP_NUM_THREADS" not in os.environ:

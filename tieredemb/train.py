@@ -36,7 +36,7 @@ from tieredemb.models import DLRM, DLRMConfig, make_tables
 from tieredemb.pipeline import Stash, StashConfig, TrainPipeline
 from tieredemb.storage.errors import ExistingRowsError
 from tieredemb.storage.urls import redact
-from tieredemb.train_state import TrainState, check_checkpoint_dir
+from tieredemb.train_state import TrainState, check_checkpoint_dir, check_shared_dir
 
 logger = logging.getLogger(__name__)
 
@@ -498,12 +498,14 @@ class _Run:
 def _prepare(config: TrainConfig) -> _Run:
     """Read the data, check it, build the model (open its store) and, resuming, load the checkpoint."""
     device = torch.device(config.device)
+    group, rank, world = _distributed(config, device)
     if config.checkpoint_dir is not None:
+        if group is not None:  # every rank writes into one directory (on several nodes: shared)
+            check_shared_dir(config.checkpoint_dir, group)
         check_checkpoint_dir(config.checkpoint_dir, config.resume)
     source = make_source(config)
     eval_set = source.eval_set()
     check_eval_set(eval_set)
-    group, rank, world = _distributed(config, device)
     model = make_model(config, source, device, group, rank, world)
     try:
         dense_opt = torch.optim.Adam(model.parameters(), lr=config.lr)

@@ -11,9 +11,11 @@ changes anything.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import tieredemb as te
@@ -35,6 +37,36 @@ def check_checkpoint_dir(path: str | os.PathLike, resume: bool) -> None:
     if not resume and held:
         raise ValueError(f"{path} holds a checkpoint already: --resume to train on from it, or give "
                          "another checkpoint directory")
+
+
+def check_shared_dir(path: str | os.PathLike, group) -> None:
+    """Every rank of ``group`` must see ``path`` as one directory: a checkpoint is written by all
+    ranks into rank 0's version directory, so on several nodes it must be on a file system they
+    share. Rank 0 creates ``path`` and a probe file in it; every rank looks for the probe. A
+    collective: raises ``ValueError`` on every rank, naming the ranks that did not see it."""
+    path = Path(path)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    box: list[object] = [None]
+    if rank == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".shared-probe-{secrets.token_hex(8)}"
+            probe.touch(exist_ok=False)
+            box[0] = probe.name
+        except OSError as e:
+            box[0] = OSError(e.errno, f"cannot write into checkpoint directory {path}: {e.strerror}")
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(box[0], OSError):
+        raise box[0]
+    seen: list[object] = [None] * world
+    dist.all_gather_object(seen, (path / str(box[0])).is_file(), group=group)
+    if rank == 0:
+        (path / str(box[0])).unlink(missing_ok=True)
+    blind = [r for r, saw in enumerate(seen) if not saw]
+    if blind:
+        raise ValueError(f"checkpoint directory {path} is not the same directory on every rank: rank(s) "
+                         f"{', '.join(map(str, blind))} do not see the files rank 0 writes there; on several "
+                         "nodes give a directory on a file system they share")
 
 
 class TrainState(nn.Module):
@@ -87,4 +119,4 @@ class TrainState(nn.Module):
         return int(self.step.item())
 
 
-__all__ = ["TrainState", "check_checkpoint_dir"]
+__all__ = ["TrainState", "check_checkpoint_dir", "check_shared_dir"]

@@ -19,12 +19,31 @@ def test_bench_dist_smoke(workload, tmp_path, capsys):
     report = json.loads(next(tmp_path.glob("*-dist.json")).read_text())
     assert report["workload"] == workload and report["scale"] == 0.001 and report["date"]
     printed = capsys.readouterr().out  # gloo processes on a CPU, not GPUs
-    assert "2 processes: step" in printed and "per-process throughput" in printed and "GPU" not in printed
+    assert "2 processes, alpha 1.05: step" in printed and "per-process throughput" in printed
+    assert "GPU" not in printed
     one, two = report["results"]
     assert (one["gpus"], two["gpus"]) == (1, 2)
     assert one["step_ms"] > 0 and two["step_ms"] > 0
     assert all(r > 0 for r in two["rows_per_rank"])  # both ranks own rows
+    # each rank's load: every id of both ranks' 3 batches served once, by one of them
+    lookups = 10 * report["shape"]["batch_size"] * report["shape"]["bag_size"]  # ids a rank's step
+    served = two["load_per_rank"]["lookups"]
+    assert sum(served) == 2 * 3 * lookups and min(served) > 0
+    assert two["load_imbalance"]["lookups"] >= 1.0 and one["load_imbalance"]["lookups"] == 1.0
     if workload == "hbm":  # every row stored up front: the two shards hold each row once
         assert sum(two["rows_per_rank"]) == one["rows_per_rank"][0]
     else:
         assert all(0 < h <= 1 for h in two["hit_rate_per_rank"])
+
+
+@pytest.mark.slow
+def test_bench_dist_reports_each_rank_load_at_each_alpha(tmp_path, capsys):
+    rc = main(["dist", "--device", "cpu", "--gpus", "2", "--scale", "0.001", "--steps", "1", "--warmup", "0",
+               "--alpha", "1.05,1.2", "--optimizer", "sgd", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads(next(tmp_path.glob("*-dist.json")).read_text())
+    assert [(r["gpus"], r["alpha"]) for r in report["results"]] == [(2, 1.05), (2, 1.2)]
+    received = [r["load_per_rank"]["keys_received"] for r in report["results"]]
+    assert sum(received[1]) < sum(received[0])  # a steeper Zipf: fewer distinct keys a batch
+    printed = capsys.readouterr().out
+    assert "keys received max/mean" in printed and "keys_received   per rank" in printed

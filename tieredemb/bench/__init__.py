@@ -34,10 +34,11 @@ random 4 KiB reads from 32 threads; ``tieredemb.bench.disk``) and prints the lea
 ours' misses and writes; RocksDB reads with O_DIRECT unless ``--no-direct-reads``.
 
     tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N]
-                         [--optimizer adam] [--device cpu|cuda] [--out DIR]
+                         [--optimizer adam] [--alpha 1.05,1.2] [--device cpu|cuda] [--out DIR]
 
 weak scaling of ``hbm`` or ``cache`` row-wise sharded over several GPUs (``tieredemb.bench.dist``;
-NCCL; ``--device cpu`` runs gloo processes instead, a smoke run).
+NCCL; ``--device cpu`` runs gloo processes instead, a smoke run), at each Zipf ``--alpha``, with
+each rank's load (lookups served, keys received, rows held) and the busiest rank over the mean.
 
     tieredemb bench stash [--scale S] [--steps N] [--width W] [--layers L] [--long-steps N] [--out DIR]
 
@@ -193,6 +194,9 @@ def _add_dist(sub) -> None:
     d.add_argument("--steps", type=_at_least(1), default=20, help="timed steps (median reported)")
     d.add_argument("--warmup", type=_at_least(0), default=5, help="untimed steps first")
     d.add_argument("--seed", type=_at_least(0), default=0)
+    d.add_argument("--alpha", type=_alphas, default=None,
+                   help="comma-separated Zipf exponents of the ids, each run at every world size "
+                        "(default: the workload's, 1.05); the report gives each rank's load")
     _add_out(d, "dist")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: NCCL over GPUs (default when available); cpu: gloo processes (a smoke run)")
@@ -277,6 +281,17 @@ def _world_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _alphas(text: str) -> list[float]:
+    """An argparse type: comma-separated Zipf exponents, each > 0."""
+    try:
+        values = [float(x) for x in _split(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(v > 0 and v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"Zipf exponents must be finite and > 0, got {text!r}")
+    return values
+
+
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -326,7 +341,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
 
         shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
         return run(args.gpus, shape, args.optimizer, args.steps, args.warmup, args.seed, args.out, argv,
-                   args.dist_workload, device.type, args.scale)
+                   args.dist_workload, device.type, args.scale, args.alpha)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             raise ValueError(f"--kernels: unknown kernels {k!r} (auto, torch or triton)")

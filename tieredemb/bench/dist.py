@@ -76,6 +76,25 @@ def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, ra
     return ebc, HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
 
 
+LOAD_FIELDS = ("lookups", "keys_received", "unique_lookups", "rows")
+"""The per-rank load reported: ids served, pairs received (rows sent back, gradients received),
+distinct keys resolved, rows held; all tables, every step (warmup included)."""
+
+
+def rank_loads(everyone: list[dict]) -> dict[str, list[int]]:
+    """``stats(all_ranks=True)`` summed over the tables: field -> one value per rank."""
+    def total(stats: dict, name: str) -> int:
+        return sum(sum(s.rows.values()) if name == "rows" else getattr(s, name) for s in stats.values())
+
+    return {name: [total(stats, name) for stats in everyone] for name in LOAD_FIELDS}
+
+
+def imbalance(values: list[int]) -> float | None:
+    """The busiest rank's value over the mean (1.0: balanced); None when all are 0."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else None
+
+
 def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
           warmup: int, seed: int, out: str, cuda: bool) -> None:
     # the host's cores shared out (cache mode does host work): N ranks with a thread per core each
@@ -104,18 +123,20 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
         stats = ebc.stats().values()
         rows = sum(s.rows["device"] for s in stats)
         hits, unique = sum(s.hits for s in stats), sum(s.unique_lookups for s in stats)
+        load = rank_loads(ebc.stats(all_ranks=True))  # a collective: every rank's, here for the report
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"median_ms": statistics.median(times), "times_ms": times, "rows": rows,
-                       "hit_rate": hits / unique if unique else None}, f)
+                       "hit_rate": hits / unique if unique else None, "load": load}, f)
     finally:
         dist.destroy_process_group()
 
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
         out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda",
-        scale: float | None = None) -> int:
+        scale: float | None = None, alphas: list[float] | None = None) -> int:
     """``gpus``: world sizes; on ``device="cpu"`` they are gloo processes (a smoke run: the figures
-    that mean something are NCCL's). ``scale``: the one the shape was scaled by, for the report."""
+    that mean something are NCCL's). ``scale``: the one the shape was scaled by, for the report.
+    ``alphas``: Zipf exponents of the ids, each run at every world size (default: the shape's)."""
     import torch.multiprocessing as mp
 
     cuda = device == "cuda"
@@ -126,32 +147,16 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
                          f"{units}, there are {available}")
     started = datetime.now()
     results = []
-    for world in gpus:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, _free_port(), workload, shape, optimizer, steps, warmup, seed, tmp,
-                                  cuda), nprocs=world, join=True)
-            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-        step_ms = max(r["median_ms"] for r in ranks)
-        results.append({"gpus": world, "step_ms": step_ms, "rank_median_ms": [r["median_ms"] for r in ranks],
-                        "rows_per_rank": [r["rows"] for r in ranks],
-                        "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
-                        "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3)})
-        print(f"{world} {units}: step {step_ms:.3f} ms (ranks {[round(r['median_ms'], 3) for r in ranks]}), "
-              f"device rows per rank {[r['rows'] for r in ranks]}, hit rates "
-              f"{[None if r['hit_rate'] is None else round(r['hit_rate'], 3) for r in ranks]}", flush=True)
-    base = results[0]["lookups_per_s_per_gpu"]
-    what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
-    lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
-             f"{what}, per-{unit} batch {shape.batch_size} x {shape.bag_size} ids a table; "
-             f"median of {steps} steps, the slowest rank"]
-    head = [units, "step ms", f"lookups/s per {unit}", f"per-{unit} throughput vs 1st"]
-    w = [len(h) for h in head]
-    lines += [" | ".join(head), "-+-".join("-" * n for n in w)]
-    for r in results:
-        r["efficiency"] = r["lookups_per_s_per_gpu"] / base
-        lines.append(f"{r['gpus']:>{w[0]}} | {r['step_ms']:{w[1]}.3f} | "
-                     f"{r['lookups_per_s_per_gpu']:{w[2]}.3e} | {r['efficiency']:.2f}")
-    table = "\n".join(lines)
+    for alpha in alphas or [shape.alpha]:
+        zipf = dataclasses.replace(shape, alpha=alpha)
+        for world in gpus:
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.spawn(_rank, args=(world, _free_port(), workload, zipf, optimizer, steps, warmup, seed,
+                                      tmp, cuda), nprocs=world, join=True)
+                ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+            results.append(_result(world, alpha, zipf, ranks))
+            print(_rank_lines(results[-1], units), flush=True)
+    table = _table(results, shape, workload, optimizer, steps, unit, units)
     print(table)
     path = report_path(out_dir, "dist", started)
     write_report(path, {"machine": machine_info(torch.device(device)), "argv": argv,
@@ -161,3 +166,43 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
                  table)
     print(f"report: {path}")
     return 0
+
+
+def _result(world: int, alpha: float, shape: HbmShape, ranks: list[dict]) -> dict:
+    step_ms = max(r["median_ms"] for r in ranks)
+    load = ranks[0]["load"]
+    return {"gpus": world, "alpha": alpha, "step_ms": step_ms,
+            "rank_median_ms": [r["median_ms"] for r in ranks],
+            "rows_per_rank": [r["rows"] for r in ranks], "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
+            "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3), "load_per_rank": load,
+            "load_imbalance": {name: imbalance(load[name]) for name in LOAD_FIELDS}}
+
+
+def _rank_lines(r: dict, units: str) -> str:
+    load = r["load_per_rank"]
+    return (f"{r['gpus']} {units}, alpha {r['alpha']}: step {r['step_ms']:.3f} ms (ranks "
+            f"{[round(x, 3) for x in r['rank_median_ms']]}), device rows per rank {r['rows_per_rank']}, "
+            f"hit rates {[None if h is None else round(h, 3) for h in r['hit_rate_per_rank']]}\n"
+            + "\n".join(f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS))
+
+
+def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, steps: int, unit: str,
+           units: str) -> str:
+    """One line per (alpha, world size); throughput against the first world size at that alpha."""
+    what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
+    lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
+             f"{what}, per-{unit} batch {shape.batch_size} x {shape.bag_size} ids a table; "
+             f"median of {steps} steps, the slowest rank; load: the busiest rank over the mean"]
+    head = [units, "alpha", "step ms", f"lookups/s per {unit}", f"per-{unit} throughput vs 1st",
+            "lookups max/mean", "keys received max/mean", "rows max/mean"]
+    w = [len(h) for h in head]
+    lines += [" | ".join(head), "-+-".join("-" * n for n in w)]
+    base: dict[float, float] = {}
+    for r in results:
+        r["efficiency"] = r["lookups_per_s_per_gpu"] / base.setdefault(r["alpha"], r["lookups_per_s_per_gpu"])
+        ratios = [r["load_imbalance"][name] for name in ("lookups", "keys_received", "rows")]
+        cells = [f"{x:.3f}" if x is not None else "-" for x in ratios]
+        lines.append(f"{r['gpus']:>{w[0]}} | {r['alpha']:>{w[1]}} | {r['step_ms']:{w[2]}.3f} | "
+                     f"{r['lookups_per_s_per_gpu']:{w[3]}.3e} | {r['efficiency']:{w[4]}.2f} | "
+                     f"{cells[0]:>{w[5]}} | {cells[1]:>{w[6]}} | {cells[2]:>{w[7]}}")
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ sharded collection is tested equal to it (``tests/distributed``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, unique_pairs
+from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableStats, unique_pairs
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RowWiseSharding:
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.salts = [table_salts(t.names, device) for t in tiers]
+        self.received = [[0] * len(t.configs) for t in tiers]  # pairs received to serve, per table
         # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
         # races the forward's and backward's exchanges on one group (each group's collectives keep
         # one order on every rank). Every process of the default group takes part here.
@@ -78,9 +80,13 @@ class RowWiseSharding:
         pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
         got = exchange(pairs, send_splits, recv_splits, self.input_group)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        lookups = torch.zeros(len(tier.configs), dtype=torch.int64, device=self.device)
-        served = tier.prefetch(rkeys, rtables, lookups.index_add_(0, rtables, rcounts).tolist(), clock,
-                               training, occurrences=rcounts)
+        # per table: the ids these pairs stand for, and the pairs (one read of both)
+        load = torch.zeros(2, len(tier.configs), dtype=torch.int64, device=self.device)
+        load[0].index_add_(0, rtables, rcounts)
+        load[1].index_add_(0, rtables, torch.ones_like(rcounts))
+        lookups, received = load.tolist()
+        self.received[g] = [a + b for a, b in zip(self.received[g], received)]
+        served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
         return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
 
     def served(self, part: ShardedPrefetch) -> GroupPrefetch:
@@ -161,6 +167,10 @@ class RowWiseSharding:
         their owners; the keys this rank owns, from every rank, and their payloads."""
         order, send, recv, keys = self._route(g, i, keys)
         return keys, exchange(payload[order], send, recv, self.group)
+
+    def stats(self, g: int, i: int) -> TableStats:
+        """This rank's load of table i of group g: its shard's counters and the pairs it received."""
+        return dataclasses.replace(self.tiers[g].stats(i), keys_received=self.received[g][i])
 
     def all_stats(self, mine: dict) -> list[dict]:
         """Every rank's stats (a collective)."""

@@ -651,7 +651,7 @@ class CollectionBase(nn.Module):
         shard, i.e. its load (lookups it served, rows it holds, bytes it moved). ``all_ranks``
         (a collective when sharded): a list with every rank's, so imbalance shows."""
         with self.mutating():
-            mine = {name: self.tiers[g].stats(i) for name, (g, i) in self._where.items()}
+            mine = {name: self.placement.stats(g, i) for name, (g, i) in self._where.items()}
         return self.placement.all_stats(mine) if all_ranks else mine
 
     def extra_repr(self) -> str:

@@ -9,6 +9,7 @@ collection picks one at construction and runs every step through it; both have t
     served(part)                                 what this process's tier resolved (to settle, release)
     read / write / import_rows / delete_rows     row access by key (sharded: collectives)
     to_owners(g, i, keys, payload)               keys (and an int64 each) to their owners
+    stats(g, i) / all_stats(mine)                this process's load of a table / every process's
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch
+from tieredemb.storage.tiers.parts import GroupPrefetch, TableStats
 
 
 class LocalPlacement:
@@ -67,6 +68,9 @@ class LocalPlacement:
                   payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and a payload each to the process that owns them: this one."""
         return keys, payload
+
+    def stats(self, g: int, i: int) -> TableStats:
+        return self.tiers[g].stats(i)
 
     def all_stats(self, mine: dict) -> list[dict]:
         return [mine]

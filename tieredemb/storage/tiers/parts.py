@@ -34,7 +34,9 @@ class TableStats:
     ``index_bytes``: where -> bytes of the key indexes the table's rows are found through (its part of
     each: the table's or device cache's, a capacity bound's, admission counts, a host-memory store's),
     "device" the compute device's memory (where a host-memory store keeps its index on CUDA),
-    "host" host memory.
+    "host" host memory. ``keys_received``: sharded, the (table, key) pairs this rank received to
+    serve (each requesting rank's distinct keys, summed over ranks and batches): the rows it sends
+    back in the output dist and the gradients it receives; 0 unsharded.
     """
 
     rows: dict[str, int]
@@ -49,6 +51,7 @@ class TableStats:
     bytes_moved: dict[str, int] = field(default_factory=dict)
     memory_bytes: dict[str, int] = field(default_factory=dict)
     index_bytes: dict[str, int] = field(default_factory=dict)
+    keys_received: int = 0
 
 
 @dataclass
