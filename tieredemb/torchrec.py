@@ -56,11 +56,11 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "pip install --no-deps torchrec==1.8.0 (see README, 'TorchRec / FBGEMM interop')"
     ) from exc
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagCollectionSharder", "EmbeddingCollection",
-           "EmbeddingCollectionSharder"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection"]
 
-# the sharders for TorchRec's DistributedModelParallel (``tieredemb/torchrec_dmp.py``) import this
-# module, so they are loaded on first use of their names here rather than at import
+# ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder``, for TorchRec's
+# DistributedModelParallel, are in ``tieredemb/torchrec_dmp.py``, which imports this module: they are
+# loaded on first use of their names here rather than at import
 _SHARDERS = frozenset({"EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder"})
 
 

@@ -157,14 +157,16 @@ class _Sharder(ModuleSharder):
 
     def shard(self, module: nn.Module, params: dict[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> ShardedModule:
-        """The collection rebuilt over ``env.process_group`` on ``device`` (DMP's), the rows it held
-        moved to their owners (a collective: every rank shards its copy); the given one is closed."""
+        """The collection rebuilt over ``env.process_group`` on ``device`` (DMP's), the rows rank 0's
+        copy held moved to their owners (a collective, as DDP takes rank 0's dense parameters); the
+        given one is closed."""
         check_plan(module, params, env, module_fqn)
         configs = (module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection)
                    else module.embedding_configs())
         sharded = self._sharded(configs, module.device if device is None else device,
                                 process_group=env.process_group, **module.init_arguments())
-        sharded.load_state_dict(module.state_dict())  # each row goes to its owner
+        rank = torch.distributed.get_rank(env.process_group)
+        sharded.load_state_dict(rows_of_rank0(module.state_dict(), rank))  # each row to its owner
         module.close()
         return sharded
 
@@ -231,6 +233,20 @@ def check_plan(module: nn.Module, params: dict[str, ParameterSharding], env: Sha
         if ps.ranks is not None and sorted(ps.ranks) != list(range(env.world_size)):
             raise ValueError(f"{where}, table {name!r}: planned on ranks {ps.ranks}; tieredemb shards a "
                              f"table over all {env.world_size} ranks of the process group")
+
+
+def rows_of_rank0(state: dict, rank: int) -> dict:
+    """A collection's ``state_dict`` as this rank offers it to the sharded collection's (collective)
+    ``load_state_dict``: rank 0 all its rows, the others none (a row offered by two ranks would be
+    imported twice), every rank its own ``step`` and ``clock``."""
+    if rank == 0:
+        return state
+    return {k: torch.empty((0, *v.shape[1:]), dtype=v.dtype) if k.rsplit(".", 1)[-1] in _ROW_ENTRIES else v
+            for k, v in state.items()}
+
+
+_ROW_ENTRIES = frozenset({"keys", "scores", "weights", "optimizer_state", "admission_keys",
+                          "admission_counts"})
 
 
 def _planner_world() -> int:

@@ -34,6 +34,7 @@ tt = pytest.importorskip("tieredemb.torchrec")
 from torchrec.datasets.utils import Batch  # noqa: E402
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_module  # noqa: E402
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology  # noqa: E402
+from torchrec.distributed.sharding_plan import get_default_sharders  # noqa: E402
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist  # noqa: E402
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan  # noqa: E402
 from torchrec.models.dlrm import DLRM  # noqa: E402
@@ -93,6 +94,10 @@ def concat(batches: list[Batch]) -> Batch:
                  labels=torch.cat([b.labels for b in batches]))
 
 
+def topology() -> Topology:
+    return Topology(world_size=WORLD, compute_device="cpu", local_world_size=WORLD)
+
+
 def _sum_hook(state, bucket):
     """DDP comm hook: the dense gradients summed over the ranks (DDP's default averages them)."""
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
@@ -136,7 +141,7 @@ def _refusals(rank: int) -> dict:
             loss, _ = model(local_batch(0, rank))  # the unsharded collection still works
             got[name] = (str(e), bool(torch.isfinite(loss)))
     # a table TorchRec's planner may only place table-wise (a constraint): no plan for it at all
-    planner = EmbeddingShardingPlanner(Topology(world_size=WORLD, compute_device="cpu", local_world_size=WORLD),
+    planner = EmbeddingShardingPlanner(topology(),
                                        constraints={"t0": ParameterConstraints(sharding_types=["table_wise"])})
     try:
         planner.plan(build(WORLD * B), [tt.EmbeddingBagCollectionSharder()])
@@ -146,11 +151,57 @@ def _refusals(rank: int) -> dict:
     return got
 
 
+class Mixed(torch.nn.Module):
+    """One table of ours and one of TorchRec's, side by side, under a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        ours, theirs = configs()
+        self.ours = tt.EmbeddingBagCollection([ours], optimizer=te.optim.SGD(lr=LR), seed=3)
+        self.theirs = torchrec.EmbeddingBagCollection([theirs])
+        self.head = torch.nn.Linear(2 * DIM, 1)
+
+    def forward(self, batch: Batch):
+        kt = torch.cat([self.ours(batch.sparse_features).values(),
+                        self.theirs(batch.sparse_features).values()], 1)
+        out = self.head(kt).squeeze(-1)
+        return (out * batch.labels).sum(), out.detach()
+
+
+def _mixed(rank: int) -> dict:
+    """DMP over ``Mixed`` with both sharders: TorchRec's table planned by TorchRec (data-parallel, a
+    constraint), ours row-wise; the dense head and TorchRec's table stepped by SGD."""
+    constraints = {"t1": ParameterConstraints(sharding_types=["data_parallel"])}
+    planner = EmbeddingShardingPlanner(topology(),
+                                       constraints=constraints)
+    sharders = [tt.EmbeddingBagCollectionSharder(), *get_default_sharders()]
+    model = Mixed()
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
+    get_module(dmp).register_comm_hook(None, _sum_hook)
+    opt = torch.optim.SGD(dmp.parameters(), lr=LR)
+    initial = dmp.module.theirs.state_dict()["embedding_bags.t1.weight"].detach().clone()
+    outs = []
+    for step in range(STEPS):
+        loss, out = dmp(local_batch(step, rank))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outs.append(out)
+    rows = dmp.module.ours.export("t0")
+    theirs = dmp.module.theirs.state_dict()["embedding_bags.t1.weight"].detach().clone()
+    return {"outs": outs, "rows": (rows.keys, rows.weights, rows.optimizer_state), "plan": str(dmp.plan),
+            "theirs": theirs.detach().clone(), "initial": initial, "types": (type(dmp.module.ours).__name__,
+                                                         type(dmp.module.theirs).__module__)}
+
+
 def _worker(rank: int, world: int, port: int, tmp: str, how: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        if how == "refusals":
-            torch.save(_refusals(rank), os.path.join(tmp, f"rank{rank}.pt"))
+        if how in ("refusals", "mixed"):
+            result = _refusals(rank) if how == "refusals" else _mixed(rank)
+            torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
             return
         dmp = DistributedModelParallel(build(world * B), device=torch.device("cpu"),
                                        sharders=[tt.EmbeddingBagCollectionSharder()])
@@ -208,6 +259,36 @@ def test_dmp_dlrm_trains_like_one_process_on_the_concatenated_batch(how, tmp_pat
         assert r["dense"].keys() == want_dense.keys()
         for k, v in want_dense.items():
             torch.testing.assert_close(r["dense"][k], v, rtol=1e-5, atol=1e-6, msg=f"{how} dense {k}")
+
+
+def test_dmp_one_table_of_ours_and_one_of_torchrec(tmp_path):
+    results = _spawn(tmp_path, "mixed")
+    ref = Mixed()
+    with torch.no_grad():  # TorchRec's sharded table draws its own initial rows: start from them
+        ref.theirs.embedding_bags["t1"].weight.copy_(results[0]["initial"])
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for r in results:
+        want = ("ShardedEmbeddingBagCollection", "torchrec.distributed.embeddingbag")
+        assert r["types"] == want, r["types"]
+        assert "data_parallel" in r["plan"] and "row_wise" in r["plan"], r["plan"]
+    for step in range(STEPS):
+        loss, out = ref(concat([local_batch(step, r) for r in range(WORLD)]))
+        for r in range(WORLD):
+            torch.testing.assert_close(results[r]["outs"][step], out[r * B : (r + 1) * B], rtol=1e-5,
+                                       atol=1e-6, msg=f"step {step}: rank {r}'s outputs")
+        opt.zero_grad()
+        loss.backward()
+        # TorchRec's data-parallel table sits under a DDP of its own, which averages its gradient
+        ref.theirs.embedding_bags["t1"].weight.grad /= WORLD
+        opt.step()
+    keys, rows = _sorted(*(torch.cat(parts) for parts in zip(*(r["rows"] for r in results))))
+    want = ref.ours.export("t0")
+    want_keys, want_rows = _sorted(want.keys, want.weights, want.optimizer_state)
+    assert torch.equal(keys, want_keys)
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6, msg="our table's rows")
+    for r in results:
+        torch.testing.assert_close(r["theirs"], ref.theirs.embedding_bags["t1"].weight.detach(), rtol=1e-5,
+                                   atol=1e-6, msg="TorchRec's table")
 
 
 def test_dmp_refuses_plans_it_does_not_do(tmp_path):
