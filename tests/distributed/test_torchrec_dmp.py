@@ -141,8 +141,8 @@ def _refusals(rank: int) -> dict:
             loss, _ = model(local_batch(0, rank))  # the unsharded collection still works
             got[name] = (str(e), bool(torch.isfinite(loss)))
     # a table TorchRec's planner may only place table-wise (a constraint): no plan for it at all
-    planner = EmbeddingShardingPlanner(topology(),
-                                       constraints={"t0": ParameterConstraints(sharding_types=["table_wise"])})
+    only_table_wise = {"t0": ParameterConstraints(sharding_types=["table_wise"])}
+    planner = EmbeddingShardingPlanner(topology(), constraints=only_table_wise)
     try:
         planner.plan(build(WORLD * B), [tt.EmbeddingBagCollectionSharder()])
         got["constraint"] = None
