@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -56,6 +57,17 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection"]
+
+# ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder``, for TorchRec's
+# DistributedModelParallel, are in ``tieredemb/torchrec_dmp.py``, which imports this module: they are
+# loaded on first use of their names here rather than at import
+_SHARDERS = frozenset({"EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _SHARDERS:
+        return getattr(importlib.import_module("tieredemb.torchrec_dmp"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # the config fields translated into a te.TableConfig; every other field must keep its default
 _MAPPED = frozenset({"name", "embedding_dim", "num_embeddings", "feature_names", "pooling", "data_type",
@@ -297,6 +309,11 @@ class _TorchRecBatches:
     def withdraw(self, kjt: object) -> None:
         super().withdraw(self._features.find(kjt, forget=True))
 
+    def init_arguments(self) -> dict[str, object]:
+        """The keyword arguments the collection was built with, but ``device`` and
+        ``process_group`` (a sharder for ``DistributedModelParallel`` rebuilds it from them)."""
+        return dict(self._arguments)
+
 
 # --------------------------------------------------------------------------------------------------
 # the collections
@@ -344,6 +361,8 @@ class EmbeddingBagCollection(_TorchRecBatches, _OurEBC):
                          process_group=process_group, kernels=kernels, capture=capture)
         _adopt_feature_names(tables)
         self._configs = tables
+        self._arguments = dict(optimizer=optimizer, storage=storage, seed=seed, is_weighted=is_weighted,
+                               initializers=initializers, kernels=kernels, capture=capture)
         self._features = _Features([f for t in ours for f in t.feature_names], sources)
 
     @property
@@ -397,6 +416,8 @@ class EmbeddingCollection(_TorchRecBatches, _OurEC):
                          process_group=process_group, kernels=kernels, capture=capture)
         _adopt_feature_names(tables)
         self._configs = tables
+        self._arguments = dict(optimizer=optimizer, storage=storage, seed=seed, need_indices=need_indices,
+                               initializers=initializers, kernels=kernels, capture=capture)
         self._need_indices = bool(need_indices)
         self._names_by_table = [list(t.feature_names) for t in ours]
         self._features = _Features([f for t in ours for f in t.feature_names], sources)
