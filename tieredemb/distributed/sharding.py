@@ -148,10 +148,13 @@ class RowWiseSharding:
 
     def import_rows(self, g: int, i: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                     admission: bool) -> None:
-        """A collective: each saved row (or admission count, in ``scores``) to its owner."""
+        """A collective: each saved row (or admission count, in ``scores``) to its owner; a key two
+        ranks give keeps the later rank's (as ``write``), so the owner stores it once."""
         order, send, recv, keys = self._route(g, i, keys)
         rows = exchange(rows[order], send, recv, self.group)
         scores = exchange(scores[order], send, recv, self.group)
+        last = last_of_duplicates(keys)
+        keys, rows, scores = keys[last], rows[last], scores[last]
         if admission:
             self.tiers[g].import_admission(i, keys, scores)
         else:
