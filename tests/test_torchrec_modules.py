@@ -541,10 +541,17 @@ def test_the_docs_example_runs(capsys) -> None:
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "torchrec.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    # the second, DistributedModelParallel's, needs ranks: tests/distributed/test_torchrec_dmp.py
-    assert len(blocks) == 2, "docs/torchrec.md examples changed: update this test"
-    exec(compile(blocks[0], "docs/torchrec.md example", "exec"), {})  # noqa: S102
+    # the last, DistributedModelParallel's, needs ranks: tests/distributed/test_torchrec_dmp.py
+    assert len(blocks) == 3, "docs/torchrec.md examples changed: update this test"
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/torchrec.md example", "exec"), namespace)  # noqa: S102
     assert "{'device': 2}" in capsys.readouterr().out
+    exec(compile(blocks[1], "docs/torchrec.md schedule and DCP example", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.split() == ["0.025", "{'device':", "2}"]
+    got = namespace["fresh"].sparse_arch.embedding_bag_collection.export("t0")
+    want = namespace["ebc"].export("t0")
+    order_got, order_want = torch.argsort(got.keys), torch.argsort(want.keys)
+    assert torch.equal(got.weights[order_got], want.weights[order_want])  # DCP brought the rows
 
 
 @pytest.mark.parametrize("data_type, dtype", [(DataType.FP16, torch.float16),
