@@ -196,11 +196,46 @@ def _mixed(rank: int) -> dict:
                                                          type(dmp.module.theirs).__module__)}
 
 
+class Sequences(torch.nn.Module):
+    """``tieredemb.torchrec.EmbeddingCollection`` (one row per id) and a linear layer over every
+    id's row; the loss is this rank's share of the sum over the global batch's ids."""
+
+    def __init__(self, global_batch: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ec = tt.EmbeddingCollection(
+            [torchrec.EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=rows, feature_names=[f])
+             for n, rows, f in TABLES], optimizer=te.optim.Adam(lr=LR), seed=3)
+        self.top, self.global_batch = torch.nn.Linear(DIM, 1), global_batch
+
+    def forward(self, kjt) -> torch.Tensor:
+        out = self.ec(kjt)
+        return sum(self.top(out[f].values()).sum() for _, _, f in TABLES) / self.global_batch
+
+
+def _sequences(rank: int) -> dict:
+    """``EmbeddingCollectionSharder``: the losses of each step and the shard's rows afterwards."""
+    dmp = DistributedModelParallel(Sequences(WORLD * B), device=torch.device("cpu"),
+                                   sharders=[tt.EmbeddingCollectionSharder()])
+    get_module(dmp).register_comm_hook(None, _sum_hook)
+    opt = torch.optim.SGD(dmp.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = dmp(local_batch(step, rank).sparse_features)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    ec = dmp.module.ec
+    rows = {n: (lambda r: (r.keys, r.weights, r.optimizer_state))(ec.export(n)) for n, _, _ in TABLES}
+    return {"losses": losses, "rows": rows, "type": type(ec).__name__, "plan": str(dmp.plan)}
+
+
 def _worker(rank: int, world: int, port: int, tmp: str, how: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        if how in ("refusals", "mixed"):
-            result = _refusals(rank) if how == "refusals" else _mixed(rank)
+        if how in ("refusals", "mixed", "sequences"):
+            result = {"refusals": _refusals, "mixed": _mixed, "sequences": _sequences}[how](rank)
             torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
             return
         dmp = DistributedModelParallel(build(world * B), device=torch.device("cpu"),
@@ -310,3 +345,27 @@ def test_sharder_needs_a_process_group():
     with pytest.raises(ValueError, match="needs a process group"):
         tt.EmbeddingBagCollectionSharder().shard(ebc, params, ShardingEnv.from_local(2, 0))
     assert torch.isfinite(model(local_batch(0, 0))[0])
+
+
+def test_dmp_embedding_collection_trains_like_one_process(tmp_path):
+    """``EmbeddingCollectionSharder``: unpooled rows, row-wise by our routing; the ranks' losses add
+    up to the one process's on the concatenated batch, and their shards hold its rows."""
+    results = _spawn(tmp_path, "sequences")
+    for r in results:
+        assert r["type"] == "ShardedEmbeddingCollection", r["type"]
+        assert "row_wise" in r["plan"], r["plan"]
+    ref = Sequences(WORLD * B)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        loss = ref(concat([local_batch(step, r) for r in range(WORLD)]).sparse_features)
+        torch.testing.assert_close(sum(r["losses"][step] for r in results), loss.detach(), rtol=1e-5,
+                                   atol=1e-6, msg=f"step {step}: the ranks' losses")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for name, _, _ in TABLES:
+        keys, rows = _sorted(*(torch.cat(parts) for parts in zip(*(r["rows"][name] for r in results))))
+        want = ref.ec.export(name)
+        want_keys, want_rows = _sorted(want.keys, want.weights, want.optimizer_state)
+        assert torch.equal(keys, want_keys), f"table {name}: keys (each owned by one rank)"
+        torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6, msg=f"table {name}")
