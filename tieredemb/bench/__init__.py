@@ -200,6 +200,9 @@ def _add_dist(sub) -> None:
     _add_out(d, "dist")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: NCCL over GPUs (default when available); cpu: gloo processes (a smoke run)")
+    d.add_argument("--pipeline", dest="dist_pipeline", action="store_true",
+                   help="also time each world size under te.TrainPipeline (the next batch's input dist and "
+                        "prefetch beside this step)")
 
 
 def _add_stash(sub) -> argparse.ArgumentParser:
@@ -341,7 +344,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
 
         shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
         return run(args.gpus, shape, args.optimizer, args.steps, args.warmup, args.seed, args.out, argv,
-                   args.dist_workload, device.type, args.scale, args.alpha)
+                   args.dist_workload, device.type, args.scale, args.alpha, args.dist_pipeline)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             raise ValueError(f"--kernels: unknown kernels {k!r} (auto, torch or triton)")

@@ -17,12 +17,15 @@ world size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import statistics
 import tempfile
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -32,9 +35,9 @@ import torch.distributed as dist
 import tieredemb as te
 from tieredemb.bench.cache_runs import RankBatches
 from tieredemb.bench.cache_runs import table_configs as cache_tables
-from tieredemb.bench.hbm import OPTIMIZERS, upstream_grad
+from tieredemb.bench.hbm import OPTIMIZERS, UpstreamLoss, upstream_grad
 from tieredemb.bench.report import machine_info, report_path, write_report
-from tieredemb.bench.timing import time_ms
+from tieredemb.bench.timing import free_memory, synchronize, time_ms
 from tieredemb.bench.workloads import HbmBatches, HbmShape, scramble
 
 CACHE_FRACTION = 0.1
@@ -59,8 +62,10 @@ def _preinsert(ebc: te.EmbeddingBagCollection, shape: HbmShape, rank: int, world
 
 
 def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, rank: int, world: int,
-           seed: int):
-    """(collection, batches) of one rank."""
+           seed: int, sharded: bool = True):
+    """(collection, batches) of one rank; ``sharded=False``: the same collection with no process
+    group (the world-size-1 baseline)."""
+    group = dist.group.WORLD if sharded else None
     if workload == "cache":
         budget = CACHE_FRACTION * shape.num_tables * shape.rows * (shape.dim + 1) * 4 / world
         # each rank's host store page-locked up front for its shard (+5% for imbalance): growing it
@@ -68,12 +73,83 @@ def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, ra
         backing = te.storage.HostMemory(reserve_rows=int(shape.rows / world * 1.05))
         ebc = te.EmbeddingBagCollection(cache_tables(shape), optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=te.StorageConfig(hbm_budget=int(budget), backing=backing),
-                                        device=dev, seed=seed, process_group=dist.group.WORLD)
+                                        device=dev, seed=seed, process_group=group)
         return ebc, RankBatches(shape, dev, seed=seed + 1 + rank)
     ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
-                                    device=dev, seed=seed, process_group=dist.group.WORLD)
+                                    device=dev, seed=seed, process_group=group)
     _preinsert(ebc, shape, rank, world, seed)
     return ebc, HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
+
+
+PARTS = ("prefetch", "forward", "backward")
+"""The parts of a step timed apart: prefetch = input dist (ids to owners) + the owners' resolution;
+forward = the owners' gather + output dist (rows back) + pooling; backward = gradient dist + the
+owners' fused update."""
+
+
+@dataclass
+class RankTimes:
+    """One collection's figures on one rank: the plain step's median, each part's median, and the
+    mean step under ``te.TrainPipeline`` (None when not run)."""
+
+    median_ms: float
+    times_ms: list[float]
+    parts_ms: dict[str, float]
+    pipelined_ms: float | None = None
+
+
+def _time_collection(ebc, batches, grad, dev: torch.device, steps: int, warmup: int, pipeline: bool,
+                     sync) -> RankTimes:
+    """Plain steps (prefetch, forward, backward), then the same number with each part timed apart,
+    then (``pipeline``) as many under ``te.TrainPipeline``; each on batches of its own."""
+
+    def step(batch) -> None:
+        ebc.prefetch(batch.kjt)
+        ebc(batch.kjt).values().backward(grad)
+
+    times = []
+    for i in range(warmup + steps):
+        batch = batches.batch(i)
+        sync()
+        ms = time_ms(lambda b=batch: step(b), dev)
+        if i >= warmup:
+            times.append(ms)
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
+    for i in range(warmup + steps, warmup + 2 * steps):
+        for name, fn in zip(PARTS, _step_parts(ebc, batches.batch(i).kjt, grad)):
+            sync()
+            parts[name].append(time_ms(fn, dev))
+    result = RankTimes(statistics.median(times), times, {k: statistics.median(v) for k, v in parts.items()})
+    if pipeline:
+        result.pipelined_ms = _pipelined_ms(ebc, batches, grad, dev, warmup + 2 * steps, steps, warmup, sync)
+    return result
+
+
+def _step_parts(ebc, kjt, grad) -> list:
+    """The calls of one step, in order: prefetch, forward, backward."""
+    out = []
+    return [lambda: ebc.prefetch(kjt), lambda: out.append(ebc(kjt).values()), lambda: out[0].backward(grad)]
+
+
+def _pipelined_ms(ebc, batches, grad, dev: torch.device, first: int, steps: int, warmup: int, sync) -> float:
+    """The mean step of ``te.TrainPipeline`` (the next batch's input dist and prefetch beside this
+    step's compute) over ``steps`` batches after ``warmup`` untimed ones."""
+    model = UpstreamLoss(ebc, grad)
+    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=dev)
+
+    def train(lo: int, hi: int) -> None:
+        it = iter([{"kjt": batches.batch(i).kjt} for i in range(lo, hi)])
+        with contextlib.suppress(StopIteration):
+            while True:
+                pipe.progress(it)
+
+    train(first, first + warmup)
+    sync()
+    synchronize(dev)
+    t0 = time.perf_counter()
+    train(first + warmup, first + warmup + steps)
+    synchronize(dev)
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 LOAD_FIELDS = ("lookups", "keys_received", "unique_lookups", "rows")
@@ -96,7 +172,7 @@ def imbalance(values: list[int]) -> float | None:
 
 
 def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
-          warmup: int, seed: int, out: str, cuda: bool) -> None:
+          warmup: int, seed: int, out: str, cuda: bool, pipeline: bool = False) -> None:
     # the host's cores shared out (cache mode does host work): N ranks with a thread per core each
     # oversubscribe the CPU (torchrun sets OMP_NUM_THREADS=1 for the same reason)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -106,37 +182,35 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed)
         grad = upstream_grad(shape, dev, seed)
-
-        def step(batch) -> None:
-            ebc.prefetch(batch.kjt)
-            ebc(batch.kjt).values().backward(grad)
-
-        times = []
-        for i in range(warmup + steps):
-            batch = batches.batch(i)
-            dist.barrier()
-            ms = time_ms(lambda b=batch: step(b), dev)
-            if i >= warmup:
-                times.append(ms)
+        report: dict = {}
+        if world == 1:  # the same batches with no process group: what sharding itself costs
+            ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed, sharded=False)
+            report["unsharded"] = dataclasses.asdict(
+                _time_collection(ebc, batches, grad, dev, steps, warmup, pipeline, lambda: None))
+            del ebc, batches
+            free_memory(dev)
+        ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed)
+        report.update(dataclasses.asdict(
+            _time_collection(ebc, batches, grad, dev, steps, warmup, pipeline, dist.barrier)))
         stats = ebc.stats().values()
-        rows = sum(s.rows["device"] for s in stats)
         hits, unique = sum(s.hits for s in stats), sum(s.unique_lookups for s in stats)
-        load = rank_loads(ebc.stats(all_ranks=True))  # a collective: every rank's, here for the report
+        report["rows"] = sum(s.rows["device"] for s in stats)
+        report["hit_rate"] = hits / unique if unique else None
+        report["load"] = rank_loads(ebc.stats(all_ranks=True))  # a collective: every rank's
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"median_ms": statistics.median(times), "times_ms": times, "rows": rows,
-                       "hit_rate": hits / unique if unique else None, "load": load}, f)
+            json.dump(report, f)
     finally:
         dist.destroy_process_group()
 
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
         out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda",
-        scale: float | None = None, alphas: list[float] | None = None) -> int:
+        scale: float | None = None, alphas: list[float] | None = None, pipeline: bool = False) -> int:
     """``gpus``: world sizes; on ``device="cpu"`` they are gloo processes (a smoke run: the figures
     that mean something are NCCL's). ``scale``: the one the shape was scaled by, for the report.
-    ``alphas``: Zipf exponents of the ids, each run at every world size (default: the shape's)."""
+    ``alphas``: Zipf exponents of the ids, each run at every world size (default: the shape's).
+    ``pipeline``: each collection also under ``te.TrainPipeline``."""
     import torch.multiprocessing as mp
 
     cuda = device == "cuda"
@@ -152,7 +226,7 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
         for world in gpus:
             with tempfile.TemporaryDirectory() as tmp:
                 mp.spawn(_rank, args=(world, _free_port(), workload, zipf, optimizer, steps, warmup, seed,
-                                      tmp, cuda), nprocs=world, join=True)
+                                      tmp, cuda, pipeline), nprocs=world, join=True)
                 ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
             results.append(_result(world, alpha, zipf, ranks))
             print(_rank_lines(results[-1], units), flush=True)
@@ -162,20 +236,34 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
     write_report(path, {"machine": machine_info(torch.device(device)), "argv": argv,
                         "date": started.isoformat(timespec="seconds"), "scale": scale,
                         "workload": workload, "shape": dataclasses.asdict(shape), "optimizer": optimizer,
-                        "results": results},
+                        "pipeline": pipeline, "results": results},
                  table)
     print(f"report: {path}")
     return 0
 
 
+OVERHEAD_TARGET = 1.2  # the sharded step at one GPU over the unsharded one, at most
+SCALING_TARGET = 0.9  # per-GPU throughput at 2 and 4 GPUs over one GPU's, at least
+
+
+def _slowest(ranks: list[dict], key: str) -> float | None:
+    values = [r[key] for r in ranks]
+    return None if None in values else max(values)
+
+
 def _result(world: int, alpha: float, shape: HbmShape, ranks: list[dict]) -> dict:
     step_ms = max(r["median_ms"] for r in ranks)
     load = ranks[0]["load"]
-    return {"gpus": world, "alpha": alpha, "step_ms": step_ms,
-            "rank_median_ms": [r["median_ms"] for r in ranks],
-            "rows_per_rank": [r["rows"] for r in ranks], "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
-            "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3), "load_per_rank": load,
-            "load_imbalance": {name: imbalance(load[name]) for name in LOAD_FIELDS}}
+    out = {"gpus": world, "alpha": alpha, "step_ms": step_ms,
+           "rank_median_ms": [r["median_ms"] for r in ranks],
+           "parts_ms": {name: max(r["parts_ms"][name] for r in ranks) for name in PARTS},
+           "pipelined_ms": _slowest(ranks, "pipelined_ms"),
+           "rows_per_rank": [r["rows"] for r in ranks], "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
+           "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3), "load_per_rank": load,
+           "load_imbalance": {name: imbalance(load[name]) for name in LOAD_FIELDS}}
+    if "unsharded" in ranks[0]:
+        out["unsharded"] = {k: ranks[0]["unsharded"][k] for k in ("median_ms", "parts_ms", "pipelined_ms")}
+    return out
 
 
 def _rank_lines(r: dict, units: str) -> str:
@@ -186,15 +274,22 @@ def _rank_lines(r: dict, units: str) -> str:
             + "\n".join(f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS))
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, steps: int, unit: str,
            units: str) -> str:
-    """One line per (alpha, world size); throughput against the first world size at that alpha."""
+    """One line per (alpha, world size); throughput against the first world size at that alpha;
+    then the unsharded baseline and the targets."""
     what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
     lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
              f"{what}, per-{unit} batch {shape.batch_size} x {shape.bag_size} ids a table; "
-             f"median of {steps} steps, the slowest rank; load: the busiest rank over the mean"]
-    head = [units, "alpha", "step ms", f"lookups/s per {unit}", f"per-{unit} throughput vs 1st",
-            "lookups max/mean", "keys received max/mean", "rows max/mean"]
+             f"median of {steps} steps, the slowest rank; parts timed apart (prefetch = input dist + "
+             f"resolve, forward = gather + output dist, backward = grad dist + update); "
+             f"load: the busiest rank over the mean"]
+    head = [units, "alpha", "step ms", "prefetch/fwd/bwd ms", "TrainPipeline ms", f"lookups/s per {unit}",
+            f"per-{unit} throughput vs 1st", "lookups max/mean", "keys received max/mean", "rows max/mean"]
     w = [len(h) for h in head]
     lines += [" | ".join(head), "-+-".join("-" * n for n in w)]
     base: dict[float, float] = {}
@@ -202,7 +297,33 @@ def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, 
         r["efficiency"] = r["lookups_per_s_per_gpu"] / base.setdefault(r["alpha"], r["lookups_per_s_per_gpu"])
         ratios = [r["load_imbalance"][name] for name in ("lookups", "keys_received", "rows")]
         cells = [f"{x:.3f}" if x is not None else "-" for x in ratios]
+        parts = "/".join(f"{r['parts_ms'][name]:.2f}" for name in PARTS)
         lines.append(f"{r['gpus']:>{w[0]}} | {r['alpha']:>{w[1]}} | {r['step_ms']:{w[2]}.3f} | "
-                     f"{r['lookups_per_s_per_gpu']:{w[3]}.3e} | {r['efficiency']:{w[4]}.2f} | "
-                     f"{cells[0]:>{w[5]}} | {cells[1]:>{w[6]}} | {cells[2]:>{w[7]}}")
-    return "\n".join(lines)
+                     f"{parts:>{w[3]}} | {_ms(r['pipelined_ms']):>{w[4]}} | "
+                     f"{r['lookups_per_s_per_gpu']:{w[5]}.3e} | {r['efficiency']:{w[6]}.2f} | "
+                     f"{cells[0]:>{w[7]}} | {cells[1]:>{w[8]}} | {cells[2]:>{w[9]}}")
+    return "\n".join(lines + _targets(results, unit, units))
+
+
+def _targets(results: list[dict], unit: str, units: str) -> list[str]:
+    """The world-size-1 overhead against the unsharded step, and the per-GPU throughput at 2+."""
+    lines = []
+    for r in results:
+        plain = r.get("unsharded")
+        if plain:
+            parts = "/".join(f"{plain['parts_ms'][name]:.2f}" for name in PARTS)
+            lines.append(f"alpha {r['alpha']}: unsharded (no process group) step {plain['median_ms']:.3f} ms "
+                         f"(prefetch/fwd/bwd {parts}), TrainPipeline {_ms(plain['pipelined_ms'])}")
+            pairs = [("plain loop", r["step_ms"], plain["median_ms"]),
+                     ("TrainPipeline", r["pipelined_ms"], plain["pipelined_ms"])]
+            for how, sharded, unsharded in pairs:
+                if sharded and unsharded:
+                    ratio = sharded / unsharded
+                    met = "met" if ratio <= OVERHEAD_TARGET else "NOT met"
+                    lines.append(f"  sharded over 1 {unit} / unsharded, {how}: {ratio:.2f}x "
+                                 f"(target <= {OVERHEAD_TARGET}: {met})")
+        elif r["gpus"] > 1:
+            met = "met" if r["efficiency"] >= SCALING_TARGET else "NOT met"
+            lines.append(f"alpha {r['alpha']}, {r['gpus']} {units}: per-{unit} throughput "
+                         f"{r['efficiency']:.2f} of the first (target >= {SCALING_TARGET}: {met})")
+    return lines
