@@ -268,10 +268,17 @@ def _result(world: int, alpha: float, shape: HbmShape, ranks: list[dict]) -> dic
 
 def _rank_lines(r: dict, units: str) -> str:
     load = r["load_per_rank"]
-    return (f"{r['gpus']} {units}, alpha {r['alpha']}: step {r['step_ms']:.3f} ms (ranks "
-            f"{[round(x, 3) for x in r['rank_median_ms']]}), device rows per rank {r['rows_per_rank']}, "
-            f"hit rates {[None if h is None else round(h, 3) for h in r['hit_rate_per_rank']]}\n"
-            + "\n".join(f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS))
+    parts = "/".join(f"{r['parts_ms'][name]:.3f}" for name in PARTS)
+    lines = [f"{r['gpus']} {units}, alpha {r['alpha']}: step {r['step_ms']:.3f} ms (ranks "
+             f"{[round(x, 3) for x in r['rank_median_ms']]}), prefetch/fwd/bwd {parts}, TrainPipeline "
+             f"{_ms(r['pipelined_ms'])}, device rows per rank {r['rows_per_rank']}, hit rates "
+             f"{[None if h is None else round(h, 3) for h in r['hit_rate_per_rank']]}"]
+    if "unsharded" in r:
+        u = r["unsharded"]
+        parts = "/".join(f"{u['parts_ms'][name]:.3f}" for name in PARTS)
+        lines.append(f"  unsharded: step {u['median_ms']:.3f} ms, prefetch/fwd/bwd {parts}, TrainPipeline "
+                     f"{_ms(u['pipelined_ms'])}")
+    return "\n".join(lines + [f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS])
 
 
 def _ms(x: float | None) -> str:
