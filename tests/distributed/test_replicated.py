@@ -131,10 +131,12 @@ def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], v
                 outs = train(ebc, rank, ahead=variant.endswith("prefetch"))
                 ebc.flush()
                 rows = {t: ebc.export(t) for t in ("t0", "t1", "t2")}
-                stats = ebc.stats()
+                hot = HOT if variant.startswith("keys") else most_used(world)
                 result[(optimizer, variant)] = {
-                    "outs": outs, "copies": copies(ebc, HOT if variant.startswith("keys") else most_used(world)), "replicated": {t: s.replicated for t, s in stats.items()},
-                    "rows": {t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1)) for t, r in rows.items()}}
+                    "outs": outs, "copies": copies(ebc, hot),
+                    "replicated": {t: s.replicated for t, s in ebc.stats().items()},
+                    "rows": {t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1))
+                             for t, r in rows.items()}}
                 ebc.close()
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
@@ -214,7 +216,8 @@ def test_replicated_training_equals_unreplicated_and_one_process(world, tmp_path
             check_run(results, optimizer, variant, ref_outs, ref, world, dict(rtol=1e-5, atol=1e-6))
         for variant in VARIANTS[1:]:  # and to the unreplicated run
             for r in range(world):
-                for a, b in zip(results[r][(optimizer, variant)]["outs"], results[r][(optimizer, "plain")]["outs"]):
+                plain = results[r][(optimizer, "plain")]["outs"]
+                for a, b in zip(results[r][(optimizer, variant)]["outs"], plain):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
