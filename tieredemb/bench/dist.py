@@ -12,7 +12,11 @@ its host store reserved for its shard; no prefill (the warmup steps fill the cac
 world size.
 
     tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N] [--warmup N]
-                         [--optimizer adam] [--out DIR]
+                         [--optimizer adam] [--alpha 1.05,1.2] [--replicate-hot N] [--out DIR]
+
+``--replicate-hot N``: each run again with the N hottest keys of every table (the Zipf ranks 0..N-1)
+replicated on every rank (``te.HotRows(keys=...)``), so the load columns show what replication takes
+off the busiest rank.
 """
 
 from __future__ import annotations
@@ -58,20 +62,32 @@ def _preinsert(ebc: te.EmbeddingBagCollection, shape: HbmShape, rank: int, world
             ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
 
 
+def _hot(workload: str, configs: list[te.TableConfig], n: int) -> te.HotRows | None:
+    """The n hottest keys of every table replicated (their Zipf ranks 0..n-1), or None (n = 0)."""
+    if not n:
+        return None
+    ranks = torch.arange(n)
+    return te.HotRows(keys={c.name: ranks if workload == "cache" else scramble(ranks, t)
+                            for t, c in enumerate(configs)})
+
+
 def _build(workload: str, shape: HbmShape, optimizer: str, dev: torch.device, rank: int, world: int,
-           seed: int):
+           seed: int, replicate_hot: int = 0):
     """(collection, batches) of one rank."""
     if workload == "cache":
         budget = CACHE_FRACTION * shape.num_tables * shape.rows * (shape.dim + 1) * 4 / world
         # each rank's host store page-locked up front for its shard (+5% for imbalance): growing it
         # while training stalls a rank (docs/backends.md), and the slowest rank sets the step
         backing = te.storage.HostMemory(reserve_rows=int(shape.rows / world * 1.05))
+        storage = te.StorageConfig(hbm_budget=int(budget), backing=backing,
+                                   replicate_hot=_hot(workload, cache_tables(shape), replicate_hot))
         ebc = te.EmbeddingBagCollection(cache_tables(shape), optimizer=te.optim.RowWiseAdagrad(lr=0.05),
-                                        storage=te.StorageConfig(hbm_budget=int(budget), backing=backing),
+                                        storage=storage,
                                         device=dev, seed=seed, process_group=dist.group.WORLD)
         return ebc, RankBatches(shape, dev, seed=seed + 1 + rank)
+    storage = te.StorageConfig(replicate_hot=_hot(workload, shape.table_configs(), replicate_hot))
     ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[optimizer][0](),
-                                    device=dev, seed=seed, process_group=dist.group.WORLD)
+                                    storage=storage, device=dev, seed=seed, process_group=dist.group.WORLD)
     _preinsert(ebc, shape, rank, world, seed)
     return ebc, HbmBatches(shape, dev, seed=seed + 1 + rank)  # each rank its own batches
 
@@ -96,7 +112,7 @@ def imbalance(values: list[int]) -> float | None:
 
 
 def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, optimizer: str, steps: int,
-          warmup: int, seed: int, out: str, cuda: bool) -> None:
+          warmup: int, seed: int, out: str, cuda: bool, replicate_hot: int = 0) -> None:
     # the host's cores shared out (cache mode does host work): N ranks with a thread per core each
     # oversubscribe the CPU (torchrun sets OMP_NUM_THREADS=1 for the same reason)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -106,7 +122,7 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed)
+        ebc, batches = _build(workload, shape, optimizer, dev, rank, world, seed, replicate_hot)
         grad = upstream_grad(shape, dev, seed)
 
         def step(batch) -> None:
@@ -133,10 +149,11 @@ def _rank(rank: int, world: int, port: int, workload: str, shape: HbmShape, opti
 
 def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: int, seed: int,
         out_dir: str, argv: list[str], workload: str = "hbm", device: str = "cuda",
-        scale: float | None = None, alphas: list[float] | None = None) -> int:
+        scale: float | None = None, alphas: list[float] | None = None, replicate_hot: int = 0) -> int:
     """``gpus``: world sizes; on ``device="cpu"`` they are gloo processes (a smoke run: the figures
     that mean something are NCCL's). ``scale``: the one the shape was scaled by, for the report.
-    ``alphas``: Zipf exponents of the ids, each run at every world size (default: the shape's)."""
+    ``alphas``: Zipf exponents of the ids, each run at every world size (default: the shape's).
+    ``replicate_hot``: where > 0, each run again with that many hottest keys a table replicated."""
     import torch.multiprocessing as mp
 
     cuda = device == "cuda"
@@ -150,12 +167,13 @@ def run(gpus: list[int], shape: HbmShape, optimizer: str, steps: int, warmup: in
     for alpha in alphas or [shape.alpha]:
         zipf = dataclasses.replace(shape, alpha=alpha)
         for world in gpus:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(_rank, args=(world, _free_port(), workload, zipf, optimizer, steps, warmup, seed,
-                                      tmp, cuda), nprocs=world, join=True)
-                ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-            results.append(_result(world, alpha, zipf, ranks))
-            print(_rank_lines(results[-1], units), flush=True)
+            for hot in [0, replicate_hot] if replicate_hot else [0]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    mp.spawn(_rank, args=(world, _free_port(), workload, zipf, optimizer, steps, warmup, seed,
+                                          tmp, cuda, hot), nprocs=world, join=True)
+                    ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+                results.append(_result(world, alpha, zipf, ranks) | {"replicate_hot": hot})
+                print(_rank_lines(results[-1], units), flush=True)
     table = _table(results, shape, workload, optimizer, steps, unit, units)
     print(table)
     path = report_path(out_dir, "dist", started)
@@ -180,7 +198,8 @@ def _result(world: int, alpha: float, shape: HbmShape, ranks: list[dict]) -> dic
 
 def _rank_lines(r: dict, units: str) -> str:
     load = r["load_per_rank"]
-    return (f"{r['gpus']} {units}, alpha {r['alpha']}: step {r['step_ms']:.3f} ms (ranks "
+    hot = f", {r['replicate_hot']} hot keys a table replicated" if r["replicate_hot"] else ""
+    return (f"{r['gpus']} {units}, alpha {r['alpha']}{hot}: step {r['step_ms']:.3f} ms (ranks "
             f"{[round(x, 3) for x in r['rank_median_ms']]}), device rows per rank {r['rows_per_rank']}, "
             f"hit rates {[None if h is None else round(h, 3) for h in r['hit_rate_per_rank']]}\n"
             + "\n".join(f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS))
@@ -188,21 +207,24 @@ def _rank_lines(r: dict, units: str) -> str:
 
 def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, steps: int, unit: str,
            units: str) -> str:
-    """One line per (alpha, world size); throughput against the first world size at that alpha."""
+    """One line per (alpha, world size, replication); throughput against the first world size at
+    that alpha and replication."""
     what = optimizer if workload == "hbm" else "rowwise_adagrad, cache of 10% of each shard"
     lines = [f"dist: {workload} workload {shape.num_tables} tables x {shape.rows} rows x D={shape.dim}, "
              f"{what}, per-{unit} batch {shape.batch_size} x {shape.bag_size} ids a table; "
              f"median of {steps} steps, the slowest rank; load: the busiest rank over the mean"]
-    head = [units, "alpha", "step ms", f"lookups/s per {unit}", f"per-{unit} throughput vs 1st",
-            "lookups max/mean", "keys received max/mean", "rows max/mean"]
+    head = [units, "alpha", "hot replicated", "step ms", f"lookups/s per {unit}",
+            f"per-{unit} throughput vs 1st", "lookups max/mean", "keys received max/mean", "rows max/mean"]
     w = [len(h) for h in head]
     lines += [" | ".join(head), "-+-".join("-" * n for n in w)]
-    base: dict[float, float] = {}
+    base: dict[tuple, float] = {}
     for r in results:
-        r["efficiency"] = r["lookups_per_s_per_gpu"] / base.setdefault(r["alpha"], r["lookups_per_s_per_gpu"])
+        first = base.setdefault((r["alpha"], r["replicate_hot"]), r["lookups_per_s_per_gpu"])
+        r["efficiency"] = r["lookups_per_s_per_gpu"] / first
         ratios = [r["load_imbalance"][name] for name in ("lookups", "keys_received", "rows")]
         cells = [f"{x:.3f}" if x is not None else "-" for x in ratios]
-        lines.append(f"{r['gpus']:>{w[0]}} | {r['alpha']:>{w[1]}} | {r['step_ms']:{w[2]}.3f} | "
-                     f"{r['lookups_per_s_per_gpu']:{w[3]}.3e} | {r['efficiency']:{w[4]}.2f} | "
-                     f"{cells[0]:>{w[5]}} | {cells[1]:>{w[6]}} | {cells[2]:>{w[7]}}")
+        lines.append(f"{r['gpus']:>{w[0]}} | {r['alpha']:>{w[1]}} | {r['replicate_hot']:>{w[2]}} | "
+                     f"{r['step_ms']:{w[3]}.3f} | {r['lookups_per_s_per_gpu']:{w[4]}.3e} | "
+                     f"{r['efficiency']:{w[5]}.2f} | {cells[0]:>{w[6]}} | {cells[1]:>{w[7]}} | "
+                     f"{cells[2]:>{w[8]}}")
     return "\n".join(lines)
