@@ -59,3 +59,19 @@ def test_bench_dist_reports_each_rank_load_at_each_alpha(tmp_path, capsys):
     assert sum(received[1]) < sum(received[0])  # a steeper Zipf: fewer distinct keys a batch
     printed = capsys.readouterr().out
     assert "keys received max/mean" in printed and "keys_received   per rank" in printed
+
+
+@pytest.mark.slow
+def test_bench_dist_replicate_hot_takes_load_off_the_busiest_rank(tmp_path, capsys):
+    rc = main(["dist", "--device", "cpu", "--gpus", "2", "--scale", "0.001", "--steps", "1", "--warmup", "1",
+               "--alpha", "1.2", "--optimizer", "sgd", "--replicate-hot", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads(next(tmp_path.glob("*-dist.json")).read_text())
+    plain, hot = report["results"]
+    assert (plain["replicate_hot"], hot["replicate_hot"]) == (0, 8)
+    received = plain["load_per_rank"]["keys_received"], hot["load_per_rank"]["keys_received"]
+    assert max(received[1]) < max(received[0])  # the hottest keys no longer go to their owners
+    # every id of both ranks' 2 steps still served once (the hot ones where they occur)
+    assert sum(hot["load_per_rank"]["lookups"]) == sum(plain["load_per_rank"]["lookups"])
+    printed = capsys.readouterr().out
+    assert "8 hot keys a table replicated" in printed and "hot replicated" in printed

@@ -29,7 +29,7 @@ from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableStats, unique_pairs
+from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableRows, TableStats, unique_pairs
 
 
 @dataclass
@@ -170,6 +170,13 @@ class RowWiseSharding:
         their owners; the keys this rank owns, from every rank, and their payloads."""
         order, send, recv, keys = self._route(g, i, keys)
         return keys, exchange(payload[order], send, recv, self.group)
+
+    def export(self, g: int, i: int) -> TableRows:
+        """The rows this rank owns."""
+        return self.tiers[g].export(i)
+
+    def export_chunks(self, g: int, i: int, rows: int):
+        return self.tiers[g].export_chunks(i, rows)
 
     def stats(self, g: int, i: int) -> TableStats:
         """This rank's load of table i of group g: its shard's counters and the pairs it received."""

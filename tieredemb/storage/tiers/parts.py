@@ -36,7 +36,9 @@ class TableStats:
     "device" the compute device's memory (where a host-memory store keeps its index on CUDA),
     "host" host memory. ``keys_received``: sharded, the (table, key) pairs this rank received to
     serve (each requesting rank's distinct keys, summed over ranks and batches): the rows it sends
-    back in the output dist and the gradients it receives; 0 unsharded.
+    back in the output dist and the gradients it receives; 0 unsharded. ``replicated``: sharded with
+    ``StorageConfig(replicate_hot=...)``, the table's keys every rank keeps a copy of (their lookups
+    are served where they occur, so they are not in ``keys_received``; ``rows`` counts the copies).
     """
 
     rows: dict[str, int]
@@ -52,6 +54,7 @@ class TableStats:
     memory_bytes: dict[str, int] = field(default_factory=dict)
     index_bytes: dict[str, int] = field(default_factory=dict)
     keys_received: int = 0
+    replicated: int = 0
 
 
 @dataclass
