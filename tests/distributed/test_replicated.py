@@ -70,7 +70,7 @@ def upstream(step: int, rank: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.rand(shape, generator=gen) + 0.5  # same sign: Adam far from sign flips
 
 
-def build(optimizer: str, variant: str, store: str | None, group=None, dtype=torch.float32):
+def build(optimizer: str, variant: str, store: str | None, group=None, dtype=torch.float32, device="cpu"):
     hot = None
     if variant.startswith("keys"):
         hot = te.HotRows(keys={t: torch.tensor(k) for t, k in HOT.items()})
@@ -82,20 +82,23 @@ def build(optimizer: str, variant: str, store: str | None, group=None, dtype=tor
                       backing=te.storage.RocksDB(store, shards=2))
     storage = te.StorageConfig(replicate_hot=hot, **kwargs)
     return te.EmbeddingBagCollection(tables(dtype), optimizer=OPTIMIZERS[optimizer](), storage=storage,
-                                     seed=5, process_group=group)
+                                     seed=5, process_group=group, device=device)
 
 
 def train(ebc, rank: int, ahead: bool) -> list[torch.Tensor]:
+    def batch(step: int) -> te.KeyedJaggedTensor:
+        return local_batch(step, rank)[0].to(ebc.device)
+
     outs = []
     if ahead:
-        ebc.prefetch(local_batch(0, rank)[0])
+        ebc.prefetch(batch(0))
     for step in range(STEPS):
-        kjt, _ = local_batch(step, rank)
+        kjt = batch(step)
         out = ebc(kjt).values()
-        outs.append(out.detach().clone())
+        outs.append(out.detach().cpu())
         if ahead and step + 1 < STEPS:
-            ebc.prefetch(local_batch(step + 1, rank)[0])
-        (out * upstream(step, rank, tuple(out.shape))).sum().backward()
+            ebc.prefetch(batch(step + 1))
+        (out * upstream(step, rank, tuple(out.shape)).to(out.device)).sum().backward()
     return outs
 
 
@@ -116,18 +119,22 @@ def most_used(world: int, window: int = 2, n: int = 2) -> dict[str, list[int]]:
 
 def copies(ebc, hot: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """This rank's own tier's whole rows of the ``hot`` keys (its copies; zeros where it has none)."""
-    return {t: ebc.read_full_rows(t, torch.tensor(k)) for t, k in hot.items()}
+    return {t: ebc.read_full_rows(t, torch.tensor(k, device=ebc.device)).cpu() for t, k in hot.items()}
 
 
 def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], variants: list[str],
-            dtype: torch.dtype) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            dtype: torch.dtype, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     result = {}
     try:
         for optimizer in optimizers:
             for variant in variants:
                 ebc = build(optimizer, variant, os.path.join(tmp, f"{optimizer}-{variant}"), dist.group.WORLD,
-                            dtype)
+                            dtype, device)
                 outs = train(ebc, rank, ahead=variant.endswith("prefetch"))
                 ebc.flush()
                 rows = {t: ebc.export(t) for t in ("t0", "t1", "t2")}
@@ -135,7 +142,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], v
                 result[(optimizer, variant)] = {
                     "outs": outs, "copies": copies(ebc, hot),
                     "replicated": {t: s.replicated for t, s in ebc.stats().items()},
-                    "rows": {t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1))
+                    "rows": {t: (r.keys.cpu(), torch.cat([r.weights, r.optimizer_state], 1).cpu())
                              for t, r in rows.items()}}
                 ebc.close()
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
@@ -149,8 +156,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, tmp, optimizers, variants, dtype=torch.float32) -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), optimizers, variants, dtype), nprocs=world,
+def run_ranks(world: int, tmp, optimizers, variants, dtype=torch.float32, device="cpu") -> list[dict]:
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), optimizers, variants, dtype, device), nprocs=world,
              join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -230,3 +237,15 @@ def test_bf16_rows_stay_identical_on_every_rank(tmp_path):
         ref_outs, ref = reference(optimizer, 2, torch.bfloat16)
         for variant in ("keys", "chosen"):
             check_run(results, optimizer, variant, ref_outs, ref, 2, dict(rtol=2e-2, atol=2e-3))
+
+
+@pytest.mark.parametrize("world", [w for w in (2, 4) if torch.cuda.device_count() >= w] or
+                         [pytest.param(2, marks=pytest.mark.skip(reason="needs 2 CUDA devices (NCCL)"))])
+def test_replicated_on_nccl_gpus_equals_one_process(world, tmp_path):
+    """The same on NCCL, each rank on its GPU, against one process on the CPU (the GPU sums floats
+    in another order: a looser tolerance); the hot copies still agree bit for bit."""
+    results = run_ranks(world, tmp_path, list(OPTIMIZERS), list(VARIANTS), device="cuda")
+    for optimizer in OPTIMIZERS:
+        ref_outs, ref = reference(optimizer, world)
+        for variant in VARIANTS:
+            check_run(results, optimizer, variant, ref_outs, ref, world, dict(rtol=1e-4, atol=1e-5))
