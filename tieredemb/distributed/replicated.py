@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tieredemb.config import HotRows, TableConfig
-from tieredemb.distributed import exchange, exchange_splits, owner_of, plan
+from tieredemb.distributed import exchange, exchange_splits, owner_of, route
 from tieredemb.distributed.sharding import RowWiseSharding, ShardedPrefetch
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
@@ -174,19 +174,18 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
         pos = hot.position(keys, tables) if served_locally else torch.full_like(keys, -1)
         cold = (pos < 0).nonzero().squeeze(1)
         owner = owner_of(keys[cold], self.salts[g][tables[cold]], self.world)
-        send_order, send_splits, recv_splits = plan(owner, self.world, self.input_group)
-        pairs = torch.stack([keys, tables, counts], dim=1)[cold[send_order]]
-        got = exchange(pairs, send_splits, recv_splits, self.input_group)
+        way = route(owner, tables[cold], counts[cold], len(tier.configs), self.world, self.input_group)
+        pairs = torch.stack([keys, tables, counts], dim=1)[cold[way.order]]
+        got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
         if training and self.counted[g] is not None and self.spec.per_table is not None:
             self.counted[g].append(got)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        load = torch.zeros(2, len(tier.configs), dtype=torch.int64, device=self.device)
-        load[0].index_add_(0, rtables, rcounts)
-        load[1].index_add_(0, rtables, torch.ones_like(rcounts))
+        lookups = way.ids_per_table
         part = None
         if served_locally:
             mine = (pos >= 0).nonzero().squeeze(1)
-            load[0].index_add_(0, tables[mine], counts[mine])  # the ids this rank serves itself
+            own = torch.bincount(tables[mine], weights=counts[mine].to(torch.float64), minlength=len(lookups))
+            lookups = [a + b for a, b in zip(lookups, own.round().to(torch.int64).tolist())]  # served here
             touched = torch.zeros(len(hot), dtype=torch.int64, device=self.device)
             touched.index_add_(0, pos[mine], counts[mine])
             dist.all_reduce(touched, group=self.input_group)  # every rank's occurrences of each hot pair
@@ -196,11 +195,10 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
             rkeys, rtables = torch.cat([rkeys, hot.keys[now]]), torch.cat([rtables, hot.tables[now]])
             rcounts = torch.cat([rcounts, touched[now]])
-        lookups, received = load.tolist()
-        self.received[g] = [a + b for a, b in zip(self.received[g], received)]
+        self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
         served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
-        return ReplicatedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids,
-                                  part)
+        return ReplicatedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served,
+                                  sorted_ids, part)
 
     def output(self, g: int, part: ReplicatedPrefetch) -> tuple[RowStore, torch.Tensor]:
         if part.hot is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tieredemb.distributed import exchange, owner_of, plan, table_salts
+from tieredemb.distributed import exchange, owner_of, plan, route, table_salts
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -76,18 +76,14 @@ class RowWiseSharding:
         keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
                                                                   self.kernels)
         owner = owner_of(keys, self.salts[g][tables], self.world)
-        send_order, send_splits, recv_splits = plan(owner, self.world, self.input_group)
-        pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
-        got = exchange(pairs, send_splits, recv_splits, self.input_group)
+        way = route(owner, tables, counts, len(tier.configs), self.world, self.input_group)
+        pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
+        got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        # per table: the ids these pairs stand for, and the pairs (one read of both)
-        load = torch.zeros(2, len(tier.configs), dtype=torch.int64, device=self.device)
-        load[0].index_add_(0, rtables, rcounts)
-        load[1].index_add_(0, rtables, torch.ones_like(rcounts))
-        lookups, received = load.tolist()
-        self.received[g] = [a + b for a, b in zip(self.received[g], received)]
+        self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
+        lookups = way.ids_per_table
         served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
-        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
+        return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
 
     def served(self, part: ShardedPrefetch) -> GroupPrefetch:
         return part.served
