@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tieredemb.config import HotRows, TableConfig
-from tieredemb.distributed import exchange, exchange_splits, owner_of, route
+from tieredemb.distributed import exchange, exchange_splits, owner_of
 from tieredemb.distributed.sharding import RowWiseSharding, ShardedPrefetch
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
@@ -173,10 +173,7 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
         served_locally = training and len(hot) > 0
         pos = hot.position(keys, tables) if served_locally else torch.full_like(keys, -1)
         cold = (pos < 0).nonzero().squeeze(1)
-        owner = owner_of(keys[cold], self.salts[g][tables[cold]], self.world)
-        way = route(owner, tables[cold], counts[cold], len(tier.configs), self.world, self.input_group)
-        pairs = torch.stack([keys, tables, counts], dim=1)[cold[way.order]]
-        got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
+        way, got = self.send_pairs(g, keys[cold], tables[cold], counts[cold])
         if training and self.counted[g] is not None and self.spec.per_table is not None:
             self.counted[g].append(got)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
@@ -195,7 +192,6 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
             rkeys, rtables = torch.cat([rkeys, hot.keys[now]]), torch.cat([rtables, hot.tables[now]])
             rcounts = torch.cat([rcounts, touched[now]])
-        self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
         served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
         return ReplicatedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served,
                                   sorted_ids, part)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tieredemb.distributed import exchange, owner_of, plan, route, table_salts
+from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -75,15 +75,21 @@ class RowWiseSharding:
         tier = self.tiers[g]
         keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
                                                                   self.kernels)
+        way, got = self.send_pairs(g, keys, tables, counts)
+        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
+        served = tier.prefetch(rkeys, rtables, way.ids_per_table, clock, training, occurrences=rcounts)
+        return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
+
+    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
+                   counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
+        """Distinct pairs of group g (keys, tables, counts: int64 (u,)) to their owners, counted in
+        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received)."""
         owner = owner_of(keys, self.salts[g][tables], self.world)
-        way = route(owner, tables, counts, len(tier.configs), self.world, self.input_group)
+        way = route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group)
         pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
         got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
-        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
         self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
-        lookups = way.ids_per_table
-        served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
-        return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
+        return way, got
 
     def served(self, part: ShardedPrefetch) -> GroupPrefetch:
         return part.served
