@@ -29,17 +29,20 @@ def test_bench_dist_smoke(workload, tmp_path, capsys):
     assert one["step_ms"] > 0 and two["step_ms"] > 0
     assert all(r > 0 for r in two["rows_per_rank"])  # both ranks own rows
     # each rank's load: every id of both ranks' batches served once, by one of them: 1 warmup + 2
-    # timed steps, 2 with the parts apart, then (--pipeline) 1 warmup + 2 under TrainPipeline
+    # timed steps, 2 with the parts apart, then (--pipeline) 1 warmup + 2 under TrainPipeline, inline
+    # and on its prefetch thread
     lookups = 10 * report["shape"]["batch_size"] * report["shape"]["bag_size"]  # ids a rank's step
     served = two["load_per_rank"]["lookups"]
-    assert sum(served) == 2 * (5 + 3 * bool(pipeline)) * lookups and min(served) > 0
+    assert sum(served) == 2 * (5 + 6 * bool(pipeline)) * lookups and min(served) > 0
     for r in (one, two, one["unsharded"]):
         assert set(r["parts_ms"]) == {"prefetch", "forward", "backward"}
         assert all(ms > 0 for ms in r["parts_ms"].values())
-        assert (r["pipelined_ms"] is not None and r["pipelined_ms"] > 0) == bool(pipeline)
+        for key in ("pipelined_ms", "threaded_ms"):
+            assert (r[key] is not None and r[key] > 0) == bool(pipeline)
     assert "unsharded" not in two
     assert "sharded over 1 process / unsharded, plain loop:" in printed
     assert ("sharded over 1 process / unsharded, TrainPipeline:" in printed) == bool(pipeline)
+    assert ("unsharded, TrainPipeline, prefetch thread:" in printed) == bool(pipeline)
     assert "2 processes: per-process throughput" in printed
     assert two["load_imbalance"]["lookups"] >= 1.0 and one["load_imbalance"]["lookups"] == 1.0
     if workload == "hbm":  # every row stored up front: the two shards hold each row once

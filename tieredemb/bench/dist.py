@@ -131,6 +131,7 @@ class RankTimes:
     times_ms: list[float]
     parts_ms: dict[str, float]
     pipelined_ms: float | None = None
+    threaded_ms: float | None = None  # TrainPipeline(prefetch_in_thread=True)
 
 
 def _time_collection(ebc, batches, grad, dev: torch.device, opts: DistOptions, sync) -> RankTimes:
@@ -156,7 +157,10 @@ def _time_collection(ebc, batches, grad, dev: torch.device, opts: DistOptions, s
             parts[name].append(time_ms(fn, dev))
     result = RankTimes(statistics.median(times), times, {k: statistics.median(v) for k, v in parts.items()})
     if opts.pipeline:
-        result.pipelined_ms = _pipelined_ms(ebc, batches, grad, dev, warmup + 2 * steps, steps, warmup, sync)
+        first = warmup + 2 * steps
+        result.pipelined_ms = _pipelined_ms(ebc, batches, grad, dev, first, steps, warmup, sync, False)
+        result.threaded_ms = _pipelined_ms(ebc, batches, grad, dev, first + warmup + steps, steps, warmup,
+                                           sync, True)
     return result
 
 
@@ -166,11 +170,14 @@ def _step_parts(ebc, kjt, grad) -> list:
     return [lambda: ebc.prefetch(kjt), lambda: out.append(ebc(kjt).values()), lambda: out[0].backward(grad)]
 
 
-def _pipelined_ms(ebc, batches, grad, dev: torch.device, first: int, steps: int, warmup: int, sync) -> float:
+def _pipelined_ms(ebc, batches, grad, dev: torch.device, first: int, steps: int, warmup: int, sync,
+                  thread: bool) -> float:
     """The mean step of ``te.TrainPipeline`` (the next batch's input dist and prefetch beside this
-    step's compute) over ``steps`` batches after ``warmup`` untimed ones."""
+    step's compute; ``thread``: on the pipeline's prefetch thread) over ``steps`` batches after
+    ``warmup`` untimed ones."""
     model = UpstreamLoss(ebc, grad)
-    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=dev)
+    pipe = te.TrainPipeline(model, torch.optim.SGD([model.unused], lr=0.0), device=dev,
+                            prefetch_in_thread=thread)
 
     data = [{"kjt": batches.batch(i).kjt} for i in range(first, first + warmup + steps)]  # made untimed
 
@@ -296,11 +303,13 @@ def _result(world: int, alpha: float, shape: HbmShape, ranks: list[dict]) -> dic
            "rank_median_ms": [r["median_ms"] for r in ranks],
            "parts_ms": {name: max(r["parts_ms"][name] for r in ranks) for name in PARTS},
            "pipelined_ms": _slowest(ranks, "pipelined_ms"),
+           "threaded_ms": _slowest(ranks, "threaded_ms"),
            "rows_per_rank": [r["rows"] for r in ranks], "hit_rate_per_rank": [r["hit_rate"] for r in ranks],
            "lookups_per_s_per_gpu": shape.lookups / (step_ms / 1e3), "load_per_rank": load,
            "load_imbalance": {name: imbalance(load[name]) for name in LOAD_FIELDS}}
     if "unsharded" in ranks[0]:
-        out["unsharded"] = {k: ranks[0]["unsharded"][k] for k in ("median_ms", "parts_ms", "pipelined_ms")}
+        out["unsharded"] = {k: ranks[0]["unsharded"][k] for k in ("median_ms", "parts_ms", "pipelined_ms",
+                                                            "threaded_ms")}
     return out
 
 
@@ -310,18 +319,23 @@ def _rank_lines(r: dict, units: str) -> str:
     hot = f", {r['replicate_hot']} hot keys a table replicated" if r["replicate_hot"] else ""
     lines = [f"{r['gpus']} {units}, alpha {r['alpha']}{hot}: step {r['step_ms']:.3f} ms (ranks "
              f"{[round(x, 3) for x in r['rank_median_ms']]}), prefetch/fwd/bwd {parts}, TrainPipeline "
-             f"{_ms(r['pipelined_ms'])}, device rows per rank {r['rows_per_rank']}, hit rates "
+             f"{_pipe(r)}, device rows per rank {r['rows_per_rank']}, hit rates "
              f"{[None if h is None else round(h, 3) for h in r['hit_rate_per_rank']]}"]
     if "unsharded" in r:
         u = r["unsharded"]
         parts = "/".join(f"{u['parts_ms'][name]:.3f}" for name in PARTS)
         lines.append(f"  unsharded: step {u['median_ms']:.3f} ms, prefetch/fwd/bwd {parts}, TrainPipeline "
-                     f"{_ms(u['pipelined_ms'])}")
+                     f"{_pipe(u)}")
     return "\n".join(lines + [f"  {name:<15} per rank {load[name]}" for name in LOAD_FIELDS])
 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _pipe(r: dict) -> str:
+    """TrainPipeline's step, inline / on its prefetch thread."""
+    return "-" if r["pipelined_ms"] is None else f"{r['pipelined_ms']:.3f} / {_ms(r['threaded_ms'])}"
 
 
 def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, steps: int, unit: str,
@@ -334,7 +348,8 @@ def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, 
              f"median of {steps} steps, the slowest rank; parts timed apart (prefetch = input dist + "
              f"resolve, forward = gather + output dist, backward = grad dist + update); "
              f"load: the busiest rank over the mean"]
-    head = [units, "alpha", "hot replicated", "step ms", "prefetch/fwd/bwd ms", "TrainPipeline ms",
+    head = [units, "alpha", "hot replicated", "step ms", "prefetch/fwd/bwd ms",
+            "TrainPipeline ms (inline / thread)",
             f"lookups/s per {unit}", f"per-{unit} throughput vs 1st", "lookups max/mean",
             "keys received max/mean", "rows max/mean"]
     w = [len(h) for h in head]
@@ -347,7 +362,7 @@ def _table(results: list[dict], shape: HbmShape, workload: str, optimizer: str, 
         cells = [f"{x:.3f}" if x is not None else "-" for x in ratios]
         parts = "/".join(f"{r['parts_ms'][name]:.2f}" for name in PARTS)
         lines.append(f"{r['gpus']:>{w[0]}} | {r['alpha']:>{w[1]}} | {r['replicate_hot']:>{w[2]}} | "
-                     f"{r['step_ms']:{w[3]}.3f} | {parts:>{w[4]}} | {_ms(r['pipelined_ms']):>{w[5]}} | "
+                     f"{r['step_ms']:{w[3]}.3f} | {parts:>{w[4]}} | {_pipe(r):>{w[5]}} | "
                      f"{r['lookups_per_s_per_gpu']:{w[6]}.3e} | {r['efficiency']:{w[7]}.2f} | "
                      f"{cells[0]:>{w[8]}} | {cells[1]:>{w[9]}} | {cells[2]:>{w[10]}}")
     return "\n".join(lines + _targets(results, unit, units))
@@ -361,9 +376,10 @@ def _targets(results: list[dict], unit: str, units: str) -> list[str]:
         if plain:
             parts = "/".join(f"{plain['parts_ms'][name]:.2f}" for name in PARTS)
             lines.append(f"alpha {r['alpha']}: unsharded (no process group) step {plain['median_ms']:.3f} ms "
-                         f"(prefetch/fwd/bwd {parts}), TrainPipeline {_ms(plain['pipelined_ms'])}")
+                         f"(prefetch/fwd/bwd {parts}), TrainPipeline {_pipe(plain)}")
             pairs = [("plain loop", r["step_ms"], plain["median_ms"]),
-                     ("TrainPipeline", r["pipelined_ms"], plain["pipelined_ms"])]
+                     ("TrainPipeline", r["pipelined_ms"], plain["pipelined_ms"]),
+                     ("TrainPipeline, prefetch thread", r["threaded_ms"], plain["threaded_ms"])]
             for how, sharded, unsharded in pairs:
                 if sharded and unsharded:
                     ratio = sharded / unsharded
