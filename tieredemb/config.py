@@ -160,6 +160,10 @@ class StorageConfig:
             ``te.storage.RocksDB(path)`` or ``te.storage.Redis(url)``.
         bucket_width: slots per index bucket (eviction of bounded tables is exact within a bucket).
         segment_rows: rows per row-store segment (the unit of growth, placement and stashing).
+        host_budget: bytes (int or a string like ``"4GiB"``) of host memory for a write-back tier of
+            rows between the device cache and a RocksDB or Redis ``backing`` (``cache`` mode only),
+            shared by the tables like ``hbm_budget``; ``None``: none, every miss of the device cache
+            goes to the store. ``docs/backends.md`` says what it holds and what a crash loses.
     """
 
     hbm_budget: int | str | None = None
@@ -167,13 +171,36 @@ class StorageConfig:
     backing: BackendSpec = field(default_factory=_default_backing)
     bucket_width: int = 32
     segment_rows: int = 65536
+    host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         self.hbm_budget = parse_bytes(self.hbm_budget)
+        self.host_budget = _check_host_budget(self)
         if not isinstance(self.bucket_width, int) or self.bucket_width < 1:
             raise ValueError(f"bucket_width must be an int >= 1, got {self.bucket_width!r}")
         if not isinstance(self.segment_rows, int) or self.segment_rows < 1:
             raise ValueError(f"segment_rows must be an int >= 1, got {self.segment_rows!r}")
+
+
+def _check_host_budget(storage: StorageConfig) -> int | None:
+    """``host_budget`` in bytes; refused where there is no store for it to stand in front of."""
+    try:
+        budget = parse_bytes(storage.host_budget)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"host_budget: {e}") from None
+    if budget is None:
+        return None
+    if budget == 0:
+        raise ValueError("host_budget must be > 0 bytes (None: no host tier)")
+    if storage.hbm_budget is None or not storage.caching:
+        raise ValueError("host_budget needs cache mode (an hbm_budget and caching=True): in hbm_direct "
+                         "and hybrid modes no backing store sits below the device")
+    from tieredemb.storage.backends import HostMemory
+
+    if isinstance(storage.backing, HostMemory):
+        raise ValueError("host_budget puts a host-memory tier in front of RocksDB or Redis; the "
+                         "backing te.storage.HostMemory() already keeps every row in host memory")
+    return budget
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
