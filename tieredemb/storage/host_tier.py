@@ -114,7 +114,7 @@ class HostTier(Backend):
         self._reading: list[_Reading] = []
         self._writer = IOWorker(name="host-tier/write-down")
         self._own_readers = readers is None
-        self._readers = readers or ThreadPoolExecutor(max_workers=2, thread_name_prefix="tieredemb-read-ahead")
+        self._readers = readers or ThreadPoolExecutor(2, thread_name_prefix="tieredemb-read-ahead")
         self._read_failed_logged = False
         self._write_failed = False  # a write-down failed: the next call retries them all, in order
         self._counts = dict(hits=0, misses=0, evictions=0, written_down=0, read_ahead_rows=0,
