@@ -149,9 +149,12 @@ class HostTier(Backend):
             got = self.store.get(wanted)
             rows[rest] = got.rows.to(self.dtype)[inverse]
             found[rest] = got.found.cpu()[inverse]
-            kept = got.found.cpu()
-            with self._lock:
-                self._insert(wanted[kept].tolist(), got.rows.to(self.dtype)[kept], dirty=False)
+            with self._lock:  # a read ahead may have brought some in meanwhile (the same rows)
+                kept = [i for i, (k, f) in enumerate(zip(wanted.tolist(), got.found.tolist()))
+                        if f and k not in self._slot]
+                if kept:
+                    at = torch.tensor(kept, dtype=torch.int64)
+                    self._insert(wanted[at].tolist(), got.rows.to(self.dtype)[at], dirty=False)
         return Fetched(rows, found)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
