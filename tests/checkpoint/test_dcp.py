@@ -24,7 +24,7 @@ from tieredemb.modules.state import TableSlice
 
 TABLES = [te.TableConfig("t0", 4, ["f"]),
           te.TableConfig("t1", 3, ["g"], admission=te.FrequencyAdmission(2))]
-MODES = ["hbm_direct", "cache_host", "cache_rocksdb", "hybrid"]
+MODES = ["hbm_direct", "cache_host", "cache_rocksdb", "cache_rocksdb_host_tier", "hybrid"]
 
 
 def storage(mode: str, path) -> te.StorageConfig | None:
@@ -33,6 +33,9 @@ def storage(mode: str, path) -> te.StorageConfig | None:
         return te.StorageConfig(**small, backing=te.storage.HostMemory())
     if mode == "cache_rocksdb":
         return te.StorageConfig(**small, backing=te.storage.RocksDB(str(path / "db"), shards=2))
+    if mode == "cache_rocksdb_host_tier":  # 2 rows of host memory a table
+        return te.StorageConfig(**small, backing=te.storage.RocksDB(str(path / "db"), shards=2),
+                                host_budget=2 * 12 * 4 + 2 * 9 * 4)
     if mode == "hybrid":
         return te.StorageConfig(**small, caching=False)
     return None
