@@ -85,7 +85,8 @@ def rows_of(model: Model, table: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("before, after", [("hbm", "cache-rocksdb"), ("cache-rocksdb", "cache-redis"),
                                            ("cache-redis", "hbm"), ("hbm", "hybrid"), ("hybrid", "hbm"),
-                                           ("cache-rocksdb-host_tier", "hbm"), ("hbm", "cache-rocksdb-host_tier")])
+                                           ("cache-rocksdb-host_tier", "hbm"),
+                                           ("hbm", "cache-rocksdb-host_tier")])
 @pytest.mark.slow
 def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, after, tmp_path, request):
     configs = storages(tmp_path, request)

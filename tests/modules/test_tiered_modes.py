@@ -633,8 +633,8 @@ def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread, lookahead,
     optimizer = te.optim.Adam(lr=0.05)
     row_bytes = (DIM + optimizer.state_width(DIM)) * 4
     host = lookahead is not None
-    storage = te.StorageConfig(hbm_budget=8 * row_bytes, bucket_width=4, segment_rows=8,
-                               backing=te.storage.RocksDB(str(tmp_path / "db"), shards=2) if host else DictStore(),
+    backing = te.storage.RocksDB(str(tmp_path / "db"), shards=2) if host else DictStore()
+    storage = te.StorageConfig(hbm_budget=8 * row_bytes, bucket_width=4, segment_rows=8, backing=backing,
                                host_budget=5 * row_bytes if host else None)
     cached, plain = make(storage, "lru", 2, optimizer), make(None, "lru", 2, optimizer)
     gen = torch.Generator().manual_seed(2)

@@ -289,7 +289,8 @@ storage = te.StorageConfig(hbm_budget=8 * 4 * 4, backing=te.storage.RocksDB(path
 ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1), storage=storage)
 gen = torch.Generator().manual_seed(0)
 def step():
-    kjt = te.KeyedJaggedTensor(["f"], torch.randint(0, 400, (24,), generator=gen), lengths=torch.full((6,), 4))
+    ids = torch.randint(0, 400, (24,), generator=gen)
+    kjt = te.KeyedJaggedTensor(["f"], ids, lengths=torch.full((6,), 4))
     ebc(kjt).values().sum().backward()
 for _ in range(20):
     step()

@@ -31,7 +31,8 @@ A verdict does not change the exit status, which says whether the runs completed
 rows.
 ``ssd --host-budget B`` adds runs with a host tier in front of RocksDB (B: a fraction of the tables'
 bytes or bytes) reading ``--lookahead`` batches ahead, and under ``TrainPipeline`` with a DLRM-style
-dense model (``tieredemb.bench.host_tier``). ``ssd`` also measures the disk under ``--dir`` itself with O_DIRECT (sequential write and read,
+dense model (``tieredemb.bench.host_tier``).
+``ssd`` also measures the disk under ``--dir`` itself with O_DIRECT (sequential write and read,
 random 4 KiB reads from 32 threads; ``tieredemb.bench.disk``) and prints the least step time it allows
 ours' misses and writes; RocksDB reads with O_DIRECT unless ``--no-direct-reads``.
 

@@ -55,8 +55,8 @@ from tieredemb.bench.cache_runs import (
 )
 from tieredemb.bench.cache_tbe import TBE_CACHE_TARGET, TbeCacheRun, compare_tbe, tbe_cache_unavailable
 from tieredemb.bench.disk import DiskFigures, floor_line, measure_disk, step_floor
-from tieredemb.bench.host_tier import run_host_tier
 from tieredemb.bench.hbm import upstream_grad
+from tieredemb.bench.host_tier import run_host_tier
 from tieredemb.bench.report import (
     Measurement,
     Target,
@@ -324,9 +324,10 @@ class CacheBench:
         def on_result(m, run) -> None:
             self.results.append(m)
             if run is not None and run.rows is not None and peer.rows is not None:
-                self.host_check = compare(self.options.shape, run.keys, run.rows, peer.rows, self.options.seed)
+                c = self.host_check = compare(self.options.shape, run.keys, run.rows, peer.rows,
+                                              self.options.seed)
                 self.log("rows with the host tier vs all in device memory: "
-                         + ("passed" if self.host_check.passed else "FAILED: " + "; ".join(self.host_check.problems)))
+                         + ("passed" if c.passed else "FAILED: " + "; ".join(c.problems)))
             on_update()
 
         self.pipeline_check = run_host_tier(self.options, self.directory, self.direct_reads, batches, grad,
@@ -523,8 +524,9 @@ class CacheBench:
             if r.error is None and "host_tier" in r.extra:
                 h = r.extra["host_tier"]
                 lines.append(f"{r.configuration}: host tier hits {h.get('hits', 0):.0f}, misses "
-                             f"{h.get('misses', 0):.0f}, read ahead {h.get('read_ahead_rows', 0):.0f} (used "
-                             f"{h.get('read_ahead_hits', 0):.0f}), written down {h.get('written_down', 0):.0f}"
+                             f"{h.get('misses', 0):.0f}, read ahead {h.get('read_ahead_rows', 0):.0f} "
+                             f"(used {h.get('read_ahead_hits', 0):.0f}), written down "
+                             f"{h.get('written_down', 0):.0f}"
                              + (" a step" if r.configuration == "host_tier" else " in all"))
         if self.host_check is not None:
             c = self.host_check

@@ -121,10 +121,10 @@ class PipelineRun:
             pipe = te.TrainPipeline(model, dense, device=dev, lookahead=self.lookahead)
             batches = iter(data)
             losses, times = [], []
+            out: list[torch.Tensor] = []
             for i in range(opts.warmup + opts.steps):
-                out: list[torch.Tensor] = []
                 ms = time_ms(lambda: out.append(pipe.progress(batches)), dev)
-                losses.append(float(out[0]))
+                losses.append(float(out[-1].detach()))
                 if i >= opts.warmup:
                     times.append(ms)
             synchronize(dev)
@@ -194,9 +194,9 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
         run.close()
     data = pipeline_data(opts, batches, opts.warmup + opts.steps + 2 + k)
     losses: dict[str, list[float]] = {}
-    for p in (PipelineRun("pipeline", "ours under TrainPipeline (cache, RocksDB)", storage("store-pipe", False)),
-              PipelineRun("pipeline_host_tier", f"ours under TrainPipeline (cache, RocksDB, {tier}, "
-                          f"lookahead {k})", storage("store-pipe-host", True), k),
+    under = "ours under TrainPipeline (cache, RocksDB"
+    for p in (PipelineRun("pipeline", under + ")", storage("store-pipe", False)),
+              PipelineRun("pipeline_host_tier", f"{under}, {tier}, lookahead {k})", storage("store-pipe-host", True), k),
               PipelineRun("pipeline_peer", "all in device memory under TrainPipeline", te.StorageConfig())):
         log(f"{p.label} ...")
         t0 = time.perf_counter()

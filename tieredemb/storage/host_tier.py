@@ -59,6 +59,17 @@ class _Evicted:
     handle: IOHandle | None = None
 
 
+@dataclass
+class Misses:
+    """A ``look_up``: ``answer`` (rows (n, W), found (n,)) filled where held here; ``rest`` int64 (m,)
+    the positions the store answers for; ``wanted`` their distinct keys (u,), ``inverse`` (m,)."""
+
+    answer: Fetched
+    rest: torch.Tensor
+    wanted: torch.Tensor
+    inverse: torch.Tensor
+
+
 @dataclass(eq=False)
 class _Reading:
     """A read ahead in flight: the keys it reads, those whose row it must drop (changed since)."""
@@ -124,6 +135,14 @@ class HostTier(Backend):
     # ----------------------------------------------------------------------------------- verbs
     def get(self, keys: torch.Tensor) -> Fetched:
         keys = keys.reshape(-1).to(torch.int64).cpu()
+        miss = self.look_up(keys)
+        if miss.wanted.numel():
+            self.fetched(miss, self.store.get(miss.wanted))
+        return miss.answer
+
+    def look_up(self, keys: torch.Tensor) -> Misses:
+        """The first half of ``get``: the rows held here (or on their way down) of ``keys`` (int64
+        (n,) cpu), and the distinct keys the store must answer for (``fetched`` completes it)."""
         self._settle_writes()
         n = keys.numel()
         rows = torch.zeros(n, self.width, dtype=self.dtype)
@@ -142,20 +161,22 @@ class HostTier(Backend):
             miss = (~hit).nonzero().squeeze(1)
             rest = self._from_evicted(klist, miss, rows, found)
         self._counts["misses"] += rest.numel()
-        if rest.numel():
-            # not here, not on its way down: the store's row is the newest, and only this thread
-            # (the cache's I/O worker) changes rows, so nothing can change it before it is kept here
-            wanted, inverse = torch.unique(keys[rest], return_inverse=True)
-            got = self.store.get(wanted)
-            rows[rest] = got.rows.to(self.dtype)[inverse]
-            found[rest] = got.found.cpu()[inverse]
-            with self._lock:  # a read ahead may have brought some in meanwhile (the same rows)
-                kept = [i for i, (k, f) in enumerate(zip(wanted.tolist(), got.found.tolist()))
-                        if f and k not in self._slot]
-                if kept:
-                    at = torch.tensor(kept, dtype=torch.int64)
-                    self._insert(wanted[at].tolist(), got.rows.to(self.dtype)[at], dirty=False)
-        return Fetched(rows, found)
+        wanted, inverse = torch.unique(keys[rest], return_inverse=True)
+        return Misses(Fetched(rows, found), rest, wanted, inverse)
+
+    def fetched(self, miss: Misses, got: Fetched) -> None:
+        """The second half of ``get``: the store's answer for ``miss.wanted`` filled in and kept here
+        (clean). The key is not here, nor on its way down, so the store's row is the newest: only the
+        thread calling ``get`` (the cache's I/O worker) changes rows."""
+        rows, found = got.rows.to(self.dtype), got.found.cpu()
+        miss.answer.rows[miss.rest] = rows[miss.inverse]
+        miss.answer.found[miss.rest] = found[miss.inverse]
+        with self._lock:  # a read ahead may have brought some in meanwhile (the same rows)
+            kept = [i for i, (k, f) in enumerate(zip(miss.wanted.tolist(), found.tolist()))
+                    if f and k not in self._slot]
+            if kept:
+                at = torch.tensor(kept, dtype=torch.int64)
+                self._insert(miss.wanted[at].tolist(), rows[at], dirty=False)
 
     def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Upsert into host memory (dirty); a key given twice keeps its last row."""
@@ -478,11 +499,12 @@ def _last_of_each(keys: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class HostTierGroup(GroupStore):
-    """A table group's store with a ``HostTier`` in front of each table's backend; the tiers share
-    one pool of reader threads for their reads ahead.
+    """A table group's store with a ``HostTier`` in front of each table's backend. A ``get`` asks the
+    group's own store once for every table's misses (one fan-out to RocksDB's shards); the tiers
+    share one pool of reader threads for their reads ahead.
 
     Args:
-        below: the group's store (RocksDB, Redis), its backends owned by the tiers.
+        below: the group's store (RocksDB, Redis); its backends are owned by the tiers.
         capacities: host-memory rows of each table.
         evictions: ``"lru"`` / ``"lfu"`` of each table.
         pinned: page-lock the rows (a CUDA collection).
@@ -492,8 +514,26 @@ class HostTierGroup(GroupStore):
     def __init__(self, below: GroupStore, capacities: list[int], evictions: list[str], pinned: bool,
                  readers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="tieredemb-read-ahead")
+        self.stores = below
         super().__init__([HostTier(b, c, e, pinned, self._pool)
                           for b, c, e in zip(below.backends, capacities, evictions)])
+
+    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        keys, tables = keys.cpu(), tables.cpu()
+        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype)
+        found = torch.zeros(keys.numel(), dtype=torch.bool)
+        looked = [(t, pos, self.backends[t].look_up(keys[pos])) for t, pos in self._by_table(tables)]
+        wanted = [(t, m.wanted) for t, _, m in looked if m.wanted.numel()]
+        if wanted:
+            got = self.stores.get(torch.cat([w for _, w in wanted]),
+                                  torch.cat([torch.full_like(w, t) for t, w in wanted]))
+            parts = iter(zip(got.rows.split([w.numel() for _, w in wanted]),
+                             got.found.split([w.numel() for _, w in wanted])))
+        for t, pos, m in looked:
+            if m.wanted.numel():
+                self.backends[t].fetched(m, Fetched(*next(parts)))
+            rows[pos], found[pos] = m.answer.rows, m.answer.found
+        return Fetched(rows, found)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
