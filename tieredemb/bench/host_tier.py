@@ -196,7 +196,8 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
     losses: dict[str, list[float]] = {}
     under = "ours under TrainPipeline (cache, RocksDB"
     for p in (PipelineRun("pipeline", under + ")", storage("store-pipe", False)),
-              PipelineRun("pipeline_host_tier", f"{under}, {tier}, lookahead {k})", storage("store-pipe-host", True), k),
+              PipelineRun("pipeline_host_tier", f"{under}, {tier}, lookahead {k})",
+                          storage("store-pipe-host", True), k),
               PipelineRun("pipeline_peer", "all in device memory under TrainPipeline", te.StorageConfig())):
         log(f"{p.label} ...")
         t0 = time.perf_counter()
