@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from contextlib import contextmanager
 from datetime import datetime
@@ -288,15 +289,14 @@ def _fraction(text: str) -> float:
 
 
 def _host_budget(text: str) -> float | int:
-    """An argparse type: a fraction in (0, 1) of the tables' bytes, or a byte count ("4GiB")."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = None
-    if x is not None and 0 < x < 1:
+    """An argparse type: a fraction in (0, 1) of the tables' bytes ("0.1"), or bytes ("4GiB", an int)."""
+    if re.fullmatch(r"\s*[0-9]*\.[0-9]*\s*", text):  # a plain decimal number: a fraction
+        x = float(text) if text.strip() != "." else 0.0
+        if not 0 < x < 1:
+            raise argparse.ArgumentTypeError(f"a fraction must be in (0, 1), got {text}")
         return x
     try:
-        n = parse_bytes(int(x) if x is not None and x == int(x) else text)
+        n = parse_bytes(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{e}; or a fraction in (0, 1)") from None
     if not n:

@@ -185,7 +185,8 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
         run.time_steps(opts.steps)
         after = host_counters(run.ebc)
         m = run.finish(log)
-        m.extra["host_tier"] = {key: (after[key] - before.get(key, 0)) / opts.steps for key in after}
+        m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
+                                else (after[key] - before.get(key, 0)) / opts.steps for key in after}
         on_result(m, run)
     except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
         run.m.error = f"{type(e).__name__}: {e}"
