@@ -172,12 +172,12 @@ class RowWiseSharding:
         order, send, recv, keys = self._route(g, i, keys)
         return keys, exchange(payload[order], send, recv, self.group)
 
-    def read_ahead(self, g: int, i: int, keys: torch.Tensor) -> None:
-        """The keys this rank owns read ahead into its host tier; no collective (a read ahead is a
+    def read_ahead(self, g: int, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """The pairs this rank owns read ahead into its host tier; no collective (a read ahead is a
         hint: the keys other ranks own are left to their own misses)."""
-        keys = keys.to(self.device)
-        mine = owner_of(keys, self.salts[g][i].expand(keys.numel()), self.world) == self.rank
-        self.tiers[g].read_ahead(i, keys[mine])
+        keys, tables = keys.to(self.device), tables.to(self.device)
+        mine = owner_of(keys, self.salts[g][tables], self.world) == self.rank
+        self.tiers[g].read_ahead(keys[mine], tables[mine])
 
     def stats(self, g: int, i: int) -> TableStats:
         """This rank's load of table i of group g: its shard's counters and the pairs it received."""

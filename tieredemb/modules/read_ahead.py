@@ -34,3 +34,15 @@ def keys_by_table(kjt: object, tables: list[TableConfig]) -> dict[str, torch.Ten
     spans = dict(zip(features, torch.split(values, per_feature)))
     return {t.name: torch.unique(torch.cat([spans[f] for f in t.feature_names]))
             for t in tables if t.feature_names}
+
+
+def keys_by_group(kjt: object, tables: list[TableConfig],
+                  where: dict[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per table group: the distinct keys of its tables in ``kjt`` and each key's table in the group,
+    int64 (u,) each; ``where`` maps a table's name to (group, position in the group)."""
+    parts: dict[int, list[tuple[torch.Tensor, int]]] = {}
+    for name, keys in keys_by_table(kjt, tables).items():
+        g, i = where[name]
+        parts.setdefault(g, []).append((keys, i))
+    return {g: (torch.cat([k for k, _ in p]), torch.cat([torch.full_like(k, i) for k, i in p]))
+            for g, p in parts.items()}

@@ -208,6 +208,12 @@ class GroupStore:
     def table(self, t: int) -> Backend:
         return self.backends[t]
 
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Start reading the pairs' rows into the tier in front of each table, without waiting
+        (``Backend.read_ahead``: nothing where there is none)."""
+        for t, pos in self._by_table(tables):
+            self.backends[t].read_ahead(keys[pos])
+
     def flush(self) -> None:
         for b in self.backends:
             b.flush()

@@ -216,16 +216,24 @@ class HostTier(Backend):
     def read_ahead(self, keys: torch.Tensor) -> None:
         """Fetch the store's rows of ``keys`` (int64 (n,)) into host memory on a reader thread,
         clean; returns at once. Keys held here (or on their way down) are skipped."""
+        claim = self.claim_reads(keys)
+        if claim is not None:
+            self._readers.submit(self._read, *claim)
+
+    def claim_reads(self, keys: torch.Tensor) -> tuple[_Reading, torch.Tensor] | None:
+        """The first half of ``read_ahead``: the distinct keys (int64 (u,) cpu) not held here nor on
+        their way down, registered as read (a change to one of them from now on drops the read's
+        row); None if there are none. ``land`` and ``release`` complete it."""
         if self._closed:
-            return
+            return None
         klist = torch.unique(keys.reshape(-1).to(torch.int64).cpu()).tolist()
         with self._lock:
             todo = [k for k in klist if k not in self._slot and self._newest_evicted(k) is None]
             if not todo:
-                return
+                return None
             reading = _Reading(set(todo))
             self._reading.append(reading)
-        self._readers.submit(self._read, reading, _int64(todo))
+        return reading, _int64(todo)
 
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every row once: the dirty rows here and those on their way down first, then the store's
@@ -403,25 +411,37 @@ class HostTier(Backend):
     def _read(self, reading: _Reading, keys: torch.Tensor) -> None:
         """A read ahead, on a reader thread: never raises (a failure is logged once)."""
         try:
-            got = self.store.get(keys)
-            with self._lock:
-                keep = [i for i, k in enumerate(keys.tolist())
-                        if bool(got.found[i]) and k not in reading.dropped and k not in self._slot
-                        and self._newest_evicted(k) is None]
-                self._counts["read_ahead_dropped"] += len(reading.dropped)
-                if keep:
-                    pos = _int64(keep)
-                    self._insert(keys[pos].tolist(), got.rows.to(self.dtype)[pos], dirty=False, ahead=True)
-                    self._counts["read_ahead_rows"] += len(keep)
+            self.land(reading, keys, self.store.get(keys))
         except Exception as e:  # noqa: BLE001 - a read ahead is a hint: the real miss reports errors
-            if not self._read_failed_logged:
-                self._read_failed_logged = True
-                log.warning("a read ahead from the store failed (dropped; later misses read the store "
-                            "themselves): %s", e)
+            self.read_failed(e)
         finally:
-            with self._lock:
-                self._reading.remove(reading)
-            reading.done.set()
+            self.release(reading)
+
+    def land(self, reading: _Reading, keys: torch.Tensor, got: Fetched) -> None:
+        """The store's rows of a claimed read kept here, clean, but for the keys changed since."""
+        found = got.found.tolist()
+        with self._lock:
+            keep = [i for i, k in enumerate(keys.tolist())
+                    if found[i] and k not in reading.dropped and k not in self._slot
+                    and self._newest_evicted(k) is None]
+            self._counts["read_ahead_dropped"] += len(reading.dropped)
+            if keep:
+                pos = _int64(keep)
+                self._insert(keys[pos].tolist(), got.rows.to(self.dtype)[pos], dirty=False, ahead=True)
+                self._counts["read_ahead_rows"] += len(keep)
+
+    def read_failed(self, error: Exception) -> None:
+        """A read ahead failed: logged the first time, dropped."""
+        if not self._read_failed_logged:
+            self._read_failed_logged = True
+            log.warning("a read ahead from the store failed (dropped; later misses read the store "
+                        "themselves): %s", error)
+
+    def release(self, reading: _Reading) -> None:
+        """A claimed read is over (landed or failed): fetches of its keys stop waiting for it."""
+        with self._lock:
+            self._reading.remove(reading)
+        reading.done.set()
 
     def _wait_reads(self, klist: list[int] | None) -> None:
         """Wait for the reads ahead of any of ``klist`` (None: all): their rows answer the misses."""
@@ -542,6 +562,30 @@ class HostTierGroup(GroupStore):
                 self.backends[t].fetched(m, Fetched(*next(parts)))
             rows[pos], found[pos] = m.answer.rows, m.answer.found
         return Fetched(rows, found)
+
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Every table's keys read ahead (``HostTier.read_ahead``) in one call to the group's store, on
+        a reader thread; returns at once."""
+        keys, tables = keys.cpu(), tables.cpu()
+        claims = [(t, claim) for t, pos in self._by_table(tables)
+                  if (claim := self.backends[t].claim_reads(keys[pos])) is not None]
+        if claims:
+            self._pool.submit(self._read, claims)
+
+    def _read(self, claims: list) -> None:
+        """On a reader thread: never raises (a failure is logged once by each tier)."""
+        try:
+            got = self.stores.get(torch.cat([k for _, (_, k) in claims]),
+                                  torch.cat([torch.full_like(k, t) for t, (_, k) in claims]))
+            sizes = [k.numel() for _, (_, k) in claims]
+            for (t, (reading, k)), rows, found in zip(claims, got.rows.split(sizes), got.found.split(sizes)):
+                self.backends[t].land(reading, k, Fetched(rows, found))
+        except Exception as e:  # noqa: BLE001 - a read ahead is a hint: the real miss reports errors
+            for t, _ in claims:
+                self.backends[t].read_failed(e)
+        finally:
+            for t, (reading, _) in claims:
+                self.backends[t].release(reading)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -630,10 +630,11 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             out.rows["host"] = out.host_tier.rows
         return out
 
-    def read_ahead(self, table: int, keys: torch.Tensor) -> None:
-        """Start reading ``table``'s rows of ``keys`` from the store into the tier in front of it (a
-        host tier; none: nothing). The device cache, its scores and admission counts do not move."""
-        self.below.table(table).read_ahead(keys.to(self.backend_device))
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Start reading the (``tables``, ``keys``) pairs' rows from the store into the tier in front
+        of it (a host tier; none: nothing). The device cache, its scores and admission counts do not
+        move."""
+        self.below.read_ahead(keys.to(self.backend_device), tables.to(self.backend_device))
 
     def index_bytes(self, table: int) -> dict[str, int]:
         return add_bytes(super().index_bytes(table), self.below.table(table).index_bytes())

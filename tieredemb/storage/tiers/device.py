@@ -603,7 +603,7 @@ class DeviceTier(DeviceInsertion):
         self.place_overflow()
         self._take_back(wait=True)
 
-    def read_ahead(self, table: int, keys: torch.Tensor) -> None:
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Nothing: every row already lives in this tier (a cache over a host tier reads ahead)."""
 
     def close(self) -> None:
