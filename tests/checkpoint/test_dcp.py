@@ -114,6 +114,22 @@ def test_a_dcp_save_loads_into_a_fresh_model_of_any_storage_mode_and_resumes(mod
     fresh.ebc.close()
 
 
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_dcp_save_from_a_host_tier_has_every_row(stateful, tmp_path):
+    """Saved from a cache over RocksDB with a host tier of 2 rows a table (rows newer in host memory
+    than in the store, others only in the store), loaded into hbm_direct: the rows of 3 steps."""
+    straight = Model()
+    train(straight, range(3))
+    tiered = Model("cache_rocksdb_host_tier", tmp_path)
+    train(tiered, range(3))
+    assert any(s.host_tier.dirty for s in tiered.ebc.stats().values())  # not all written down yet
+    save(tiered, tmp_path / "ckpt", stateful=stateful)
+    fresh = Model()
+    load(fresh, tmp_path / "ckpt", stateful=stateful)
+    assert_same_rows(tables_of(fresh.ebc, False), tables_of(straight.ebc, False), exact=False)
+    tiered.ebc.close()
+
+
 def test_tables_are_written_and_read_one_chunk_at_a_time(tmp_path, monkeypatch):
     """Chunks of 5 rows: every read of a table by the save is 5 rows or fewer, and the load holds
     at most one chunk (its keys, scores, weights, optimizer state) between reads."""
