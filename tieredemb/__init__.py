@@ -4,7 +4,7 @@ See ``README.md`` for the quick start and ``DESIGN.md`` (shared) for the contrac
 """
 
 from tieredemb import checkpoint, init, optim, storage
-from tieredemb.config import RESERVED_KEY, FrequencyAdmission, StorageConfig, TableConfig
+from tieredemb.config import RESERVED_KEY, FrequencyAdmission, HotRows, StorageConfig, TableConfig
 from tieredemb.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from tieredemb.modules import (
     EmbeddingBagCollection,
@@ -21,6 +21,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingCollection",
     "FrequencyAdmission",
+    "HotRows",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",

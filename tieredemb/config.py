@@ -142,6 +142,61 @@ class TableConfig:
         return self.stochastic_rounding and self.dtype != torch.float32
 
 
+@dataclass
+class HotRows:
+    """Keep the hottest rows of each table on every rank of a sharded collection
+    (``StorageConfig(replicate_hot=...)``; ``docs/distributed.md``).
+
+    A row-wise sharded table sends every id to the rank that owns its key, so the keys of a skewed
+    (Zipf) batch pile up on their owners. A replicated row is served by every rank from its own copy:
+    its lookups never leave the rank, and its gradients are summed over the ranks by one all-reduce
+    a step, after which every rank applies the same update to its copy. The result is the same as
+    without replication (up to summation order).
+
+    Args:
+        per_table: how many of each table's most used keys to replicate, counted over the first
+            ``window`` training batches of all ranks; the set is chosen once at the next batch and
+            then stays fixed. Needs ``hbm_direct`` or ``hybrid`` storage.
+        keys: table name -> the keys to replicate (int64, any length), fixed from the start; instead
+            of ``per_table``. Every rank must give the same keys.
+        window: training batches counted before ``per_table``'s choice.
+
+    Example::
+
+        te.StorageConfig(replicate_hot=te.HotRows(per_table=1000, window=50))
+    """
+
+    per_table: int | None = None
+    keys: dict[str, torch.Tensor] | None = None
+    window: int = 100
+
+    def __post_init__(self) -> None:
+        if (self.per_table is None) == (self.keys is None):
+            raise ValueError("replicate_hot: give exactly one of per_table and keys")
+        n = self.per_table
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"replicate_hot.per_table must be an int >= 1, got {self.per_table!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"replicate_hot.window must be an int >= 1, got {self.window!r}")
+        if self.keys is not None:
+            if not isinstance(self.keys, dict):
+                raise TypeError("replicate_hot.keys must be a dict: table name -> keys")
+            self.keys = {name: _hot_keys(name, keys) for name, keys in self.keys.items()}
+
+
+def _hot_keys(name: object, keys: object) -> torch.Tensor:
+    """int64 (n,) CPU: the distinct keys of ``replicate_hot.keys[name]``, checked."""
+    if not isinstance(name, str):
+        raise TypeError(f"replicate_hot.keys: table names must be strings, got {name!r}")
+    keys = torch.as_tensor(keys)
+    if keys.dtype != torch.int64 or keys.dim() != 1:
+        raise ValueError(f"replicate_hot.keys[{name!r}]: keys must be a 1-D int64 tensor, got "
+                         f"{keys.dtype} of shape {tuple(keys.shape)}")
+    if bool((keys == RESERVED_KEY).any()):
+        raise ValueError(f"replicate_hot.keys[{name!r}]: the reserved key te.RESERVED_KEY is not a key")
+    return torch.unique(keys.cpu())
+
+
 def _default_backing() -> BackendSpec:
     from tieredemb.storage.backends import HostMemory
 
@@ -160,6 +215,8 @@ class StorageConfig:
             ``te.storage.RocksDB(path)`` or ``te.storage.Redis(url)``.
         bucket_width: slots per index bucket (eviction of bounded tables is exact within a bucket).
         segment_rows: rows per row-store segment (the unit of growth, placement and stashing).
+        replicate_hot: ``te.HotRows(...)``: sharded collections only, keep the hottest rows on
+            every rank (``docs/distributed.md``); ``None``: each row lives on its owner alone.
         host_budget: bytes (int or a string like ``"4GiB"``) of host memory for a write-back tier of
             rows between the device cache and a RocksDB or Redis ``backing`` (``cache`` mode only),
             shared by the tables like ``hbm_budget``; ``None``: none, every miss of the device cache
@@ -171,10 +228,14 @@ class StorageConfig:
     backing: BackendSpec = field(default_factory=_default_backing)
     bucket_width: int = 32
     segment_rows: int = 65536
+    replicate_hot: HotRows | None = None
     host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         self.hbm_budget = parse_bytes(self.hbm_budget)
+        if self.replicate_hot is not None and not isinstance(self.replicate_hot, HotRows):
+            raise TypeError("replicate_hot must be a te.HotRows or None, "
+                            f"got {type(self.replicate_hot).__name__}")
         self.host_budget = _check_host_budget(self)
         if not isinstance(self.bucket_width, int) or self.bucket_width < 1:
             raise ValueError(f"bucket_width must be an int >= 1, got {self.bucket_width!r}")

@@ -138,6 +138,11 @@ class _Sharder(ModuleSharder):
     def module_type(self) -> type:
         return self._unsharded
 
+    @property
+    def fused_params(self) -> None:
+        """None: the optimizer is the collection's own (older planners read this of every sharder)."""
+        return None
+
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return [SHARDING_TYPE]
 

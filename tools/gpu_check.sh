@@ -29,7 +29,7 @@
 # launch through Triton, an error if one FastLaunch key stands for two compiled kernels): run it before
 # adding a Triton version to tieredemb.ops.triton.launch.TESTED.
 #
-# --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k cuda,
+# --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
 #
 # Runs from a plain checkout: the project is not installed there, so PYTHONPATH points at it.
@@ -173,7 +173,9 @@ fi
 if [ "$run_dist" = 1 ]; then
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     echo "== tests/distributed on NCCL ($gpus GPUs)"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed -k cuda 2>&1 | tail -n 3
+    # TorchRec (where its wheels travelled along) imports over the FBGEMM peer with this shim
+    PYTHONPATH="$PWD/tools/torchrec_on_peer:$PYTHONPATH" timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/distributed -k "cuda or nccl" 2>&1 | tail -n 3
     worlds=1,2
     [ "$gpus" -ge 4 ] && worlds=1,2,4
     echo "== bench dist --gpus $worlds"

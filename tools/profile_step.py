@@ -13,6 +13,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import tieredemb as te
@@ -39,12 +40,16 @@ def main() -> None:
     p.add_argument("--launches", action="store_true",
                    help="with --host: also each Triton kernel's launch and a few torch calls, by name")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
+    p.add_argument("--sharded", action="store_true",
+                   help="hbm: through the sharded path, on a process group of one rank (NCCL)")
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
                         "backward (Overlapped)")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
+    if args.sharded:
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
     torch.autograd.set_multithreading_enabled(args.autograd_threads)
     dev = torch.device("cuda")
     ebc, shape, batches = build(args, dev)
@@ -79,8 +84,8 @@ def build(args, dev: torch.device):
     """The collection of the workload, its shape and its batches."""
     if args.workload == "hbm":
         shape = HbmShape().scaled(args.scale)
-        ebc = te.EmbeddingBagCollection(shape.table_configs(),
-                                        optimizer=OPTIMIZERS[args.optimizer][0](), device=dev)
+        ebc = te.EmbeddingBagCollection(shape.table_configs(), optimizer=OPTIMIZERS[args.optimizer][0](),
+                                        device=dev, process_group=dist.group.WORLD if args.sharded else None)
         t0 = time.perf_counter()
         preinsert_rows(ebc, shape, dev, 0)
         torch.cuda.synchronize()

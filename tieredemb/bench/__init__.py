@@ -37,11 +37,15 @@ random 4 KiB reads from 32 threads; ``tieredemb.bench.disk``) and prints the lea
 ours' misses and writes; RocksDB reads with O_DIRECT unless ``--no-direct-reads``.
 
     tieredemb bench dist [--workload hbm|cache] [--gpus 1,2,4] [--scale S] [--steps N]
-                         [--optimizer adam] [--alpha 1.05,1.2] [--device cpu|cuda] [--out DIR]
+                         [--optimizer adam] [--alpha 1.05,1.2] [--pipeline] [--replicate-hot N]
+                         [--device cpu|cuda] [--out DIR]
 
 weak scaling of ``hbm`` or ``cache`` row-wise sharded over several GPUs (``tieredemb.bench.dist``;
 NCCL; ``--device cpu`` runs gloo processes instead, a smoke run), at each Zipf ``--alpha``, with
-each rank's load (lookups served, keys received, rows held) and the busiest rank over the mean.
+each rank's load (lookups served, keys received, rows held) and the busiest rank over the mean;
+one GPU also against the collection with no process group, each step's parts timed apart;
+``--pipeline`` also under ``te.TrainPipeline``; ``--replicate-hot N`` runs each again with the N
+hottest keys of every table on every rank.
 
     tieredemb bench stash [--scale S] [--steps N] [--width W] [--layers L] [--long-steps N] [--out DIR]
 
@@ -212,9 +216,15 @@ def _add_dist(sub) -> None:
     d.add_argument("--alpha", type=_alphas, default=None,
                    help="comma-separated Zipf exponents of the ids, each run at every world size "
                         "(default: the workload's, 1.05); the report gives each rank's load")
+    d.add_argument("--replicate-hot", type=_at_least(0), default=0,
+                   help="also run each with this many hottest keys a table replicated on every rank "
+                        "(te.HotRows); the report compares the busiest rank's load with and without")
     _add_out(d, "dist")
     d.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: NCCL over GPUs (default when available); cpu: gloo processes (a smoke run)")
+    d.add_argument("--pipeline", dest="dist_pipeline", action="store_true",
+                   help="also time each world size under te.TrainPipeline (the next batch's input dist and "
+                        "prefetch beside this step)")
 
 
 def _add_stash(sub) -> argparse.ArgumentParser:
@@ -372,7 +382,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str], device: torch.device) -
 
         shape = (CACHE_SHAPE if args.dist_workload == "cache" else HbmShape()).scaled(args.scale)
         return run(args.gpus, shape, args.optimizer, args.steps, args.warmup, args.seed, args.out, argv,
-                   args.dist_workload, device.type, args.scale, args.alpha)
+                   args.dist_workload, device.type, args.scale, args.alpha, args.dist_pipeline,
+                   args.replicate_hot)
     for k in _split(args.kernels):
         if k not in ("auto", "torch", "triton"):
             raise ValueError(f"--kernels: unknown kernels {k!r} (auto, torch or triton)")

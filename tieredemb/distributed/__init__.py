@@ -64,8 +64,44 @@ def plan(owner: torch.Tensor, world: int, group) -> tuple[torch.Tensor, list[int
     order, how many this rank sends each rank, how many it receives from each (a collective)."""
     order = torch.argsort(owner, stable=True)
     split_counts = torch.bincount(owner, minlength=world)
-    recv = exchange_splits(split_counts, group)
-    return order, split_counts.tolist(), recv
+    recv = torch.empty_like(split_counts)
+    dist.all_to_all_single(recv, split_counts, group=group)
+    both = torch.cat([split_counts, recv]).tolist()  # one host read
+    return order, both[:world], both[world:]
+
+
+@dataclasses.dataclass
+class Route:
+    """How a batch's distinct pairs go to their owners: ``order`` (u,) the pairs in owner order, how
+    many this rank sends each rank and receives from each, and, per table, the pairs and the ids
+    (their counts summed) this rank receives."""
+
+    order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    pairs_per_table: list[int]
+    ids_per_table: list[int]
+
+
+def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
+          group) -> Route:
+    """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
+    with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
+    count matrix and one host read (histograms, no atomics on a few hot bins)."""
+    order = torch.argsort(owner, stable=True)
+    cell = owner * num_tables + tables
+    pairs = torch.bincount(cell, minlength=world * num_tables).view(world, num_tables)
+    ids = torch.bincount(cell, weights=counts.to(torch.float64), minlength=world * num_tables)
+    ids = ids.round().to(torch.int64).view(world, num_tables)
+    send = torch.cat([pairs.sum(1, keepdim=True), pairs, ids], 1)
+    recv = torch.empty_like(send)
+    if world == 1:
+        recv.copy_(send)
+    else:
+        dist.all_to_all_single(recv, send, group=group)
+    both = torch.cat([send[:, 0], recv.sum(0)[1:], recv[:, 0]]).tolist()
+    return Route(order, both[:world], both[world + 2 * num_tables :], both[world : world + num_tables],
+                 both[world + num_tables : world + 2 * num_tables])
 
 
 def per_rank_backing(backing, rank: int):
@@ -80,4 +116,5 @@ def per_rank_backing(backing, rank: int):
     return backing
 
 
-__all__ = ["exchange", "exchange_splits", "owner_of", "per_rank_backing", "plan", "table_salts"]
+__all__ = ["Route", "exchange", "exchange_splits", "owner_of", "per_rank_backing", "plan", "route",
+           "table_salts"]

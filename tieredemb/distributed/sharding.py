@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tieredemb.distributed import exchange, owner_of, plan, table_salts
+from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableStats, unique_pairs
+from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableRows, TableStats, unique_pairs
 
 
 @dataclass
@@ -76,19 +76,21 @@ class RowWiseSharding:
         tier = self.tiers[g]
         keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
                                                                   self.kernels)
-        owner = owner_of(keys, self.salts[g][tables], self.world)
-        send_order, send_splits, recv_splits = plan(owner, self.world, self.input_group)
-        pairs = torch.stack([keys, tables, counts], dim=1)[send_order]
-        got = exchange(pairs, send_splits, recv_splits, self.input_group)
+        way, got = self.send_pairs(g, keys, tables, counts)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        # per table: the ids these pairs stand for, and the pairs (one read of both)
-        load = torch.zeros(2, len(tier.configs), dtype=torch.int64, device=self.device)
-        load[0].index_add_(0, rtables, rcounts)
-        load[1].index_add_(0, rtables, torch.ones_like(rcounts))
-        lookups, received = load.tolist()
-        self.received[g] = [a + b for a, b in zip(self.received[g], received)]
-        served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
-        return ShardedPrefetch(keys, inverse, send_order, send_splits, recv_splits, served, sorted_ids)
+        served = tier.prefetch(rkeys, rtables, way.ids_per_table, clock, training, occurrences=rcounts)
+        return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
+
+    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
+                   counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
+        """Distinct pairs of group g (keys, tables, counts: int64 (u,)) to their owners, counted in
+        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received)."""
+        owner = owner_of(keys, self.salts[g][tables], self.world)
+        way = route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group)
+        pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
+        got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
+        self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
+        return way, got
 
     def served(self, part: ShardedPrefetch) -> GroupPrefetch:
         return part.served
@@ -178,6 +180,13 @@ class RowWiseSharding:
         keys, tables = keys.to(self.device), tables.to(self.device)
         mine = owner_of(keys, self.salts[g][tables], self.world) == self.rank
         self.tiers[g].read_ahead(keys[mine], tables[mine])
+
+    def export(self, g: int, i: int) -> TableRows:
+        """The rows this rank owns."""
+        return self.tiers[g].export(i)
+
+    def export_chunks(self, g: int, i: int, rows: int):
+        return self.tiers[g].export_chunks(i, rows)
 
     def stats(self, g: int, i: int) -> TableStats:
         """This rank's load of table i of group g: its shard's counters and the pairs it received."""

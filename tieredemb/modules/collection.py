@@ -26,7 +26,7 @@ from torch import nn
 
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.distributed import per_rank_backing
-from tieredemb.distributed.sharding import RowWiseSharding
+from tieredemb.distributed.replicated import check_hot_rows, sharded_placement
 from tieredemb.index.key_index import bucket_loads
 from tieredemb.jagged import JaggedTensor, KeyedTensor
 from tieredemb.modules import state as table_state
@@ -127,14 +127,15 @@ class CollectionBase(nn.Module):
         self.storage = storage
         self.seed = int(seed)
         self.storage_mode = select_mode(tables, optimizer, storage, self.world)
+        check_hot_rows(storage.replicate_hot, tables, process_group, self.storage_mode)
         self.kernels = select_kernels(kernels, self.device)
         self._table_names = [t.name for t in tables]
         members = group_tables(tables)
         self.tiers = build_tiers(self.storage_mode, tables, members, optimizer, storage, self.seed,
                                  self.device, self.kernels, self.world)
         # where the keys live: this process, or the ranks of the group (each rank's tiers its shard)
-        self.placement = (LocalPlacement(self.tiers) if process_group is None
-                          else RowWiseSharding(self.tiers, self.kernels, self.device, process_group))
+        self.placement = (LocalPlacement(self.tiers) if process_group is None else sharded_placement(
+            self.tiers, self.kernels, self.device, process_group, storage.replicate_hot))
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
@@ -538,9 +539,9 @@ class CollectionBase(nn.Module):
 
     def export_chunks(self, table: str, rows: int):
         """This rank's rows of ``table`` in chunks: (keys, full rows, scores) on the CPU."""
-        group, i, _ = self._table(table)
+        self._table(table)  # a known table
         with self.mutating():
-            for keys, full, scores in group.export_chunks(i, rows):
+            for keys, full, scores in self.placement.export_chunks(*self._where[table], rows):
                 yield keys.cpu(), full.cpu(), scores.cpu()
 
     def admission_counts(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,9 +651,9 @@ class CollectionBase(nn.Module):
     def export(self, table: str) -> TableRows:
         """Every stored row of ``table``: keys, weights, optimizer state and scores. Sharded: the
         rows this rank owns (the ranks' exports together hold each row once)."""
-        group, i, _ = self._table(table)
+        self._table(table)  # a known table
         with self.mutating():
-            return group.export(i)
+            return self.placement.export(*self._where[table])
 
     def stats(self, all_ranks: bool = False):
         """Per table: rows per tier, lookups, hits, misses, evictions, bytes. Sharded: this rank's

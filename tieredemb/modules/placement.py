@@ -10,6 +10,7 @@ collection picks one at construction and runs every step through it; both have t
     read / write / import_rows / delete_rows     row access by key (sharded: collectives)
     read_ahead(g, keys, tables)                  rows read ahead into a host tier (sharded: this
                                                  rank's own keys only; no collective)
+    export(g, i) / export_chunks(g, i, rows)     the rows this process owns
     to_owners(g, i, keys, payload)               keys (and an int64 each) to their owners
     stats(g, i) / all_stats(mine)                this process's load of a table / every process's
 """
@@ -21,7 +22,7 @@ import torch
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, TableStats
+from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows, TableStats
 
 
 class LocalPlacement:
@@ -75,6 +76,12 @@ class LocalPlacement:
                   payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and a payload each to the process that owns them: this one."""
         return keys, payload
+
+    def export(self, g: int, i: int) -> TableRows:
+        return self.tiers[g].export(i)
+
+    def export_chunks(self, g: int, i: int, rows: int):
+        return self.tiers[g].export_chunks(i, rows)
 
     def stats(self, g: int, i: int) -> TableStats:
         return self.tiers[g].stats(i)

@@ -60,8 +60,10 @@ class TableStats:
     "device" the compute device's memory (where a host-memory store keeps its index on CUDA),
     "host" host memory. ``keys_received``: sharded, the (table, key) pairs this rank received to
     serve (each requesting rank's distinct keys, summed over ranks and batches): the rows it sends
-    back in the output dist and the gradients it receives; 0 unsharded. ``host_tier``: the counters
-    of the table's host tier, None without one.
+    back in the output dist and the gradients it receives; 0 unsharded. ``replicated``: sharded with
+    ``StorageConfig(replicate_hot=...)``, the table's keys every rank keeps a copy of (their lookups
+    are served where they occur, so they are not in ``keys_received``; ``rows`` counts the copies).
+    ``host_tier``: the counters of the table's host tier, None without one.
     """
 
     rows: dict[str, int]
@@ -78,6 +80,7 @@ class TableStats:
     index_bytes: dict[str, int] = field(default_factory=dict)
     keys_received: int = 0
     host_tier: HostTierStats | None = None
+    replicated: int = 0
 
 
 @dataclass
