@@ -217,6 +217,10 @@ class StorageConfig:
         segment_rows: rows per row-store segment (the unit of growth, placement and stashing).
         replicate_hot: ``te.HotRows(...)``: sharded collections only, keep the hottest rows on
             every rank (``docs/distributed.md``); ``None``: each row lives on its owner alone.
+        host_budget: bytes (int or a string like ``"4GiB"``) of host memory for a write-back tier of
+            rows between the device cache and a RocksDB or Redis ``backing`` (``cache`` mode only),
+            shared by the tables like ``hbm_budget``; ``None``: none, every miss of the device cache
+            goes to the store. ``docs/backends.md`` says what it holds and what a crash loses.
     """
 
     hbm_budget: int | str | None = None
@@ -225,16 +229,39 @@ class StorageConfig:
     bucket_width: int = 32
     segment_rows: int = 65536
     replicate_hot: HotRows | None = None
+    host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         self.hbm_budget = parse_bytes(self.hbm_budget)
         if self.replicate_hot is not None and not isinstance(self.replicate_hot, HotRows):
             raise TypeError("replicate_hot must be a te.HotRows or None, "
                             f"got {type(self.replicate_hot).__name__}")
+        self.host_budget = _check_host_budget(self)
         if not isinstance(self.bucket_width, int) or self.bucket_width < 1:
             raise ValueError(f"bucket_width must be an int >= 1, got {self.bucket_width!r}")
         if not isinstance(self.segment_rows, int) or self.segment_rows < 1:
             raise ValueError(f"segment_rows must be an int >= 1, got {self.segment_rows!r}")
+
+
+def _check_host_budget(storage: StorageConfig) -> int | None:
+    """``host_budget`` in bytes; refused where there is no store for it to stand in front of."""
+    try:
+        budget = parse_bytes(storage.host_budget)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"host_budget: {e}") from None
+    if budget is None:
+        return None
+    if budget == 0:
+        raise ValueError("host_budget must be > 0 bytes (None: no host tier)")
+    if storage.hbm_budget is None or not storage.caching:
+        raise ValueError("host_budget needs cache mode (an hbm_budget and caching=True): in hbm_direct "
+                         "and hybrid modes no backing store sits below the device")
+    from tieredemb.storage.backends import HostMemory
+
+    if isinstance(storage.backing, HostMemory):
+        raise ValueError("host_budget puts a host-memory tier in front of RocksDB or Redis; the "
+                         "backing te.storage.HostMemory() already keeps every row in host memory")
+    return budget
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

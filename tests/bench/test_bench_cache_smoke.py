@@ -220,3 +220,35 @@ def test_a_configuration_that_fails_is_reported_once_and_the_other_still_runs(tu
         ("ours", "RuntimeError: no room for the cache"), ("peer", None)]
     assert len(bench.results[1].step_ms_all) == 3
     assert bench.check is None and not bench.ok
+
+
+def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
+    """``--host-budget`` adds the host tier's run (its rows checked against all in device memory after
+    flush) and three TrainPipeline runs with a DLRM-style model (their losses checked equal)."""
+    args = ["ssd", "--scale", str(SCALE), "--steps", "3", "--warmup", "3", "--device", "cpu",
+            "--threads", "1", "--dir", str(tmp_path / "db"), "--shards", "2", "--raw-rows", "2000",
+            "--host-budget", "20000", "--lookahead", "2", "--dense-width", "16", "--dense-layers", "1",
+            "--out", str(tmp_path / "out"), "--interleave", "0"]
+    assert main(args) == 0
+    data = json.loads(next((tmp_path / "out").glob("*-ssd.json")).read_text())
+    got = {r["configuration"]: r for r in data["results"]}
+    assert set(got) == {"ours", "peer", "host_tier", "pipeline", "pipeline_host_tier", "pipeline_peer"}
+    for r in got.values():
+        assert r["error"] is None and _finite_positive(r["step_ms"]), r
+    host = data["host_tier"]
+    assert host["check"]["passed"] and host["check"]["rows_moved"] > 0
+    assert host["pipeline_losses"]["passed"] and host["pipeline_losses"]["steps"] == 6
+    shape = cache_shape(SCALE)
+    per_table = 20000 // shape.num_tables // (129 * 4)  # 3 rows: the store takes most write-downs
+    tier = got["host_tier"]["extra"]["host_tier"]
+    assert tier["capacity"] == shape.num_tables * per_table
+    assert tier["hits"] > 0 and tier["misses"] > 0 and tier["evictions"] > 0
+    assert got["pipeline_host_tier"]["extra"]["host_tier"]["read_ahead_rows"] > 0
+    assert _finite_positive(host["step_ms"]["pipeline_host_tier / pipeline_peer"])
+
+
+@pytest.mark.parametrize("bad", ["0", "1.0", "-3", "lots"])
+def test_a_bad_host_budget_is_refused(bad, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["ssd", "--host-budget", bad])
+    assert info.value.code == 2 and "--host-budget" in capsys.readouterr().err

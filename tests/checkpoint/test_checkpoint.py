@@ -71,6 +71,9 @@ def storages(tmp_path, request) -> dict[str, te.StorageConfig | None]:
         "cache-redis": te.StorageConfig(hbm_budget=5 * 4 * row, bucket_width=4, segment_rows=8,
                                         backing=te.storage.Redis(request.getfixturevalue("redis_server"))),
         "hybrid": te.StorageConfig(hbm_budget=24 * row, caching=False, segment_rows=8),
+        "cache-rocksdb-host_tier": te.StorageConfig(
+            hbm_budget=3 * 4 * row, bucket_width=4, segment_rows=8, host_budget=6 * row,
+            backing=te.storage.RocksDB(str(tmp_path / "db-host"), shards=2)),
     }
 
 
@@ -81,7 +84,9 @@ def rows_of(model: Model, table: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("before, after", [("hbm", "cache-rocksdb"), ("cache-rocksdb", "cache-redis"),
-                                           ("cache-redis", "hbm"), ("hbm", "hybrid"), ("hybrid", "hbm")])
+                                           ("cache-redis", "hbm"), ("hbm", "hybrid"), ("hybrid", "hbm"),
+                                           ("cache-rocksdb-host_tier", "hbm"),
+                                           ("hbm", "cache-rocksdb-host_tier")])
 @pytest.mark.slow
 def test_resume_on_another_storage_layout_equals_an_uninterrupted_run(before, after, tmp_path, request):
     configs = storages(tmp_path, request)

@@ -24,7 +24,7 @@ from tieredemb.modules.state import TableSlice
 
 TABLES = [te.TableConfig("t0", 4, ["f"]),
           te.TableConfig("t1", 3, ["g"], admission=te.FrequencyAdmission(2))]
-MODES = ["hbm_direct", "cache_host", "cache_rocksdb", "hybrid"]
+MODES = ["hbm_direct", "cache_host", "cache_rocksdb", "cache_rocksdb_host_tier", "hybrid"]
 
 
 def storage(mode: str, path) -> te.StorageConfig | None:
@@ -33,6 +33,9 @@ def storage(mode: str, path) -> te.StorageConfig | None:
         return te.StorageConfig(**small, backing=te.storage.HostMemory())
     if mode == "cache_rocksdb":
         return te.StorageConfig(**small, backing=te.storage.RocksDB(str(path / "db"), shards=2))
+    if mode == "cache_rocksdb_host_tier":  # 2 rows of host memory a table
+        return te.StorageConfig(**small, backing=te.storage.RocksDB(str(path / "db"), shards=2),
+                                host_budget=2 * 12 * 4 + 2 * 9 * 4)
     if mode == "hybrid":
         return te.StorageConfig(**small, caching=False)
     return None
@@ -109,6 +112,22 @@ def test_a_dcp_save_loads_into_a_fresh_model_of_any_storage_mode_and_resumes(mod
     train(fresh, range(3, 6))
     assert_same_rows(tables_of(fresh.ebc, False), tables_of(straight.ebc, False), exact=False)
     fresh.ebc.close()
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_dcp_save_from_a_host_tier_has_every_row(stateful, tmp_path):
+    """Saved from a cache over RocksDB with a host tier of 2 rows a table (rows newer in host memory
+    than in the store, others only in the store), loaded into hbm_direct: the rows of 3 steps."""
+    straight = Model()
+    train(straight, range(3))
+    tiered = Model("cache_rocksdb_host_tier", tmp_path)
+    train(tiered, range(3))
+    assert any(s.host_tier.dirty for s in tiered.ebc.stats().values())  # not all written down yet
+    save(tiered, tmp_path / "ckpt", stateful=stateful)
+    fresh = Model()
+    load(fresh, tmp_path / "ckpt", stateful=stateful)
+    assert_same_rows(tables_of(fresh.ebc, False), tables_of(straight.ebc, False), exact=False)
+    tiered.ebc.close()
 
 
 def test_tables_are_written_and_read_one_chunk_at_a_time(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ OPTIMIZERS = {
     "adam": lambda: te.optim.Adam(lr=0.05),
 }
 # +prefetch: prefetch(i+1) before backward(i); +pipeline: te.TrainPipeline with the prefetch thread
-MODES = ("hbm_direct", "cache", "cache+prefetch", "cache+pipeline")
+# cache+host_tier+pipeline: a host tier of 2 rows a table in front of RocksDB, reads 2 batches ahead
+MODES = ("hbm_direct", "cache", "cache+prefetch", "cache+pipeline", "cache+host_tier+pipeline")
 
 
 def tables(pooled: bool) -> list[te.TableConfig]:
@@ -83,7 +84,8 @@ def build(module: type, optimizer: str, mode: str, store: str | None, group=None
     storage = None
     if mode.startswith("cache"):
         storage = te.StorageConfig(hbm_budget=3 * 4 * 12 * 4, bucket_width=4, segment_rows=8,
-                                   backing=te.storage.RocksDB(store, shards=2))
+                                   backing=te.storage.RocksDB(store, shards=2),
+                                   host_budget=3 * 2 * 12 * 4 if "host_tier" in mode else None)
     return module(tables(module is te.EmbeddingBagCollection), optimizer=OPTIMIZERS[optimizer](),
                   storage=storage, seed=5, process_group=group, device=device)
 
@@ -116,9 +118,9 @@ class StepLoss(torch.nn.Module):
         return step_losses(type(self.collection), out, int(batch["step"]), self.rank)
 
 
-def train_pipelined(ebc, rank: int) -> list[list[torch.Tensor]]:
+def train_pipelined(ebc, rank: int, lookahead: int = 0) -> list[list[torch.Tensor]]:
     model = StepLoss(ebc, rank)
-    pipeline = te.TrainPipeline(model, None, prefetch_in_thread=True)
+    pipeline = te.TrainPipeline(model, None, prefetch_in_thread=True, lookahead=lookahead)
     it = iter([{"kjt": local_batch(step, rank)[0], "step": torch.tensor(step)} for step in range(STEPS)])
     while True:
         try:
@@ -141,7 +143,8 @@ def _worker(rank: int, world: int, port: int, module_name: str, tmp: str, device
             for mode in MODES:
                 ebc = build(module, optimizer, mode, os.path.join(tmp, f"{optimizer}-{mode}"),
                             dist.group.WORLD, device)
-                outs = train_pipelined(ebc, rank) if mode.endswith("+pipeline") else []
+                outs = (train_pipelined(ebc, rank, 2 if "host_tier" in mode else 0)
+                        if mode.endswith("+pipeline") else [])
                 ahead = mode.endswith("+prefetch")
                 if ahead:
                     ebc.prefetch(local_batch(0, rank)[0])

@@ -57,13 +57,17 @@ def make(storage: te.StorageConfig | None, eviction: str, admission: int | None,
     return te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=3)
 
 
-def train(ebc: te.EmbeddingBagCollection, batches: list, pipelined: bool) -> list[torch.Tensor]:
-    """30 steps; pipelined: prefetch(i+1) is issued before backward(i)."""
+def train(ebc: te.EmbeddingBagCollection, batches: list, pipelined: bool,
+          ahead: int = 0) -> list[torch.Tensor]:
+    """30 steps; pipelined: prefetch(i+1) is issued before backward(i); ``ahead``: batch i+ahead's
+    rows read ahead (into a host tier) before step i."""
     outs = []
     grad_gen = torch.Generator().manual_seed(11)
     if pipelined:
         ebc.prefetch(batches[0])
     for i, kjt in enumerate(batches):
+        if ahead and i + ahead < len(batches):
+            ebc.read_ahead(batches[i + ahead])
         out = ebc(kjt).values()
         if pipelined and i + 1 < len(batches):
             ebc.prefetch(batches[i + 1])
@@ -78,10 +82,10 @@ def sorted_rows(rows: te.TableRows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def trains_alike(ebc: te.EmbeddingBagCollection, ref: te.EmbeddingBagCollection, batches: list,
-                 pipelined: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 pipelined: bool, ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Train both on ``batches``; assert equal outputs and equal stored rows. Returns the reference's
     (keys, rows) sorted by key."""
-    for g, w in zip(train(ebc, batches, pipelined), train(ref, batches, pipelined)):
+    for g, w in zip(train(ebc, batches, pipelined, ahead), train(ref, batches, pipelined)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     keys, rows = sorted_rows(ebc.export("t"))
     want_keys, want_rows = sorted_rows(ref.export("t"))
@@ -451,15 +455,16 @@ def test_hybrid_matches_hbm_direct(optimizer, pipelined) -> None:
     assert placement["device"] == 32 and placement["host"] > 0  # rows really spilled to the host
 
 
-@pytest.mark.parametrize("backend", ["host", "rocksdb", "redis"])
+@pytest.mark.parametrize("backend", ["host", "rocksdb", "redis", "rocksdb+host_tier", "redis+host_tier"])
 @pytest.mark.parametrize("cache_buckets", [1, 74])
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_cache_over_real_backends_matches_hbm_direct(backend, cache_buckets, eviction, tmp_path,
                                                       request) -> None:
-    """The same equivalence over HostMemory, RocksDB on disk and a real redis-server, pipelined and
-    with admission; after flush() the backend alone holds the table (read back through a fresh
-    handle for RocksDB and Redis)."""
+    """The same equivalence over HostMemory, RocksDB on disk and a real redis-server (with a host
+    tier of 3 rows in front, and reads 2 batches ahead), pipelined and with admission; after close()
+    the backend alone holds the table (read back through a fresh handle for RocksDB and Redis)."""
     optimizer = te.optim.Adam(lr=0.05)
+    backend, _, host_tier = backend.partition("+")
     if backend == "host":
         spec = te.storage.HostMemory()
     elif backend == "rocksdb":
@@ -468,11 +473,14 @@ def test_cache_over_real_backends_matches_hbm_direct(backend, cache_buckets, evi
         spec = te.storage.Redis(request.getfixturevalue("redis_server"))
     row_bytes = (DIM + optimizer.state_width(DIM)) * 4
     storage = te.StorageConfig(hbm_budget=cache_buckets * 4 * row_bytes, backing=spec, bucket_width=4,
-                               segment_rows=16)
+                               segment_rows=16, host_budget=3 * row_bytes if host_tier else None)
     cached = make(storage, eviction, 2, optimizer)
     plain = make(None, eviction, 2, optimizer)
     batches = zipf_batches(30, 6, seed=cache_buckets)
-    want_keys, want_rows = trains_alike(cached, plain, batches, True)
+    want_keys, want_rows = trains_alike(cached, plain, batches, True, ahead=2 if host_tier else 0)
+    if host_tier and cache_buckets == 1:
+        stats = cached.stats()["t"].host_tier
+        assert stats.capacity == 3 and stats.evictions > 0 and stats.written_down > 0
     cached.close()
     if backend == "host":
         return  # host memory does not outlive its collection
@@ -583,9 +591,10 @@ def test_backend_faults_surface_chained_and_lose_no_row() -> None:
 @given(cache_rows=st.integers(1, 120), width=st.sampled_from([1, 2, 4, 8]), dim=st.integers(1, 9),
        batch=st.integers(0, 7), eviction=st.sampled_from(["lru", "lfu"]),
        admission=st.sampled_from([None, 2, 3]), pipelined=st.booleans(),
-       opt=st.sampled_from(["sgd", "adagrad", "rowwise", "adam"]), seed=st.integers(0, 2**16))
+       opt=st.sampled_from(["sgd", "adagrad", "rowwise", "adam"]), seed=st.integers(0, 2**16),
+       host_rows=st.sampled_from([None, 1, 7]), ahead=st.integers(0, 3))
 def test_cache_matches_hbm_direct_on_drawn_shapes(cache_rows, width, dim, batch, eviction, admission,
-                                                  pipelined, opt, seed) -> None:
+                                                  pipelined, opt, seed, host_rows, ahead) -> None:
     optimizer = {"sgd": te.optim.SGD(lr=0.2), "adagrad": te.optim.Adagrad(lr=0.2),
                  "rowwise": te.optim.RowWiseAdagrad(lr=0.2), "adam": te.optim.Adam(lr=0.05)}[opt]
     row_bytes = (dim + optimizer.state_width(dim)) * 4
@@ -597,11 +606,13 @@ def test_cache_matches_hbm_direct_on_drawn_shapes(cache_rows, width, dim, batch,
         return te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=seed)
 
     cached = build(te.StorageConfig(hbm_budget=cache_rows * row_bytes, backing=DictStore(),
-                                    bucket_width=width, segment_rows=8))
+                                    bucket_width=width, segment_rows=8,
+                                    host_budget=None if host_rows is None else host_rows * row_bytes))
     assert cached.storage_mode == "cache"
     plain = build(None)
     batches = zipf_batches(10, batch, seed=seed)
-    trains_alike(cached, plain, batches, pipelined)
+    trains_alike(cached, plain, batches, pipelined, ahead)
+    cached.close()
 
 
 class _Loss(torch.nn.Module):
@@ -614,18 +625,22 @@ class _Loss(torch.nn.Module):
 
 
 @pytest.mark.parametrize("in_thread", [False, True])
-def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread) -> None:
+@pytest.mark.parametrize("lookahead", [None, 0, 3])  # None: no host tier; else one, reading k ahead
+def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread, lookahead, tmp_path) -> None:
     """Prefetch of batch i+1 on a worker thread, beside batch i's backward: the collection serializes
-    index and row-store changes, so the result is the plain loop's."""
+    index and row-store changes, so the result is the plain loop's. The same with a host tier of 5
+    rows over RocksDB and reads issued ``lookahead`` batches ahead."""
     optimizer = te.optim.Adam(lr=0.05)
     row_bytes = (DIM + optimizer.state_width(DIM)) * 4
-    storage = te.StorageConfig(hbm_budget=8 * row_bytes, backing=DictStore(), bucket_width=4,
-                               segment_rows=8)
+    host = lookahead is not None
+    backing = te.storage.RocksDB(str(tmp_path / "db"), shards=2) if host else DictStore()
+    storage = te.StorageConfig(hbm_budget=8 * row_bytes, bucket_width=4, segment_rows=8, backing=backing,
+                               host_budget=5 * row_bytes if host else None)
     cached, plain = make(storage, "lru", 2, optimizer), make(None, "lru", 2, optimizer)
     gen = torch.Generator().manual_seed(2)
     data = [{"kjt": kjt, "grad": torch.randn(6, 2 * DIM, generator=gen)}
             for kjt in zipf_batches(25, 6, seed=8)]
-    pipe = te.TrainPipeline(_Loss(cached), None, prefetch_in_thread=in_thread)
+    pipe = te.TrainPipeline(_Loss(cached), None, prefetch_in_thread=in_thread, lookahead=lookahead or 0)
     it = iter(data)
     got = []
     while True:
@@ -642,6 +657,10 @@ def test_cache_through_the_pipeline_with_a_prefetch_thread(in_thread) -> None:
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1],
                                rtol=1e-5, atol=1e-6)
+    if lookahead:
+        stats = cached.stats()["t"].host_tier
+        assert stats.read_ahead_rows > 0 and stats.read_ahead_hits > 0, stats
+    cached.close()
 
 
 def test_a_failed_fetch_leaves_a_bounded_cache_table_unchanged() -> None:

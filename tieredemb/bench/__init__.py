@@ -29,6 +29,9 @@ tables all in device memory, both built and timed in turns of ``--interleave`` s
 raw rocksdict's rates) ends in its verdict, ``met`` or ``NOT met``; the JSON lists them in ``targets``.
 A verdict does not change the exit status, which says whether the runs completed and trained the same
 rows.
+``ssd --host-budget B`` adds runs with a host tier in front of RocksDB (B: a fraction of the tables'
+bytes or bytes) reading ``--lookahead`` batches ahead, and under ``TrainPipeline`` with a DLRM-style
+dense model (``tieredemb.bench.host_tier``).
 ``ssd`` also measures the disk under ``--dir`` itself with O_DIRECT (sequential write and read,
 random 4 KiB reads from 32 threads; ``tieredemb.bench.disk``) and prints the least step time it allows
 ours' misses and writes; RocksDB reads with O_DIRECT unless ``--no-direct-reads``.
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from contextlib import contextmanager
 from datetime import datetime
@@ -81,6 +85,7 @@ from tieredemb.bench.report import (
     write_report,
 )
 from tieredemb.bench.workloads import HbmShape
+from tieredemb.config import parse_bytes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,6 +189,16 @@ def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
         p.add_argument("--direct-reads", action=argparse.BooleanOptionalAction, default=True,
                        help="RocksDB reads the disk with O_DIRECT, not the page cache, where the "
                             "directory's file system allows it (default: on)")
+        p.add_argument("--host-budget", type=_host_budget, default=None,
+                       help="also run with a host tier in front of RocksDB of this size: a fraction "
+                            "of the tables' bytes (e.g. 0.1) or bytes (e.g. 4GiB); and under "
+                            "TrainPipeline with a DLRM-style dense model, without and with it")
+        p.add_argument("--lookahead", type=_at_least(0), default=2,
+                       help="with --host-budget: batches whose rows are read ahead (default %(default)s)")
+        p.add_argument("--dense-width", type=_at_least(1), default=1024,
+                       help="with --host-budget: the dense model's top MLP width (default %(default)s)")
+        p.add_argument("--dense-layers", type=_at_least(1), default=4,
+                       help="with --host-budget: the dense model's top MLP layers (default %(default)s)")
     return p
 
 
@@ -281,6 +296,22 @@ def _fraction(text: str) -> float:
     if not x < 1:
         raise argparse.ArgumentTypeError(f"must be below 1, got {text}")
     return x
+
+
+def _host_budget(text: str) -> float | int:
+    """An argparse type: a fraction in (0, 1) of the tables' bytes ("0.1"), or bytes ("4GiB", an int)."""
+    if re.fullmatch(r"\s*[0-9]*\.[0-9]*\s*", text):  # a plain decimal number: a fraction
+        x = float(text) if text.strip() != "." else 0.0
+        if not 0 < x < 1:
+            raise argparse.ArgumentTypeError(f"a fraction must be in (0, 1), got {text}")
+        return x
+    try:
+        n = parse_bytes(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{e}; or a fraction in (0, 1)") from None
+    if not n:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1) or bytes >= 1, got {text}")
+    return n
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -437,7 +468,11 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                            shards=getattr(args, "shards", 8), prefill=args.prefill,
                            raw_rows=getattr(args, "raw_rows", None),
                            direct_reads=getattr(args, "direct_reads", True),
-                           reserve=getattr(args, "reserve", False), interleave=args.interleave)
+                           reserve=getattr(args, "reserve", False), interleave=args.interleave,
+                           host_budget=getattr(args, "host_budget", None),
+                           lookahead=getattr(args, "lookahead", 2),
+                           dense_width=getattr(args, "dense_width", 1024),
+                           dense_layers=getattr(args, "dense_layers", 4))
     with _torch_threads(args.threads):
         started = datetime.now()
         path = report_path(args.out, args.workload, started)

@@ -56,6 +56,7 @@ from tieredemb.bench.cache_runs import (
 from tieredemb.bench.cache_tbe import TBE_CACHE_TARGET, TbeCacheRun, compare_tbe, tbe_cache_unavailable
 from tieredemb.bench.disk import DiskFigures, floor_line, measure_disk, step_floor
 from tieredemb.bench.hbm import upstream_grad
+from tieredemb.bench.host_tier import run_host_tier
 from tieredemb.bench.report import (
     Measurement,
     Target,
@@ -236,6 +237,8 @@ class CacheBench:
         self.cache_rows: list[int] = []
         self.directory: str | None = None
         self._live: list[ConfigRun] = []  # configurations built and not yet finished or failed
+        self.host_check: CacheRowCheck | None = None  # --host-budget: its rows against the peer's
+        self.pipeline_check: dict | None = None  # --host-budget: the pipeline runs' losses
 
     def run(self, on_update: Callable[[], None] = lambda: None) -> None:
         opts = self.options
@@ -295,6 +298,8 @@ class CacheBench:
             self.log(f"rows of FBGEMM's TBE vs {self.all_on_device}: "
                      + ("passed" if c.passed else "FAILED: " + "; ".join(c.problems)))
             on_update()
+        if opts.host_budget is not None:
+            self._host_tier_runs(batches, grad, peer, on_update)
         if opts.workload == "ssd":
             n = opts.raw_rows or max(1000, min(1_000_000, round(1_000_000 * s.rows / CACHE_SHAPE.rows)))
             call = max(64, min(65536, n // 8))
@@ -311,6 +316,25 @@ class CacheBench:
                 self.log(traceback.format_exc())
                 self.raw = {"error": f"{type(e).__name__}: {e}"}
             on_update()
+
+    def _host_tier_runs(self, batches: RankBatches, grad: torch.Tensor, peer: ConfigRun,
+                        on_update: Callable[[], None]) -> None:
+        """``--host-budget``: the runs of ``tieredemb.bench.host_tier``, the host tier's rows checked
+        against the peer's."""
+        def on_result(m, run) -> None:
+            self.results.append(m)
+            if run is not None and run.rows is not None and peer.rows is not None:
+                c = self.host_check = compare(self.options.shape, run.keys, run.rows, peer.rows,
+                                              self.options.seed)
+                self.log("rows with the host tier vs all in device memory: "
+                         + ("passed" if c.passed else "FAILED: " + "; ".join(c.problems)))
+            on_update()
+
+        self.pipeline_check = run_host_tier(self.options, self.directory, self.direct_reads, batches, grad,
+                                            self.cache_rows[0], self.log, on_result)
+        self.log("pipeline losses: " + ("equal" if self.pipeline_check["passed"]
+                                        else "; ".join(self.pipeline_check["problems"])))
+        on_update()
 
     def _measure_disk(self, on_update: Callable[[], None]) -> None:
         """The disk's figures on the store directory's file system; a file of 4 GiB x scale (at
@@ -408,7 +432,10 @@ class CacheBench:
         return (all(r.error is None for r in self.results) and self.check is not None
                 and self.check.passed and not (self.raw or {}).get("error")
                 and not isinstance(self.disk, dict)
-                and (self.tbe_check is None or self.tbe_check.passed))
+                and (self.tbe_check is None or self.tbe_check.passed)
+                and (self.options.host_budget is None
+                     or (self.host_check is not None and self.host_check.passed
+                         and bool(self.pipeline_check and self.pipeline_check["passed"]))))
 
     @property
     def all_on_device(self) -> str:
@@ -474,6 +501,8 @@ class CacheBench:
             lines.append(f"check FBGEMM's TBE vs {self.all_on_device} after flush: "
                          f"{'same rows' if c.passed else 'DIFFERENT ROWS: ' + '; '.join(c.problems)} "
                          f"(max |diff| {c.max_abs_diff:.3g}; {c.rows_compared} keys, {c.rows_moved} trained)")
+        if self.options.host_budget is not None:
+            lines += self._host_tier_lines()
         if self.raw and "error" not in self.raw:
             r = self.raw
             lines.append(
@@ -488,6 +517,26 @@ class CacheBench:
         elif self.raw:
             lines.append(f"raw RocksDB rates FAILED: {self.raw['error']}")
         return "\n".join(lines)
+
+    def _host_tier_lines(self) -> list[str]:
+        lines = [f"step ratio {name}: {x:.2f}x" for name, x in self._host_tier_steps().items() if "/" in name]
+        for r in self.results:
+            if r.error is None and "host_tier" in r.extra:
+                h = r.extra["host_tier"]
+                lines.append(f"{r.configuration}: host tier hits {h.get('hits', 0):.0f}, misses "
+                             f"{h.get('misses', 0):.0f}, read ahead {h.get('read_ahead_rows', 0):.0f} "
+                             f"(used {h.get('read_ahead_hits', 0):.0f}), written down "
+                             f"{h.get('written_down', 0):.0f}"
+                             + (" a step" if r.configuration == "host_tier" else " in all"))
+        if self.host_check is not None:
+            c = self.host_check
+            lines.append(f"check host tier vs {self.all_on_device} after flush: "
+                         f"{'same rows' if c.passed else 'DIFFERENT ROWS: ' + '; '.join(c.problems)}")
+        if self.pipeline_check is not None:
+            c = self.pipeline_check
+            lines.append("check TrainPipeline losses (RocksDB, host tier + lookahead, all in device memory): "
+                         + ("equal" if c["passed"] else "; ".join(c["problems"])))
+        return lines
 
     def targets(self) -> list[Target]:
         """The figures held to a bound: ``cache``, its step against the peer's; ``ssd``, our RocksDB
@@ -527,7 +576,22 @@ class CacheBench:
             "rocksdb_rates": self.raw,
             "disk": self.disk,
             "disk_floor": self.disk_floor(),
+            "host_tier": None if opts.host_budget is None else {
+                "host_budget": opts.host_budget, "lookahead": opts.lookahead,
+                "dense_model": f"{opts.dense_layers} x {opts.dense_width}",
+                "check": self.host_check, "pipeline_losses": self.pipeline_check,
+                "step_ms": self._host_tier_steps()},
         }
+
+    def _host_tier_steps(self) -> dict:
+        """``--host-budget``: each configuration's step, and the ratios the targets speak of."""
+        ms = {r.configuration: r.step_ms for r in self.results if r.step_ms}
+        out: dict = {"step_ms": ms}
+        for a, b in (("host_tier", "ours"), ("pipeline_host_tier", "pipeline"),
+                     ("pipeline_host_tier", "pipeline_peer"), ("pipeline", "pipeline_peer")):
+            if ms.get(a) and ms.get(b):
+                out[f"{a} / {b}"] = ms[a] / ms[b]
+        return out
 
 
 def cache_shape(scale: float) -> HbmShape:

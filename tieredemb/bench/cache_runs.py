@@ -65,6 +65,13 @@ class CacheOptions:
     # ours and the all-in-HBM peer both built, then timed this many steps at a time in turns (0: one
     # configuration after the other, each built only while it runs: less device memory at once)
     interleave: int = 10
+    # ssd: a host tier in front of RocksDB (a fraction < 1 of the tables' bytes, or bytes; None: those
+    # runs are skipped), batches read ahead, and the DLRM-style dense model of the pipeline runs
+    # (``tieredemb.bench.host_tier``)
+    host_budget: float | int | None = None
+    lookahead: int = 2
+    dense_width: int = 1024
+    dense_layers: int = 4
 
     def __post_init__(self) -> None:
         if self.workload not in ("cache", "ssd"):
@@ -75,6 +82,11 @@ class CacheOptions:
             raise ValueError(f"interleave must be >= 0 steps, got {self.interleave}")
         if not 0 < self.budget_fraction < 1:
             raise ValueError(f"budget fraction must be in (0, 1), got {self.budget_fraction}")
+        if self.host_budget is not None and self.workload != "ssd":
+            raise ValueError("a host budget needs the ssd workload (a host tier in front of RocksDB)")
+        if self.lookahead < 0 or self.dense_width < 1 or self.dense_layers < 1:
+            raise ValueError(f"need lookahead >= 0 and a dense model of >= 1 layer of >= 1 unit, got "
+                             f"{self.lookahead}, {self.dense_layers} x {self.dense_width}")
 
     @property
     def scale(self) -> float:

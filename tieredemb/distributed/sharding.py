@@ -62,6 +62,7 @@ class RowWiseSharding:
         self.tiers, self.kernels, self.device = tiers, kernels, device
         self.group = process_group
         self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.salts = [table_salts(t.names, device) for t in tiers]
         self.received = [[0] * len(t.configs) for t in tiers]  # pairs received to serve, per table
         # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
@@ -172,6 +173,13 @@ class RowWiseSharding:
         their owners; the keys this rank owns, from every rank, and their payloads."""
         order, send, recv, keys = self._route(g, i, keys)
         return keys, exchange(payload[order], send, recv, self.group)
+
+    def read_ahead(self, g: int, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """The pairs this rank owns read ahead into its host tier; no collective (a read ahead is a
+        hint: the keys other ranks own are left to their own misses)."""
+        keys, tables = keys.to(self.device), tables.to(self.device)
+        mine = owner_of(keys, self.salts[g][tables], self.world) == self.rank
+        self.tiers[g].read_ahead(keys[mine], tables[mine])
 
     def export(self, g: int, i: int) -> TableRows:
         """The rows this rank owns."""

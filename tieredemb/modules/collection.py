@@ -46,6 +46,7 @@ from tieredemb.modules.in_flight import (
     same_batch,
 )
 from tieredemb.modules.placement import LocalPlacement
+from tieredemb.modules.read_ahead import keys_by_group
 from tieredemb.modules.staged import Collection as StagedCollection
 from tieredemb.modules.staged import StagedPrefetcher
 from tieredemb.ops import resolve_device, select_kernels
@@ -598,6 +599,13 @@ class CollectionBase(nn.Module):
     def is_prefetched(self, kjt: object) -> bool:
         """Whether ``kjt`` (this very object) waits in the queue of prefetched batches."""
         return self._queue.holds(kjt)
+
+    def read_ahead(self, kjt: object) -> None:
+        """Start reading a coming batch's rows from the backing store into the host tier
+        (``StorageConfig(host_budget=...)``) on I/O threads; returns at once. Nothing else moves
+        (device cache, scores, admission counts); without a host tier it does nothing."""
+        for g, (keys, tables) in keys_by_group(kjt, self.table_configs, self._where).items():
+            self.placement.read_ahead(g, keys, tables)
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:
         """Remove stored rows (a checkpoint delta's deletions); sharded: a collective."""

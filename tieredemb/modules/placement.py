@@ -8,6 +8,8 @@ collection picks one at construction and runs every step through it; both have t
     grad_dist(g, part, grad, src, scale)         the gradient as the owner applies it
     served(part)                                 what this process's tier resolved (to settle, release)
     read / write / import_rows / delete_rows     row access by key (sharded: collectives)
+    read_ahead(g, keys, tables)                  rows read ahead into a host tier (sharded: this
+                                                 rank's own keys only; no collective)
     export(g, i) / export_chunks(g, i, rows)     the rows this process owns
     to_owners(g, i, keys, payload)               keys (and an int64 each) to their owners
     stats(g, i) / all_stats(mine)                this process's load of a table / every process's
@@ -64,6 +66,11 @@ class LocalPlacement:
 
     def delete_rows(self, g: int, i: int, keys: torch.Tensor) -> None:
         self.tiers[g].delete_rows(i, keys)
+
+    def read_ahead(self, g: int, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Group g reads the (table in the group, key) pairs' rows ahead into its host tier (none:
+        nothing)."""
+        self.tiers[g].read_ahead(keys, tables)
 
     def to_owners(self, g: int, i: int, keys: torch.Tensor,
                   payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

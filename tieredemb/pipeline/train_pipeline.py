@@ -27,6 +27,14 @@ from tieredemb.profiling import label
 logger = logging.getLogger(__name__)
 
 _DRAINED = object()  # _step's answer when there is nothing left to train
+_ENDED = object()  # in the batches read ahead: the iterator ended there
+
+
+@dataclass
+class _Failed:
+    """In the batches read ahead: the iterator raised ``error`` there."""
+
+    error: Exception
 
 
 @dataclass
@@ -61,6 +69,8 @@ class TrainPipeline:
         backward        batch i:   loss.backward(): the fused embedding optimizers update their rows
         optimizer       batch i:   optimizer.step() on the dense parameters
         copy_batch      batch i+2: next(iterator), pin, host-to-device copy    (overlaps step i+1)
+                        (with ``lookahead=k``: batch i+2+k read from the iterator, its rows read
+                        ahead into the host tiers on I/O threads)
 
     The first call fills the pipeline (copy batch 0, prefetch it, copy batch 1). No batch is
     dropped: after the iterator ends, calls go on training what is in flight, then raise
@@ -101,6 +111,11 @@ class TrainPipeline:
             (``torch.autograd.set_multithreading_enabled(False)`` around ``loss.backward()`` only):
             the hand-over to a worker and back cost ~0.5 ms of a 2.2 ms all-in-HBM embedding step on
             the H200 host measured (``docs/performance.md``).
+        lookahead: batches read from the iterator ahead of those the pipeline copies and prefetches
+            (default 0). Each one's keys are handed to ``collection.read_ahead`` as soon as it is
+            read: a collection with a host tier (``StorageConfig(host_budget=...)``) fetches their
+            rows from its backing store on I/O threads, so the prefetch ``lookahead`` steps later
+            finds them in host memory. Without a host tier it costs only the batches held.
 
     Batches: any object with ``.to(device, non_blocking=True)`` returning the moved batch (as
     TorchRec's ``Batch``), or a dict, list, tuple or dataclass of tensors and KeyedJaggedTensors (moved
@@ -138,7 +153,12 @@ class TrainPipeline:
         *,
         prefetch_in_thread: bool = False,
         autograd_threads: bool = False,
+        lookahead: int = 0,
     ) -> None:
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0 (batches read ahead), got {lookahead!r}")
+        self._lookahead = lookahead
+        self._ahead: deque[object] = deque()  # batches read from the iterator, not yet copied
         self._model = model
         self._optimizer = optimizer
         self._autograd_threads = autograd_threads
@@ -229,7 +249,7 @@ class TrainPipeline:
             return
         with label("## copy_batch ##"):
             try:
-                batch = next(batches)
+                batch = self._next_batch(batches)
             except StopIteration:
                 self._exhausted = True
                 return
@@ -243,6 +263,43 @@ class TrainPipeline:
                 self._exhausted = True
                 record = _InFlight(None, error=exc)
             self._batches.append(record)
+
+    def _next_batch(self, batches: Iterator[object]) -> object:
+        """The next batch; with ``lookahead``, ``lookahead`` more read from the iterator behind it
+        and their rows read ahead (an iterator's end or error kept for its turn)."""
+        if self._lookahead == 0:
+            return next(batches)
+        while len(self._ahead) <= self._lookahead and not (self._ahead and self._ahead[-1] is _ENDED):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self._ahead.append(_ENDED)
+                break
+            except Exception as exc:  # the loader's error: raised at its turn
+                self._ahead.append(_Failed(exc))
+                self._ahead.append(_ENDED)
+                break
+            self._read_ahead(batch)
+            self._ahead.append(batch)
+        batch = self._ahead.popleft()
+        if batch is _ENDED:
+            raise StopIteration
+        if isinstance(batch, _Failed):
+            raise batch.error
+        return batch
+
+    def _read_ahead(self, batch: object) -> None:
+        """batch i+2+lookahead: each KJT's rows read ahead by the collections it feeds."""
+        with label("## read_ahead ##"):
+            for _, value in named_fields(batch):
+                if not is_kjt(value):
+                    continue
+                for collection, features in self._collections:
+                    if features == set(value.keys()):
+                        try:
+                            collection.read_ahead(value)
+                        except Exception:  # a hint only: the batch's own turn reports it
+                            logger.debug("read ahead skipped", exc_info=True)
 
     def _place(self, batch: object) -> _InFlight:
         if self._copy_stream is None:
@@ -371,6 +428,7 @@ class TrainPipeline:
             for collection, kjt in record.plan:
                 collection.withdraw(kjt)
         self._batches.clear()
+        self._ahead.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -81,6 +81,14 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027 - optional: nothing to release for in-memory stores
         """Release files, connections and memory."""
 
+    def read_ahead(self, keys: torch.Tensor) -> None:  # noqa: B027 - optional: a tier in front reads
+        """Start reading the rows of ``keys`` (int64 (n,) on ``device``) into a faster tier in front,
+        without waiting (``HostTier``); nothing here: a store without one answers ``get`` itself."""
+
+    def tier_stats(self):
+        """The counters of a tier in front of the store (``HostTierStats``), None without one."""
+        return None
+
 
 class DeviceRows(ABC):
     """A backing store's rows as the device moves them, by address, with no host read: the verbs of
@@ -199,6 +207,12 @@ class GroupStore:
 
     def table(self, t: int) -> Backend:
         return self.backends[t]
+
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Start reading the pairs' rows into the tier in front of each table, without waiting
+        (``Backend.read_ahead``: nothing where there is none)."""
+        for t, pos in self._by_table(tables):
+            self.backends[t].read_ahead(keys[pos])
 
     def flush(self) -> None:
         for b in self.backends:

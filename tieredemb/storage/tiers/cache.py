@@ -625,7 +625,16 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         out.capacity = self.index.capacity(table)
         fetched, written = (self._moved[:, table] * self.store.row_bytes).tolist()
         out.bytes_moved = {"backend->device": fetched, "device->backend": written}
+        out.host_tier = self.below.table(table).tier_stats()
+        if out.host_tier is not None:
+            out.rows["host"] = out.host_tier.rows
         return out
+
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Start reading the (``tables``, ``keys``) pairs' rows from the store into the tier in front
+        of it (a host tier; none: nothing). The device cache, its scores and admission counts do not
+        move."""
+        self.below.read_ahead(keys.to(self.backend_device), tables.to(self.backend_device))
 
     def index_bytes(self, table: int) -> dict[str, int]:
         return add_bytes(super().index_bytes(table), self.below.table(table).index_bytes())

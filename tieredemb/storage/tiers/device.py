@@ -603,5 +603,8 @@ class DeviceTier(DeviceInsertion):
         self.place_overflow()
         self._take_back(wait=True)
 
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Nothing: every row already lives in this tier (a cache over a host tier reads ahead)."""
+
     def close(self) -> None:
         """Nothing to release beyond the tensors."""

@@ -26,6 +26,30 @@ class TableRows:
 
 
 @dataclass
+class HostTierStats:
+    """Counters of a table's host tier (``StorageConfig(host_budget=...)``) since construction.
+
+    ``rows``: rows held in host memory (``dirty`` of them newer than the store's); ``capacity``: its
+    slots; ``hits`` / ``misses``: the device cache's fetches answered from host memory / from the
+    store; ``evictions``: rows pushed out of host memory; ``written_down``: rows written to the store
+    (evicted dirty rows and ``flush``); ``read_ahead_rows``: rows brought in by reads ahead;
+    ``read_ahead_hits``: of those, the ones a fetch then used; ``read_ahead_dropped``: rows a read
+    ahead dropped because the key changed while it was in flight.
+    """
+
+    rows: int
+    capacity: int
+    dirty: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    written_down: int = 0
+    read_ahead_rows: int = 0
+    read_ahead_hits: int = 0
+    read_ahead_dropped: int = 0
+
+
+@dataclass
 class TableStats:
     """Counters of one table since construction.
 
@@ -39,6 +63,7 @@ class TableStats:
     back in the output dist and the gradients it receives; 0 unsharded. ``replicated``: sharded with
     ``StorageConfig(replicate_hot=...)``, the table's keys every rank keeps a copy of (their lookups
     are served where they occur, so they are not in ``keys_received``; ``rows`` counts the copies).
+    ``host_tier``: the counters of the table's host tier, None without one.
     """
 
     rows: dict[str, int]
@@ -54,6 +79,7 @@ class TableStats:
     memory_bytes: dict[str, int] = field(default_factory=dict)
     index_bytes: dict[str, int] = field(default_factory=dict)
     keys_received: int = 0
+    host_tier: HostTierStats | None = None
     replicated: int = 0
 
 

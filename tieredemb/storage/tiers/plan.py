@@ -8,6 +8,7 @@ import torch
 from tieredemb.config import StorageConfig, TableConfig
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.storage.backends import HostMemory
+from tieredemb.storage.host_tier import HostTierGroup
 from tieredemb.storage.tiers.cache import CacheTier
 from tieredemb.storage.tiers.device import DeviceTier
 
@@ -33,6 +34,10 @@ def select_mode(tables: list[TableConfig], optimizer: EmbeddingOptimizer, storag
     rows = [_shard_rows(t, world) for t in tables]
     footprint = sum(float("inf") if r is None else r * _row_bytes(t, optimizer) for r, t in zip(rows, tables))
     if footprint <= storage.hbm_budget:
+        if storage.host_budget is not None:
+            raise ValueError(f"host_budget: the tables ({footprint:.0f} bytes) fit hbm_budget "
+                             f"({storage.hbm_budget} bytes), so they run in hbm_direct mode with no "
+                             "backing store for a host tier to stand in front of; drop host_budget")
         return "hbm_direct"
     if not storage.caching and not isinstance(storage.backing, HostMemory):
         raise ValueError("hybrid mode (caching=False) keeps its overflow rows in host memory: its "
@@ -75,12 +80,17 @@ def build_tiers(mode: str, tables: list[TableConfig], members: list[list[int]],
     if mode == "hybrid":
         return [DeviceTier([tables[t] for t in m], **common, device_rows=sum(rows[t] for t in m))
                 for m in members]
+    host_rows = (None if storage.host_budget is None
+                 else _budget_rows(tables, optimizer, storage.host_budget, world))
     out = []
     for m in members:
         width = tables[m[0]].embedding_dim + optimizer.state_width(tables[m[0]].embedding_dim)
         dtype = tables[m[0]].dtype  # named only for 16-bit rows (a spec for float32 rows still opens)
         below = storage.backing.open_group([tables[t].name for t in m], width, device,
                                            **({} if dtype == torch.float32 else {"dtype": dtype}))
+        if host_rows is not None:  # a host tier in front of each table's store
+            below = HostTierGroup(below, [host_rows[t] for t in m], [tables[t].eviction for t in m],
+                                  pinned=device.type == "cuda" and torch.cuda.is_available())
         out.append(CacheTier([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
                               below=below))
     return out

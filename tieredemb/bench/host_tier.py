@@ -1,0 +1,225 @@
+"""The ``ssd`` workload with a host tier (``--host-budget``) and reads issued ahead (``--lookahead``).
+
+Beside ``bench ssd``'s own runs (ours over RocksDB, the same tables all in device memory), on the same
+batches:
+
+    host_tier            ours with ``StorageConfig(host_budget=...)`` in front of RocksDB, the plain
+                         loop reading batch i+k's rows ahead by hand (``ebc.read_ahead``) before step i
+    pipeline             ours over RocksDB alone, under ``te.TrainPipeline`` with a DLRM-style dense
+                         model (bottom MLP, pooled embeddings, a top MLP of ``dense_layers`` x
+                         ``dense_width``: make its step longer than the store's time to hide it)
+    pipeline_host_tier   the same with the host tier and ``TrainPipeline(lookahead=k)``
+    pipeline_peer        the same model with every row in device memory
+
+The host tier's rows are checked after ``flush`` against the all-in-device rows (as ours' are), and
+the three pipeline runs' losses against each other (one function: equal up to summation order).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import tieredemb as te
+from tieredemb.bench.cache_runs import (
+    LR,
+    OPTIMIZER,
+    CacheOptions,
+    ConfigRun,
+    RankBatch,
+    RankBatches,
+    prefill,
+    table_configs,
+)
+from tieredemb.bench.report import Measurement, host_rss_bytes
+from tieredemb.bench.stash import DLRM, NUM_DENSE
+from tieredemb.bench.timing import free_memory, synchronize, time_ms
+from tieredemb.pipeline.batches import pin_batch
+
+LOSS_RTOL = 1e-4
+
+
+def host_budget_bytes(value: float | int, footprint: int) -> int:
+    """``--host-budget``: a fraction of the tables' bytes (a float below 1) or bytes (an int >= 1)."""
+    if isinstance(value, float) and 0 < value < 1:
+        return max(1, int(value * footprint))
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"--host-budget must be a fraction in (0, 1) of the tables' bytes or a byte count "
+                     f">= 1, got {value!r}")
+
+
+class WindowBatches:
+    """``RankBatches`` generated ``ahead`` steps early and kept a while: a run asking for batch i
+    (outside its timed step) also makes batches i+1..i+ahead, which a read ahead inside the step
+    then finds made."""
+
+    def __init__(self, batches: RankBatches, ahead: int) -> None:
+        self.batches, self.ahead = batches, ahead
+        self.made: dict[int, RankBatch] = {}
+
+    def batch(self, step: int) -> RankBatch:
+        for s in range(step, step + self.ahead + 1):
+            if s not in self.made:
+                self.made[s] = self.batches.batch(s)
+        for s in [s for s in self.made if s < step - 1]:
+            del self.made[s]
+        return self.made[step]
+
+
+class AheadRun(ConfigRun):
+    """Ours with a host tier: before step i, batch i+``lookahead``'s rows are read ahead."""
+
+    def __init__(self, *args, lookahead: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookahead = lookahead
+
+    def _step(self, b: RankBatch) -> None:
+        if self.lookahead:
+            self.ebc.read_ahead(self.batches.batch(b.step + self.lookahead).kjt)
+        super()._step(b)
+
+
+def host_counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
+    """The host tiers' counters summed over tables (``TableStats.host_tier``)."""
+    out: dict[str, int] = {}
+    for group in ebc.tiers:
+        for t in range(len(group.configs)):
+            s = group.below.table(t).tier_stats()
+            for k, v in vars(s).items():
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass
+class PipelineRun:
+    """One configuration under ``te.TrainPipeline`` with the DLRM-style model; ``losses`` its losses."""
+
+    configuration: str
+    label: str
+    storage: te.StorageConfig
+    lookahead: int = 0
+
+    def run(self, opts: CacheOptions, data: list[dict], prefill_rows: int) -> tuple[Measurement, list[float]]:
+        dev, shape = opts.device, opts.shape
+        m = Measurement(self.configuration, OPTIMIZER, self.label)
+        torch.manual_seed(opts.seed)  # the same dense model in every run
+        ebc = te.EmbeddingBagCollection(table_configs(shape), optimizer=te.optim.RowWiseAdagrad(lr=LR),
+                                        storage=self.storage, device=dev, seed=opts.seed)
+        try:
+            if prefill_rows and opts.prefill:
+                prefill(ebc, shape, prefill_rows, dev, opts.seed)
+            model = DLRM(ebc, shape.dim, opts.dense_width, opts.dense_layers).to(dev)
+            dense = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("ebc.")],
+                                    lr=0.01)
+            pipe = te.TrainPipeline(model, dense, device=dev, lookahead=self.lookahead)
+            batches = iter(data)
+            losses, times = [], []
+            out: list[torch.Tensor] = []
+            for i in range(opts.warmup + opts.steps):
+                ms = time_ms(lambda: out.append(pipe.progress(batches)), dev)
+                losses.append(float(out[-1].detach()))
+                if i >= opts.warmup:
+                    times.append(ms)
+            synchronize(dev)
+            m.set_times(times, shape.lookups)
+            m.host_rss_bytes = host_rss_bytes()
+            if self.storage.host_budget is not None:
+                m.extra["host_tier"] = host_counters(ebc)
+            pipe.close()
+            return m, losses
+        finally:
+            ebc.close()
+            free_memory(dev)
+
+
+def pipeline_data(opts: CacheOptions, batches: RankBatches, n: int) -> list[dict]:
+    """``n`` DLRM batches on the host (pinned on CUDA), made before any run is timed."""
+    gen = torch.Generator().manual_seed(opts.seed + 7)
+    b = opts.shape.batch_size
+    out = []
+    for i in range(n):
+        batch = {"dense": torch.randn(b, NUM_DENSE, generator=gen),
+                 "sparse": _to_cpu(batches.batch(i).kjt),
+                 "labels": torch.randint(0, 2, (b,), generator=gen).float()}
+        out.append(pin_batch(batch) if opts.device.type == "cuda" else batch)
+    return out
+
+
+def _to_cpu(kjt: te.KeyedJaggedTensor) -> te.KeyedJaggedTensor:
+    return te.KeyedJaggedTensor(list(kjt.keys()), kjt.values().cpu(), lengths=kjt.lengths().cpu())
+
+
+def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batches: RankBatches,
+                  grad: torch.Tensor, cache_rows: int, log: Callable[[str], None],
+                  on_result: Callable[[Measurement, ConfigRun | None], None]) -> dict:
+    """The runs of the module docstring, each reported through ``on_result`` as it ends (the plain
+    host-tier run with its ``ConfigRun``, whose ``rows`` the caller checks). Returns the pipeline
+    runs' loss check."""
+    budget = int(opts.budget_fraction * opts.footprint_bytes)
+    host = host_budget_bytes(opts.host_budget, opts.footprint_bytes)
+    k = opts.lookahead
+
+    def rocksdb(name: str) -> te.storage.RocksDB:
+        path = os.path.join(directory, name)
+        shutil.rmtree(path, ignore_errors=True)
+        return te.storage.RocksDB(path, shards=opts.shards, direct_reads=direct_reads)
+
+    def storage(name: str, with_host: bool) -> te.StorageConfig:
+        return te.StorageConfig(hbm_budget=budget, backing=rocksdb(name),
+                                host_budget=host if with_host else None)
+
+    tier = f"host tier {host / 1e6:.3g} MB"
+    run = AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
+                   WindowBatches(batches, k), grad, cache_rows, "host_tier", lookahead=k)
+    log(f"{run.label} ...")
+    try:
+        run.start()
+        before = host_counters(run.ebc)
+        run.time_steps(opts.steps)
+        after = host_counters(run.ebc)
+        m = run.finish(log)
+        m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
+                                else (after[key] - before.get(key, 0)) / opts.steps for key in after}
+        on_result(m, run)
+    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+        run.m.error = f"{type(e).__name__}: {e}"
+        on_result(run.m, None)
+    finally:
+        run.close()
+    data = pipeline_data(opts, batches, opts.warmup + opts.steps + 2 + k)
+    losses: dict[str, list[float]] = {}
+    under = "ours under TrainPipeline (cache, RocksDB"
+    for p in (PipelineRun("pipeline", under + ")", storage("store-pipe", False)),
+              PipelineRun("pipeline_host_tier", f"{under}, {tier}, lookahead {k})",
+                          storage("store-pipe-host", True), k),
+              PipelineRun("pipeline_peer", "all in device memory under TrainPipeline", te.StorageConfig())):
+        log(f"{p.label} ...")
+        t0 = time.perf_counter()
+        try:
+            m, losses[p.configuration] = p.run(opts, data, cache_rows)
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            m = Measurement(p.configuration, OPTIMIZER, p.label, error=f"{type(e).__name__}: {e}")
+        log(f"{p.label}: {m.step_ms or float('nan'):.3f} ms/step ({time.perf_counter() - t0:.1f} s)")
+        on_result(m, None)
+    return _loss_check(losses)
+
+
+def _loss_check(losses: dict[str, list[float]]) -> dict:
+    """The pipeline runs' losses against the all-in-device run's."""
+    want = losses.get("pipeline_peer")
+    if want is None or len(losses) < 2:
+        return {"passed": False, "problems": ["a pipeline run failed"]}
+    problems = []
+    for name, got in losses.items():
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+        if worst > LOSS_RTOL:
+            problems.append(f"{name}: losses differ from pipeline_peer's by up to {worst:.3g} (relative)")
+    return {"passed": not problems, "problems": problems, "steps": len(want),
+            "mean_loss": statistics.mean(want)}
