@@ -76,6 +76,39 @@ def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread) -> 
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_host_tier_over_rocksdb_through_the_pipeline_matches_cpu(lookahead, tmp_path) -> None:
+    """A tiny device cache over a host tier (pinned rows) over RocksDB, reads issued ahead by the
+    pipeline: the losses and rows of hbm_direct on the CPU."""
+    row_bytes = (DIM + 2 * DIM) * 4
+    storage = te.StorageConfig(hbm_budget=8 * row_bytes, bucket_width=4, segment_rows=8,
+                               host_budget=64 * row_bytes, backing=te.storage.RocksDB(str(tmp_path / "db")))
+    gpu = build(storage, torch.device("cuda"))
+    assert gpu.storage_mode == "cache"
+    data = batches(25, 32)
+    pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"), lookahead=lookahead)
+    it = iter(data)
+    losses = []
+    while True:
+        try:
+            losses.append(float(pipe.progress(it).detach()))
+        except StopIteration:
+            break
+    cpu = build(None, torch.device("cpu"))
+    model = Model(cpu)
+    want = []
+    for b in data:
+        loss = model(b)
+        loss.backward()
+        want.append(float(loss.detach()))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    gpu.flush()
+    torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
+    stats = gpu.stats()["t"].host_tier
+    assert stats.hits > 0 and stats.evictions > 0, stats  # the host tier served rows and filled up
+    gpu.close()
+
+
 def test_host_memory_backend_with_a_gpu_index_matches_the_dict_backend() -> None:
     """HostMemory under a CUDA collection: index on the GPU, rows in pinned host segments read and
     written in place by the Triton kernels."""
