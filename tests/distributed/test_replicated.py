@@ -6,7 +6,6 @@ stochastic rounding too). Batches are Zipf-like, so hot keys occur on several ra
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tieredemb as te
+from tests.distributed.test_sharded import _free_port
 
 STEPS = 6
 POOL = [3, 0, 1, 2, 5, 8, 13, 21, 34, 49, -7, 2**40, -(2**62), 11, 12, 17]  # the first ones the hottest
@@ -148,12 +148,6 @@ def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], v
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world: int, tmp, optimizers, variants, dtype=torch.float32, device="cpu") -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections import Counter
 
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tieredemb as te
+from tests.distributed.test_sharded import _free_port
 
 WORLD = 2
 HOT = {"t0": torch.tensor([3, 0, 1])}
@@ -86,12 +86,6 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         torch.save(res, os.path.join(tmp, f"r{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gathered(per_rank: list[dict], t: str) -> tuple[torch.Tensor, torch.Tensor]:

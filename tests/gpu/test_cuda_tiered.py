@@ -41,6 +41,27 @@ def build(storage, device, kernels="auto") -> te.EmbeddingBagCollection:
                                      device=device, seed=1, kernels=kernels)
 
 
+def train_both(pipe: te.TrainPipeline, data: list[dict]) -> te.EmbeddingBagCollection:
+    """``data`` through ``pipe`` and through hbm_direct on the CPU, the losses compared; the CPU
+    collection back."""
+    it = iter(data)
+    losses = []
+    while True:
+        try:
+            losses.append(float(pipe.progress(it).detach()))
+        except StopIteration:
+            break
+    cpu = build(None, torch.device("cpu"))
+    model = Model(cpu)
+    want = []
+    for b in data:
+        loss = model(b)
+        loss.backward()
+        want.append(float(loss.detach()))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    return cpu
+
+
 def rows(ebc) -> torch.Tensor:
     r = ebc.export("t")
     order = torch.argsort(r.keys)
@@ -58,21 +79,7 @@ def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread) -> 
     assert gpu.storage_mode == mode
     data = batches(25, 32)
     pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"), prefetch_in_thread=in_thread)
-    it = iter(data)
-    losses = []
-    while True:
-        try:
-            losses.append(float(pipe.progress(it).detach()))
-        except StopIteration:
-            break
-    cpu = build(None, torch.device("cpu"))
-    model = Model(cpu)
-    want = []
-    for b in data:
-        loss = model(b)
-        loss.backward()
-        want.append(float(loss.detach()))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    cpu = train_both(pipe, data)
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
 
 
@@ -87,21 +94,7 @@ def test_a_host_tier_over_rocksdb_through_the_pipeline_matches_cpu(lookahead, tm
     assert gpu.storage_mode == "cache"
     data = batches(25, 32)
     pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"), lookahead=lookahead)
-    it = iter(data)
-    losses = []
-    while True:
-        try:
-            losses.append(float(pipe.progress(it).detach()))
-        except StopIteration:
-            break
-    cpu = build(None, torch.device("cpu"))
-    model = Model(cpu)
-    want = []
-    for b in data:
-        loss = model(b)
-        loss.backward()
-        want.append(float(loss.detach()))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    cpu = train_both(pipe, data)
     gpu.flush()
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
     stats = gpu.stats()["t"].host_tier
