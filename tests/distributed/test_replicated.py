@@ -13,17 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tieredemb as te
-from tests.distributed.test_sharded import _free_port
+from tests.distributed.test_sharded import OPTIMIZERS, _free_port
 
 STEPS = 6
 POOL = [3, 0, 1, 2, 5, 8, 13, 21, 34, 49, -7, 2**40, -(2**62), 11, 12, 17]  # the first ones the hottest
 HOT = {"t0": [3, 0, 1, 999], "t1": [3, 0], "t2": [3]}  # 999: never used
-OPTIMIZERS = {
-    "sgd": lambda: te.optim.SGD(lr=0.1),
-    "adagrad": lambda: te.optim.Adagrad(lr=0.1),
-    "rowwise": lambda: te.optim.RowWiseAdagrad(lr=0.1),
-    "adam": lambda: te.optim.Adam(lr=0.05),
-}
 # plain: no replication; keys: the HOT keys given; chosen: the 2 most used a table after 2 batches;
 # keys+cache+prefetch: in cache mode, batch i+1's input dist before backward i; chosen+prefetch: the same
 # around the choice (the owners' rows copied after the backward of the last batch before it)
