@@ -32,7 +32,13 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--workload", choices=["hbm", "cache"], default="hbm")
+    p.add_argument("--workload", choices=["hbm", "cache", "ssd"], default="hbm",
+                   help="ssd: a device cache of 1%% of the tables over RocksDB (O_DIRECT reads, in a "
+                        "temporary directory) with a host tier of --host-budget of the tables")
+    p.add_argument("--host-budget", type=float, default=0.1,
+                   help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
+    p.add_argument("--sample", action="store_true",
+                   help="sample every thread's Python stack each millisecond: where each thread is")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
     p.add_argument("--host", action="store_true",
@@ -72,7 +78,9 @@ def main() -> None:
     for i in range(args.warmup):
         step(i)
     torch.cuda.synchronize()
-    if args.python:
+    if args.sample:
+        sampled(step, args)
+    elif args.python:
         python_profile(step, args)
     elif args.host:
         host_times(ebc, kjts, grad, args)
@@ -91,6 +99,19 @@ def build(args, dev: torch.device):
         torch.cuda.synchronize()
         print(f"preinsert {shape.num_tables} x {shape.rows} rows: {time.perf_counter() - t0:.1f} s")
         batches = HbmBatches(shape, dev, 0)
+    elif args.workload == "ssd":  # 1% of the footprint on the device over RocksDB, a host tier between
+        import tempfile
+
+        shape = cache_shape(args.scale)
+        configs = cache_table_configs(shape)
+        footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
+        backing = te.storage.RocksDB(tempfile.mkdtemp(prefix="profile-ssd-"), shards=8, direct_reads=True)
+        host = int(footprint * args.host_budget) or None
+        storage = te.StorageConfig(hbm_budget=footprint // 100, backing=backing, host_budget=host)
+        ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
+                                        storage=storage, device=dev)
+        prefill(ebc, shape, shape.rows // 100, dev, 0)
+        batches = RankBatches(shape, dev, 0)
     else:  # cache mode over host memory, 10% of the footprint on the device
         shape = cache_shape(args.scale)
         configs = cache_table_configs(shape)
@@ -234,6 +255,60 @@ def print_summary(prof, steps: int) -> None:
             print(f"  {e.key:32s} {e.count / steps:6.1f} a step, {ms:6.3f} ms")
     print_gaps(prof.events(), steps, top=6)
     print_top_gpu(prof.key_averages(), steps, top=14)
+
+
+def sampled(step, args, interval: float = 1e-3, top: int = 12) -> None:
+    """Every thread's Python stack sampled each ``interval`` s over the timed steps: for each thread,
+    the share of samples in which each function was anywhere on its stack (inclusive) and the
+    innermost frames it sat in (where it waits or works)."""
+    import collections
+    import sys
+    import threading
+
+    names = {}
+    inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    leaf: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    samples: collections.Counter = collections.Counter()
+    done = threading.Event()
+    me = threading.get_ident()
+
+    def where(frame) -> str:
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+    def sampler() -> None:
+        while not done.wait(interval):
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                samples[name] += 1
+                leaf[name][where(frame)] += 1
+                seen = set()
+                while frame is not None:
+                    w = where(frame)
+                    if w not in seen:
+                        seen.add(w)
+                        inclusive[name][w] += 1
+                    frame = frame.f_back
+
+    thread = threading.Thread(target=sampler, name="sampler", daemon=True)
+    me = None
+    thread.start()
+    me = thread.ident
+    t0 = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        step(i)
+    torch.cuda.synchronize()
+    done.set()
+    thread.join()
+    print(f"{(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step while sampled")
+    for name, n in samples.most_common():
+        busy = n - sum(c for w, c in leaf[name].items() if w.endswith((":wait", ":_worker", ":get")))
+        print(f"thread {name}: {n} samples ({busy} not in a wait)")
+        print("  innermost:", ", ".join(f"{w} {c / n:.0%}" for w, c in leaf[name].most_common(top)))
+        print("  inclusive:", ", ".join(f"{w} {c / n:.0%}" for w, c in inclusive[name].most_common(3 * top)))
 
 
 def python_profile(step, args) -> None:

@@ -193,6 +193,10 @@ def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
                        help="also run with a host tier in front of RocksDB of this size: a fraction "
                             "of the tables' bytes (e.g. 0.1) or bytes (e.g. 4GiB); and under "
                             "TrainPipeline with a DLRM-style dense model, without and with it")
+        p.add_argument("--store-rows", type=_share, default=0.0,
+                       help="the share of each table's ranks (their initial rows) written to the store "
+                            "before timing, so that misses read rows from the disk (default 0: the "
+                            "store starts with the cache's rows; most misses are then new keys)")
         p.add_argument("--lookahead", type=_at_least(0), default=2,
                        help="with --host-budget: batches whose rows are read ahead (default %(default)s)")
         p.add_argument("--dense-width", type=_at_least(1), default=1024,
@@ -295,6 +299,17 @@ def _fraction(text: str) -> float:
     x = _positive(text)
     if not x < 1:
         raise argparse.ArgumentTypeError(f"must be below 1, got {text}")
+    return x
+
+
+def _share(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
     return x
 
 
@@ -470,6 +485,7 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                            direct_reads=getattr(args, "direct_reads", True),
                            reserve=getattr(args, "reserve", False), interleave=args.interleave,
                            host_budget=getattr(args, "host_budget", None),
+                           store_rows=getattr(args, "store_rows", 0.0),
                            lookahead=getattr(args, "lookahead", 2),
                            dense_width=getattr(args, "dense_width", 1024),
                            dense_layers=getattr(args, "dense_layers", 4))

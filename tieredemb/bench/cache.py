@@ -52,6 +52,7 @@ from tieredemb.bench.cache_runs import (
     ConfigRun,
     RankBatches,
     compare,
+    prefill_rows,
 )
 from tieredemb.bench.cache_tbe import TBE_CACHE_TARGET, TbeCacheRun, compare_tbe, tbe_cache_unavailable
 from tieredemb.bench.disk import DiskFigures, floor_line, measure_disk, step_floor
@@ -277,9 +278,11 @@ class CacheBench:
         storage = te.StorageConfig(hbm_budget=budget, backing=backing)
         cache_rows = max(1, int(budget // s.num_tables) // opts.row_bytes)
         self.cache_rows = [cache_rows] * s.num_tables
-        ours = ConfigRun(opts, label, storage, batches, grad, cache_rows)
+        # both hold the same rows at the start (so they end with the same rows)
+        start_rows = prefill_rows(opts, cache_rows) if opts.workload == "ssd" else cache_rows
+        ours = ConfigRun(opts, label, storage, batches, grad, start_rows, hot_rows=cache_rows)
         peer = ConfigRun(opts, f"{self.all_on_device} (hbm_direct)", te.StorageConfig(), batches, grad,
-                         cache_rows, "peer")
+                         start_rows, "peer")
         runs = [ours, peer]
         why = tbe_cache_unavailable(opts)
         if why is None:
@@ -455,10 +458,35 @@ class CacheBench:
         ours, tbe = self._step_ms("ours"), self._step_ms("tbe")
         return ours / tbe if ours and tbe else None
 
+    def _ours_lines(self, x: dict) -> list[str]:
+        """Ours' lines: its start, hit rate, indexes and traffic (``x``: its ``Measurement.extra``)."""
+        bw, lines = self.bandwidth, []
+        moved, rate = x["bytes_moved_per_step"], x["achieved_bytes_per_s"]
+        hr = x["hit_rate"]
+        lines.append(
+            f"hit rate {hr:.4f} of unique keys; misses/step {x['misses_per_step']:.0f} "
+            f"(conflict {x['conflict_misses_per_step']:.0f}), evictions/step "
+            f"{x['evictions_per_step']:.0f}; cache rows/table {self.cache_rows[0]}"
+            if hr is not None else "hit rate -")
+        if x.get("rows_after_prefill"):
+            lines.append(f"before timing ({x['prefill_rows_per_table']} ranks a table written, "
+                         f"{x['prefill_s']:.1f} s), rows by tier: " + ", ".join(
+                             f"{t} {n}" for t, n in sorted(x["rows_after_prefill"].items())))
+        lines.append("key indexes: " + ", ".join(
+            f"{where} {n / 1e9:.3g} GB" for where, n in sorted(x.get("index_bytes", {}).items())))
+        lines.append(
+            f"bytes moved/step: backend->device {moved['backend->device'] / 1e6:.2f} MB, "
+            f"device->backend {moved['device->backend'] / 1e6:.2f} MB; achieved "
+            f"{rate['backend->device'] / 1e9:.2f} / {rate['device->backend'] / 1e9:.2f} GB/s "
+            f"vs {bw['kind']} copy {bw['host_to_device_bytes_per_s'] / 1e9:.1f} / "
+            f"{bw['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s "
+            f"({rate['backend->device'] / bw['host_to_device_bytes_per_s']:.1%} / "
+            f"{rate['device->backend'] / bw['device_to_host_bytes_per_s']:.1%})")
+        return lines
+
     def details(self) -> str:
         """Lines under the table: hit rate, traffic and bandwidth, the ratio, raw RocksDB rates."""
         lines = []
-        bw = self.bandwidth
         ratio, targets, ssd = self.ratio_vs_hbm(), self.targets(), self.options.workload == "ssd"
         if ratio is not None:  # a target for cache; none for ssd, where RocksDB's rate sets the step
             lines.append(f"ours / {self.all_on_device} step time: {ratio:.2f}x" if ssd else targets[0].line())
@@ -470,26 +498,8 @@ class CacheBench:
         if (floor := self.disk_floor()) is not None:
             lines.append(floor_line(floor))
         for r in self.results:
-            x = r.extra
-            if r.configuration != "ours" or r.error is not None or not x:
-                continue
-            moved, rate = x["bytes_moved_per_step"], x["achieved_bytes_per_s"]
-            hr = x["hit_rate"]
-            lines.append(
-                f"hit rate {hr:.4f} of unique keys; misses/step {x['misses_per_step']:.0f} "
-                f"(conflict {x['conflict_misses_per_step']:.0f}), evictions/step "
-                f"{x['evictions_per_step']:.0f}; cache rows/table {self.cache_rows[0]}"
-                if hr is not None else "hit rate -")
-            lines.append("key indexes: " + ", ".join(
-                f"{where} {n / 1e9:.3g} GB" for where, n in sorted(x.get("index_bytes", {}).items())))
-            lines.append(
-                f"bytes moved/step: backend->device {moved['backend->device'] / 1e6:.2f} MB, "
-                f"device->backend {moved['device->backend'] / 1e6:.2f} MB; achieved "
-                f"{rate['backend->device'] / 1e9:.2f} / {rate['device->backend'] / 1e9:.2f} GB/s "
-                f"vs {bw['kind']} copy {bw['host_to_device_bytes_per_s'] / 1e9:.1f} / "
-                f"{bw['device_to_host_bytes_per_s'] / 1e9:.1f} GB/s "
-                f"({rate['backend->device'] / bw['host_to_device_bytes_per_s']:.1%} / "
-                f"{rate['device->backend'] / bw['device_to_host_bytes_per_s']:.1%})")
+            if r.configuration == "ours" and r.error is None and r.extra:
+                lines += self._ours_lines(r.extra)
         if self.check is not None:
             c = self.check
             lines.append(f"check ours vs {self.all_on_device} after flush: "
@@ -561,6 +571,7 @@ class CacheBench:
             "options": {"device": str(opts.device), "steps": opts.steps, "warmup": opts.warmup,
                         "seed": opts.seed, "budget_fraction": opts.budget_fraction,
                         "shards": opts.shards, "prefill": opts.prefill, "optimizer": OPTIMIZER,
+                        "store_rows": opts.store_rows,
                         "interleave": opts.interleave, "direct_reads": self.direct_reads,
                         "lr": LR, "directory": self.directory},
             "footprint_bytes": opts.footprint_bytes,

@@ -69,6 +69,10 @@ class CacheOptions:
     # runs are skipped), batches read ahead, and the DLRM-style dense model of the pipeline runs
     # (``tieredemb.bench.host_tier``)
     host_budget: float | int | None = None
+    # ssd: the share of each table's ranks in the store before timing (their initial rows): misses
+    # then read rows the store holds, from the disk; 0: the store starts with the cache's rows, and
+    # most misses are keys no store holds yet
+    store_rows: float = 0.0
     lookahead: int = 2
     dense_width: int = 1024
     dense_layers: int = 4
@@ -156,12 +160,29 @@ def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
 
 
 def prefill(ebc: te.EmbeddingBagCollection, shape: HbmShape, rows: int, device: torch.device,
-            seed: int) -> None:
-    """Write ranks [0, rows) of every table with their initial rows."""
+            seed: int, hot: int | None = None) -> None:
+    """Write ranks [0, rows) of every table with their initial rows: ranks [hot, rows) first, then
+    the ``hot`` hottest (default: all in one pass), so that a cache of ``hot`` rows ends with them."""
+    hot = rows if hot is None else min(hot, rows)
     for config in table_configs(shape):
-        for lo in range(0, rows, 1 << 18):
-            keys = torch.arange(lo, min(lo + (1 << 18), rows), device=device)
-            ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
+        for a, b in ((hot, rows), (0, hot)):
+            for lo in range(a, b, 1 << 18):
+                keys = torch.arange(lo, min(lo + (1 << 18), b), device=device)
+                ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
+
+
+def prefill_rows(opts: CacheOptions, cache_rows: int) -> int:
+    """Ranks a table of ours is written with before timing: the cache's, or ``store_rows`` of them."""
+    return max(cache_rows, round(opts.store_rows * opts.shape.rows))
+
+
+def rows_by_tier(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
+    """Rows in each tier, summed over the tables (``TableStats.rows``)."""
+    out: dict[str, int] = {}
+    for s in ebc.stats().values():
+        for tier, n in s.rows.items():
+            out[tier] = out.get(tier, 0) + n
+    return out
 
 
 def check_keys(shape: HbmShape, last: RankBatch, seed: int) -> list[torch.Tensor]:
@@ -236,9 +257,10 @@ class ConfigRun:
 
     def __init__(self, opts: CacheOptions, label: str, storage: te.StorageConfig,
                  batches: RankBatches, grad: torch.Tensor, prefill_rows: int,
-                 configuration: str = "ours") -> None:
+                 configuration: str = "ours", hot_rows: int | None = None) -> None:
         self.opts, self.label, self.storage = opts, label, storage
         self.batches, self.grad, self.prefill_rows = batches, grad, prefill_rows
+        self.hot_rows = hot_rows  # of the prefill, written last (``prefill``)
         self.configuration = configuration
         self.m = Measurement(configuration, OPTIMIZER, label)
         self.ebc: te.EmbeddingBagCollection | None = None
@@ -251,6 +273,7 @@ class ConfigRun:
         self.resident = 0
         self.peak: int | None = None
         self.prefill_s = 0.0
+        self.rows_after_prefill: dict[str, int] | None = None
 
     @property
     def left(self) -> int:
@@ -277,9 +300,11 @@ class ConfigRun:
                                              storage=self.storage, device=dev, seed=opts.seed)
         t0 = time.perf_counter()
         if self.prefill_rows and opts.prefill:
-            prefill(self.ebc, shape, self.prefill_rows, dev, opts.seed)
+            prefill(self.ebc, shape, self.prefill_rows, dev, opts.seed, self.hot_rows)
         synchronize(dev)
         self.prefill_s = time.perf_counter() - t0
+        if opts.store_rows:  # counts the store's keys: once, untimed
+            self.rows_after_prefill = rows_by_tier(self.ebc)
         for i in range(opts.warmup):
             b = self.batches.batch(i)
             time_ms(lambda b=b: self._step(b), dev)
@@ -318,6 +343,7 @@ class ConfigRun:
             "storage_mode": ebc.storage_mode,
             "prefill_rows_per_table": self.prefill_rows if self.opts.prefill else 0,
             "prefill_s": self.prefill_s,
+            "rows_after_prefill": self.rows_after_prefill,
             "timed_counters": delta,
             "hit_rate": delta["hits"] / delta["unique_lookups"] if delta["unique_lookups"] else None,
             "misses_per_step": delta["misses"] / n,

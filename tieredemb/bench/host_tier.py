@@ -35,6 +35,7 @@ from tieredemb.bench.cache_runs import (
     RankBatch,
     RankBatches,
     prefill,
+    prefill_rows,
     table_configs,
 )
 from tieredemb.bench.report import Measurement, host_rss_bytes
@@ -106,15 +107,18 @@ class PipelineRun:
     storage: te.StorageConfig
     lookahead: int = 0
 
-    def run(self, opts: CacheOptions, data: list[dict], prefill_rows: int) -> tuple[Measurement, list[float]]:
+    def run(self, opts: CacheOptions, data: list[dict], rows: int,
+            hot: int | None = None) -> tuple[Measurement, list[float]]:
+        """Build, prefill ``rows`` ranks a table (``hot`` of them last), train ``warmup + steps``
+        batches of ``data``."""
         dev, shape = opts.device, opts.shape
         m = Measurement(self.configuration, OPTIMIZER, self.label)
         torch.manual_seed(opts.seed)  # the same dense model in every run
         ebc = te.EmbeddingBagCollection(table_configs(shape), optimizer=te.optim.RowWiseAdagrad(lr=LR),
                                         storage=self.storage, device=dev, seed=opts.seed)
         try:
-            if prefill_rows and opts.prefill:
-                prefill(ebc, shape, prefill_rows, dev, opts.seed)
+            if rows and opts.prefill:
+                prefill(ebc, shape, rows, dev, opts.seed, hot)
             model = DLRM(ebc, shape.dim, opts.dense_width, opts.dense_layers).to(dev)
             dense = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("ebc.")],
                                     lr=0.01)
@@ -177,7 +181,8 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
 
     tier = f"host tier {host / 1e6:.3g} MB"
     run = AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
-                   WindowBatches(batches, k), grad, cache_rows, "host_tier", lookahead=k)
+                   WindowBatches(batches, k), grad, prefill_rows(opts, cache_rows), "host_tier",
+                   hot_rows=cache_rows, lookahead=k)
     log(f"{run.label} ...")
     try:
         run.start()
@@ -203,7 +208,7 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
         log(f"{p.label} ...")
         t0 = time.perf_counter()
         try:
-            m, losses[p.configuration] = p.run(opts, data, cache_rows)
+            m, losses[p.configuration] = p.run(opts, data, prefill_rows(opts, cache_rows), cache_rows)
         except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
             m = Measurement(p.configuration, OPTIMIZER, p.label, error=f"{type(e).__name__}: {e}")
         log(f"{p.label}: {m.step_ms or float('nan'):.3f} ms/step ({time.perf_counter() - t0:.1f} s)")
