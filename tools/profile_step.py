@@ -37,6 +37,8 @@ def main() -> None:
                         "temporary directory) with a host tier of --host-budget of the tables")
     p.add_argument("--host-budget", type=float, default=0.1,
                    help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
+    p.add_argument("--store-rows", type=float, default=0.0,
+                   help="ssd: the share of each table's ranks written before timing (bench ssd --store-rows)")
     p.add_argument("--sample", action="store_true",
                    help="sample every thread's Python stack each millisecond: where each thread is")
     p.add_argument("--warmup", type=int, default=3)
@@ -110,7 +112,8 @@ def build(args, dev: torch.device):
         storage = te.StorageConfig(hbm_budget=footprint // 100, backing=backing, host_budget=host)
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=storage, device=dev)
-        prefill(ebc, shape, shape.rows // 100, dev, 0)
+        hot = shape.rows // 100
+        prefill(ebc, shape, max(hot, round(args.store_rows * shape.rows)), dev, 0, hot)
         batches = RankBatches(shape, dev, 0)
     else:  # cache mode over host memory, 10% of the footprint on the device
         shape = cache_shape(args.scale)
