@@ -278,3 +278,28 @@ def test_a_bad_store_rows_is_refused(bad, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["ssd", "--store-rows", bad])
     assert "--store-rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["-1", "lots"])
+def test_a_bad_block_cache_is_refused(bad, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["ssd", "--block-cache", bad])
+    assert "--block-cache" in capsys.readouterr().err
+
+
+def test_the_block_cache_reaches_the_store(tmp_path) -> None:
+    """``--block-cache`` bounds the one block cache of every store the ssd runs open; unset, the
+    stores keep RocksDB's own caches."""
+    for given, want in ((64 << 20, 64 << 20), (0, 0), (None, None)):
+        opts = CacheOptions(workload="ssd", block_cache_bytes=given)
+        group = opts.rocksdb(str(tmp_path / f"db{given}"), direct_reads=False).open_group(
+            ["t"], 4, torch.device("cpu"))
+        try:
+            assert group.store.disk.block_cache_bytes == want and group.store.shards == opts.shards
+            assert (group.store.block_cache is None) == (not want)  # one cache shared by the store
+        finally:
+            group.close()
+    with pytest.raises(ValueError, match="block_cache_bytes"):
+        CacheOptions(workload="ssd", block_cache_bytes=-1)
+    with pytest.raises(ValueError, match="store_rows"):
+        CacheOptions(workload="ssd", store_rows=1.5)

@@ -197,6 +197,10 @@ def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
                        help="the share of each table's ranks (their initial rows) written to the store "
                             "before timing, so that misses read rows from the disk (default 0: the "
                             "store starts with the cache's rows; most misses are then new keys)")
+        p.add_argument("--block-cache", type=_bytes, default=None,
+                       help="RocksDB's block cache, one for the store, in bytes (e.g. 64MiB; 0: none); "
+                            "default: RocksDB's own per column family, which may hold a small store "
+                            "whole (reads then never reach the disk)")
         p.add_argument("--lookahead", type=_at_least(0), default=2,
                        help="with --host-budget: batches whose rows are read ahead (default %(default)s)")
         p.add_argument("--dense-width", type=_at_least(1), default=1024,
@@ -311,6 +315,14 @@ def _share(text: str) -> float:
     if not 0 <= x <= 1:
         raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
     return x
+
+
+def _bytes(text: str) -> int:
+    """An argparse type: bytes >= 0 ("64MiB", "0")."""
+    try:
+        return parse_bytes(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _host_budget(text: str) -> float | int:
@@ -486,6 +498,7 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                            reserve=getattr(args, "reserve", False), interleave=args.interleave,
                            host_budget=getattr(args, "host_budget", None),
                            store_rows=getattr(args, "store_rows", 0.0),
+                           block_cache_bytes=getattr(args, "block_cache", None),
                            lookahead=getattr(args, "lookahead", 2),
                            dense_width=getattr(args, "dense_width", 1024),
                            dense_layers=getattr(args, "dense_layers", 4))

@@ -270,7 +270,7 @@ class CacheBench:
         if opts.workload == "ssd":
             store_dir = os.path.join(self.directory, "store")
             shutil.rmtree(store_dir, ignore_errors=True)
-            backing = te.storage.RocksDB(store_dir, shards=opts.shards, direct_reads=self.direct_reads)
+            backing = opts.rocksdb(store_dir, self.direct_reads)
             label = f"ours (cache, RocksDB x{opts.shards}{', O_DIRECT reads' if self.direct_reads else ''})"
         else:
             backing = te.storage.HostMemory(reserve_rows=s.rows if opts.reserve else 0)
@@ -571,7 +571,7 @@ class CacheBench:
             "options": {"device": str(opts.device), "steps": opts.steps, "warmup": opts.warmup,
                         "seed": opts.seed, "budget_fraction": opts.budget_fraction,
                         "shards": opts.shards, "prefill": opts.prefill, "optimizer": OPTIMIZER,
-                        "store_rows": opts.store_rows,
+                        "store_rows": opts.store_rows, "block_cache_bytes": opts.block_cache_bytes,
                         "interleave": opts.interleave, "direct_reads": self.direct_reads,
                         "lr": LR, "directory": self.directory},
             "footprint_bytes": opts.footprint_bytes,

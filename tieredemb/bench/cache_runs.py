@@ -73,6 +73,9 @@ class CacheOptions:
     # then read rows the store holds, from the disk; 0: the store starts with the cache's rows, and
     # most misses are keys no store holds yet
     store_rows: float = 0.0
+    # ssd: RocksDB's block cache, one for the store (RocksDB(block_cache_bytes=)); None: RocksDB's
+    # default, a cache per column family, which may hold a small store whole
+    block_cache_bytes: int | None = None
     lookahead: int = 2
     dense_width: int = 1024
     dense_layers: int = 4
@@ -88,9 +91,18 @@ class CacheOptions:
             raise ValueError(f"budget fraction must be in (0, 1), got {self.budget_fraction}")
         if self.host_budget is not None and self.workload != "ssd":
             raise ValueError("a host budget needs the ssd workload (a host tier in front of RocksDB)")
+        if not 0 <= self.store_rows <= 1:
+            raise ValueError(f"store_rows must be in [0, 1], got {self.store_rows}")
+        if self.block_cache_bytes is not None and self.block_cache_bytes < 0:
+            raise ValueError(f"block_cache_bytes must be >= 0, got {self.block_cache_bytes}")
         if self.lookahead < 0 or self.dense_width < 1 or self.dense_layers < 1:
             raise ValueError(f"need lookahead >= 0 and a dense model of >= 1 layer of >= 1 unit, got "
                              f"{self.lookahead}, {self.dense_layers} x {self.dense_width}")
+
+    def rocksdb(self, path: str, direct_reads: bool) -> te.storage.RocksDB:
+        """The store of an ssd run: RocksDB at ``path`` with this bench's shards and block cache."""
+        return te.storage.RocksDB(path, shards=self.shards, direct_reads=direct_reads,
+                                  block_cache_bytes=self.block_cache_bytes)
 
     @property
     def scale(self) -> float:

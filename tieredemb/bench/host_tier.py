@@ -173,7 +173,7 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
     def rocksdb(name: str) -> te.storage.RocksDB:
         path = os.path.join(directory, name)
         shutil.rmtree(path, ignore_errors=True)
-        return te.storage.RocksDB(path, shards=opts.shards, direct_reads=direct_reads)
+        return opts.rocksdb(path, direct_reads)
 
     def storage(name: str, with_host: bool) -> te.StorageConfig:
         return te.StorageConfig(hbm_budget=budget, backing=rocksdb(name),
