@@ -266,8 +266,16 @@ def test_codec_round_trip_and_order():
     got, found = decode_rows([values[0], None, values[2]], W, "here")
     assert found.tolist() == [True, False, True]
     assert torch.equal(got[0], rows[0]) and torch.equal(got[1], torch.zeros(W))
+    every, all_found = decode_rows(values, W, "here")  # every key found: the joined bytes are the rows
+    assert bool(all_found.all()) and torch.equal(every, rows)
+    every += 1  # the rows are the caller's to change (not a view of immutable bytes)
+    assert torch.equal(every, rows + 1)
+    empty, none = decode_rows([], W, "here")
+    assert empty.shape == (0, W) and none.numel() == 0
     with pytest.raises(BackendError, match="here: a stored row has 20 bytes, this table's rows have 24"):
         decode_rows([values[0]], W + 1, "here")
+    with pytest.raises(BackendError, match="a stored row has 20 bytes"):
+        decode_rows([values[0], values[1]], W + 1, "here")
 
 
 @pytest.mark.parametrize(

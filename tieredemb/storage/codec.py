@@ -57,8 +57,9 @@ def decode_rows(values: list[bytes | None], width: int, where: str,
     n = len(values)
     size = width * dtype.itemsize
     found = np.fromiter((v is not None for v in values), dtype=bool, count=n)
-    raw = np.zeros((n, size), dtype=np.uint8)
-    present = [v for v in values if v is not None]
+    every = bool(found.all())
+    present = values if every else [v for v in values if v is not None]
+    raw = None if every and n else np.zeros((n, size), dtype=np.uint8)
     if present:
         lengths = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
         if bool((lengths != size).any()):
@@ -68,10 +69,13 @@ def decode_rows(values: list[bytes | None], width: int, where: str,
                 f"(width {width} of {str(dtype).removeprefix('torch.')}): the store was written with "
                 "another embedding_dim, optimizer or dtype"
             )
-        got = np.frombuffer(b"".join(present), dtype=np.uint8).reshape(-1, size)
+        got = np.frombuffer(bytearray().join(present), dtype=np.uint8).reshape(-1, size)  # writable
         if _BIG_ENDIAN and dtype.itemsize > 1:
-            got = got.reshape(got.shape[0], -1, dtype.itemsize)[..., ::-1].reshape(got.shape[0], -1)
-        raw[found] = got
+            got = got.reshape(got.shape[0], -1, dtype.itemsize)[..., ::-1].reshape(got.shape[0], -1).copy()
+        if raw is None:  # every key found: the joined bytes are the rows
+            raw = got
+        else:
+            raw[found] = got
     if n == 0:  # (an empty byte tensor has no stride to view another type through)
         return torch.zeros(0, width, dtype=dtype), torch.from_numpy(found)
     return torch.from_numpy(raw).view(dtype), torch.from_numpy(found)

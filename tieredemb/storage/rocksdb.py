@@ -517,11 +517,12 @@ class RocksDBGroup(GroupStore):
             return [(a, b, self.backends[t]._families[shard].get(key_bytes(enc))) for t, enc, a, b in runs]
 
         with self.store.using("get"):
-            parts = [part for shard_parts in self._fan_out(read, plan) for part in shard_parts]
-            idx = torch.from_numpy(order)
-            for a, b, values in parts:
-                r, f = decode_rows(values, self.width, self._where, self.dtype)
-                rows[idx[a:b]], found[idx[a:b]] = r, f
+            # the runs cover the sorted positions in order: one decode, one scatter
+            values = [v for shard_parts in self._fan_out(read, plan) for _, _, part in shard_parts
+                      for v in part]
+            got, hit = decode_rows(values, self.width, self._where, self.dtype)
+        idx = torch.from_numpy(order)
+        rows[idx], found[idx] = got, hit
         return Fetched(rows, found)
 
     def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
