@@ -13,9 +13,11 @@ import math
 import pytest
 import torch
 
+import tieredemb as te
 from tieredemb.bench import main
 from tieredemb.bench.cache import cache_shape
-from tieredemb.bench.cache_runs import CacheOptions, RankBatches, compare
+from tieredemb.bench.cache_runs import LR, CacheOptions, RankBatches, compare, prefill, table_configs
+from tieredemb.bench.workloads import HbmShape
 
 SCALE = 0.001  # 10,000 rows a table, batch 10: 1,000 lookups a step; cache 1,000 rows a table
 
@@ -303,3 +305,26 @@ def test_the_block_cache_reaches_the_store(tmp_path) -> None:
         CacheOptions(workload="ssd", block_cache_bytes=-1)
     with pytest.raises(ValueError, match="store_rows"):
         CacheOptions(workload="ssd", store_rows=1.5)
+
+
+def test_prefill_writes_the_hot_ranks_last(tmp_path) -> None:
+    """``prefill(rows, hot)``: ranks [hot, rows) first, then [0, hot), so a device cache ends holding
+    the hottest ranks even where the ranks take several writes (here 300k, two of 262,144): a batch
+    of the hottest then misses nothing. (Written coldest last, they would all miss.)"""
+    shape = HbmShape(num_tables=1, rows=300_000, dim=4, batch_size=10, bag_size=10)
+    storage = te.StorageConfig(hbm_budget=1024 * (shape.dim + 1) * 4,
+                               backing=te.storage.RocksDB(str(tmp_path / "db"), shards=2))
+    ebc = te.EmbeddingBagCollection(table_configs(shape), optimizer=te.optim.RowWiseAdagrad(lr=LR),
+                                    storage=storage)
+    try:
+        hot = 500
+        prefill(ebc, shape, shape.rows, torch.device("cpu"), 0, hot)
+        name = shape.table_name(0)
+        before = ebc.stats()[name]
+        assert before.rows["device"] + before.rows["backend"] == shape.rows
+        kjt = te.KeyedJaggedTensor([shape.feature_name(0)], torch.arange(hot), lengths=torch.tensor([hot]))
+        ebc.prefetch(kjt)
+        ebc(kjt)
+        assert ebc.stats()[name].misses == before.misses
+    finally:
+        ebc.close()
