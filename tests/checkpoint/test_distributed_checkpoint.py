@@ -46,6 +46,7 @@ def _phase(rank: int, world: int, port: int, tmp: str, mode: str, first: bool) -
             torch.save({t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1)) for t, r in rows.items()},
                        os.path.join(tmp, f"rows-{rank}.pt"))
         model.ebc.close()
+        dist.barrier()  # both ranks done before either tears its process group down
     finally:
         dist.destroy_process_group()
 
@@ -67,6 +68,7 @@ def _state_dict_phase(rank: int, world: int, port: int, tmp: str) -> None:
         torch.save({t: (r.keys, torch.cat([r.weights, r.optimizer_state], 1)) for t, r in rows.items()},
                    os.path.join(tmp, f"rows-{rank}.pt"))
         second.close()
+        dist.barrier()  # both ranks done before either tears its process group down
     finally:
         dist.destroy_process_group()
 
