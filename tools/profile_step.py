@@ -273,12 +273,12 @@ def sampled(step, args, interval: float = 1e-3, top: int = 12) -> None:
     leaf: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     samples: collections.Counter = collections.Counter()
     done = threading.Event()
-    me = threading.get_ident()
 
     def where(frame) -> str:
         return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
     def sampler() -> None:
+        me = threading.get_ident()  # its own stack left out
         while not done.wait(interval):
             for t in threading.enumerate():
                 names[t.ident] = t.name
@@ -297,9 +297,7 @@ def sampled(step, args, interval: float = 1e-3, top: int = 12) -> None:
                     frame = frame.f_back
 
     thread = threading.Thread(target=sampler, name="sampler", daemon=True)
-    me = None
     thread.start()
-    me = thread.ident
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         step(i)
@@ -308,7 +306,9 @@ def sampled(step, args, interval: float = 1e-3, top: int = 12) -> None:
     thread.join()
     print(f"{(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step while sampled")
     for name, n in samples.most_common():
-        busy = n - sum(c for w, c in leaf[name].items() if w.endswith((":wait", ":_worker", ":get")))
+        # waiting: a lock or queue (an I/O worker's loop sits in its queue's C-level get: ``_run``)
+        busy = n - sum(c for w, c in leaf[name].items()
+                       if w.endswith((":wait", ":_worker", ":get")) or w == "io_worker.py:_run")
         print(f"thread {name}: {n} samples ({busy} not in a wait)")
         print("  innermost:", ", ".join(f"{w} {c / n:.0%}" for w, c in leaf[name].most_common(top)))
         print("  inclusive:", ", ".join(f"{w} {c / n:.0%}" for w, c in inclusive[name].most_common(3 * top)))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tieredemb as te
-from tests.distributed.test_sharded import OPTIMIZERS, _free_port
+from tests.distributed.test_sharded import OPTIMIZERS, _free_port, concat
 
 STEPS = 6
 POOL = [3, 0, 1, 2, 5, 8, 13, 21, 34, 49, -7, 2**40, -(2**62), 11, 12, 17]  # the first ones the hottest
@@ -45,18 +45,6 @@ def local_batch(step: int, rank: int) -> tuple[te.KeyedJaggedTensor, int]:
         values.append(pool[ranks])
         lengths.append(lens)
     return te.KeyedJaggedTensor(FEATURES, torch.cat(values), lengths=torch.cat(lengths)), b
-
-
-def concat(batches: list[te.KeyedJaggedTensor]) -> te.KeyedJaggedTensor:
-    values, lengths = [], []
-    for i in range(len(FEATURES)):
-        for kjt in batches:
-            b = kjt.stride()
-            lens = kjt.lengths()[i * b : (i + 1) * b]
-            start = int(kjt.lengths()[: i * b].sum())
-            values.append(kjt.values()[start : start + int(lens.sum())])
-            lengths.append(lens)
-    return te.KeyedJaggedTensor(FEATURES, torch.cat(values), lengths=torch.cat(lengths))
 
 
 def upstream(step: int, rank: int, shape: tuple[int, ...]) -> torch.Tensor:
