@@ -1,8 +1,9 @@
-"""HostTier (a write-back host-memory tier in front of a store) against a dict of key -> row.
+"""HostTierGroup (a write-back host-memory tier in front of a store) against a dict of key -> row.
 
-Random sequences of get / set / delete / flush / scan / size / read_ahead on a tier of 1 to 4 slots
+Random sequences of get / set / delete / flush / scan / size / read_ahead on a tier of 1 to 4 rows
 (so nearly every call evicts), over the dict backend, RocksDB on disk and a real redis-server; then
-the read-ahead race, failures of reads ahead and of write-downs, and a process killed mid-training.
+the eviction order, the read-ahead race, failures of reads ahead and of write-downs, and a process
+killed mid-training.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from hypothesis import strategies as st
 
 import tieredemb as te
 from tests.storage.conftest import redis_server  # noqa: F401 (fixture)
-from tieredemb.storage.backend import DictBackend, Fetched
+from tieredemb.storage.backend import DictBackend, Fetched, GroupStore
 from tieredemb.storage.errors import BackendError
-from tieredemb.storage.host_tier import HostTier
+from tieredemb.storage.host_tier import HostTierGroup
 
 W = 3
 CPU = torch.device("cpu")
@@ -43,17 +44,21 @@ op_st = st.one_of(
 )
 
 
-def _open(kind: str, url: str | None, where: str, existing: str = "clear"):
+def _open(kind: str, url: str | None, where: str, existing: str = "clear") -> GroupStore:
     if kind == "dict":
-        return DictBackend(W)
+        return GroupStore([DictBackend(W)])
     if kind == "rocksdb":
-        return te.storage.RocksDB(where, shards=2, existing=existing).open("t", W, CPU)
-    return te.storage.Redis(url, existing=existing).open("t", W, CPU)
+        return te.storage.RocksDB(where, shards=2, existing=existing).open_group(["t"], W, CPU)
+    return te.storage.Redis(url, existing=existing).open_group(["t"], W, CPU)
 
 
-def _check_scan(tier: HostTier, ref: dict[int, torch.Tensor]) -> None:
+def _tier(below: GroupStore, capacity: int, eviction: str = "lru") -> HostTierGroup:
+    return HostTierGroup(below, [capacity], [eviction])
+
+
+def _check_scan(table, ref: dict[int, torch.Tensor]) -> None:
     seen: dict[int, torch.Tensor] = {}
-    for keys, rows in tier.scan(chunk_rows=2):
+    for keys, rows in table.scan(chunk_rows=2):
         for k, row in zip(keys.tolist(), rows):
             assert k not in seen, f"scan gave key {k} twice"
             seen[k] = row
@@ -62,32 +67,37 @@ def _check_scan(tier: HostTier, ref: dict[int, torch.Tensor]) -> None:
         assert torch.equal(seen[k], row), k
 
 
-def _run(tier: HostTier, ops, ref: dict[int, torch.Tensor]) -> None:
+def _held(tier: HostTierGroup) -> list[int]:
+    return sorted(tier.rows.table_rows(0)[0].tolist())
+
+
+def _run(tier: HostTierGroup, ops, ref: dict[int, torch.Tensor]) -> None:
+    table = tier.table(0)
     for n, (op, keys) in enumerate(ops):
         k = torch.tensor(keys, dtype=torch.int64)
         if op == "set":
             rows = torch.arange(len(keys) * W, dtype=torch.float32).reshape(-1, W) + 100 * n
-            tier.set(k, rows)
+            table.set(k, rows)
             for key, row in zip(keys, rows):
                 ref[key] = row.clone()
         elif op == "get":
-            got = tier.get(k)
+            got = table.get(k)
             for i, key in enumerate(keys):
                 assert bool(got.found[i]) == (key in ref), key
                 want = ref.get(key, torch.zeros(W))
                 assert torch.equal(got.rows[i], want), (key, got.rows[i], want)
         elif op == "delete":
-            tier.delete(k)
+            table.delete(k)
             for key in keys:
                 ref.pop(key, None)
         elif op == "read_ahead":
-            tier.read_ahead(k)
+            table.read_ahead(k)
         elif op == "flush":
-            tier.flush()
+            table.flush()
         elif op == "scan":
-            _check_scan(tier, ref)
+            _check_scan(table, ref)
         else:
-            assert tier.size() == len(ref)
+            assert table.size() == len(ref)
 
 
 @pytest.mark.parametrize("kind", ["dict", "rocksdb", "redis"])
@@ -100,15 +110,16 @@ def test_host_tier_matches_a_dict(kind, eviction, request) -> None:
     @given(capacity=st.integers(1, 4), ops=st.lists(op_st, min_size=1, max_size=25))
     def check(capacity, ops) -> None:
         with tempfile.TemporaryDirectory() as where:
-            tier = HostTier(_open(kind, url, where), capacity, eviction)
+            below = _open(kind, url, where)
+            tier = _tier(below, capacity, eviction)
             ref: dict[int, torch.Tensor] = {}
             try:
                 _run(tier, ops, ref)
-                _check_scan(tier, ref)
-                assert tier.size() == len(ref)
+                _check_scan(tier.table(0), ref)
+                assert tier.table(0).size() == len(ref)
                 tier.close()  # writes every dirty row down: the store alone holds the table
-                store = _open(kind, url, where, existing="reuse") if kind != "dict" else tier.store
-                got = {k: r for keys, rows in store.scan(4) for k, r in zip(keys.tolist(), rows)}
+                store = _open(kind, url, where, existing="reuse") if kind != "dict" else below
+                got = {k: r for keys, rows in store.table(0).scan(4) for k, r in zip(keys.tolist(), rows)}
                 assert sorted(got) == sorted(ref)
                 assert all(torch.equal(got[k], ref[k]) for k in ref)
                 store.close()
@@ -116,6 +127,52 @@ def test_host_tier_matches_a_dict(kind, eviction, request) -> None:
                 tier.close()
 
     check()
+
+
+@pytest.mark.parametrize("eviction, kept", [("lru", [0, 4, 5]), ("lfu", [0, 1, 4])])
+def test_a_table_over_its_capacity_keeps_its_most_used_rows(eviction, kept) -> None:
+    """Capacity 5: six rows held, the next call keeps three (3/4 of it). LRU keeps the rows used
+    last (5 written, 4 and 0 read); LFU the rows used most (0 four times, 1 three, 4 twice)."""
+    below = GroupStore([DictBackend(W)])
+    tier = _tier(below, 5, eviction)
+    table = tier.table(0)
+    table.set(torch.arange(5), torch.ones(5, W))
+    for keys in ([0, 1], [0, 1], [0], [4]):
+        table.get(torch.tensor(keys))
+    table.set(torch.tensor([5]), 2 * torch.ones(1, W))
+    assert _held(tier) == [0, 1, 2, 3, 4, 5]  # room is made at the next call, before it
+    tier.flush()
+    assert _held(tier) == kept
+    assert len(below.backends[0]._rows) == 6  # the rows that left were written down first
+    s = table.tier_stats()
+    assert (s.rows, s.capacity, s.evictions, s.dirty) == (3, 5, 3, 0)
+    _check_scan(table, {**{k: torch.ones(W) for k in range(5)}, 5: 2 * torch.ones(W)})
+    tier.close()
+
+
+def test_clean_rows_leave_without_a_write() -> None:
+    """Rows read ahead and never written are the store's: evicting them writes nothing."""
+    store = _CountingStore()
+    store.set(torch.arange(8), torch.ones(8, W))
+    tier = _tier(GroupStore([store]), 4)
+    tier.table(0).read_ahead(torch.arange(8))
+    tier.settle()
+    tier.finish_reads()
+    assert _held(tier) == list(range(8))
+    writes = store.writes
+    tier.settle()  # over capacity: 5 go, all clean
+    assert len(_held(tier)) == 3 and store.writes == writes
+    tier.close()
+
+
+class _CountingStore(DictBackend):
+    def __init__(self) -> None:
+        super().__init__(W)
+        self.writes = 0
+
+    def set(self, keys, rows) -> None:
+        self.writes += keys.numel()
+        super().set(keys, rows)
 
 
 class GatedStore(DictBackend):
@@ -136,52 +193,67 @@ class GatedStore(DictBackend):
 
 
 def test_a_read_ahead_racing_a_write_never_brings_the_old_row_back() -> None:
-    """Read ahead of key 5 in flight (holding the old row); meanwhile 5 is set, evicted and written
-    down to the store, and the tier's slot goes to another key. The read then lands: its row of 5 is
-    dropped, and a get answers with the new row."""
+    """Read ahead of key 5 in flight (holding the old row); meanwhile 5 is set, evicted, written
+    down to the store and dropped from host memory. The read then lands: its row of 5 is dropped,
+    and a get answers with the new row."""
     store = GatedStore()
     store.set(torch.tensor([5]), torch.full((1, W), 1.0))  # the old row
-    tier = HostTier(store, capacity_rows=1)
+    tier = _tier(GroupStore([store]), 1)
+    table = tier.table(0)
     store.gated = True
-    tier.read_ahead(torch.tensor([5]))
+    table.read_ahead(torch.tensor([5]))
+    tier.settle()  # the read starts
     assert store.entered.wait(10)
     store.gated = False
-    tier.set(torch.tensor([5]), torch.full((1, W), 2.0))  # the new row
-    tier.set(torch.tensor([6]), torch.full((1, W), 3.0))  # evicts 5 (dirty): written down
-    tier.flush()
-    assert torch.equal(store.get(torch.tensor([5])).rows, torch.full((1, W), 2.0))
-    store.gate.set()  # the read lands (get waits for it)
-    got = tier.get(torch.tensor([5]))
+    table.set(torch.tensor([5]), torch.full((1, W), 2.0))  # the new row
+    table.set(torch.tensor([6]), torch.full((1, W), 3.0))
+    tier.flush()  # 5 and 6 evicted (dirty): written down, then dropped
+    assert _held(tier) == [] and torch.equal(store.get(torch.tensor([5])).rows, torch.full((1, W), 2.0))
+    store.gate.set()
+    tier.finish_reads()
+    assert _held(tier) == []
+    got = table.get(torch.tensor([5]))
     assert bool(got.found[0]) and torch.equal(got.rows, torch.full((1, W), 2.0))
-    assert tier.tier_stats().read_ahead_dropped == 1 and tier.tier_stats().read_ahead_rows == 0
-    _check_scan(tier, {5: torch.full((W,), 2.0), 6: torch.full((W,), 3.0)})
+    s = table.tier_stats()
+    assert (s.read_ahead_dropped, s.read_ahead_rows) == (1, 0)
+    _check_scan(table, {5: torch.full((W,), 2.0), 6: torch.full((W,), 3.0)})
     tier.close()
 
 
 def test_a_read_ahead_of_a_deleted_key_does_not_bring_it_back() -> None:
     store = GatedStore()
     store.set(torch.tensor([5]), torch.full((1, W), 1.0))
-    tier = HostTier(store, capacity_rows=2)
+    tier = _tier(GroupStore([store]), 2)
+    table = tier.table(0)
     store.gated = True
-    tier.read_ahead(torch.tensor([5]))
+    table.read_ahead(torch.tensor([5]))
+    tier.settle()
     assert store.entered.wait(10)
     store.gated = False
-    tier.delete(torch.tensor([5]))
+    table.delete(torch.tensor([5]))
     store.gate.set()
-    assert not bool(tier.get(torch.tensor([5])).found[0])
-    assert tier.size() == 0
+    tier.finish_reads()
+    assert not bool(table.get(torch.tensor([5])).found[0])
+    assert table.size() == 0
     tier.close()
 
 
 def test_reads_ahead_are_served_from_host_memory() -> None:
     store = DictBackend(W)
     store.set(torch.arange(8), torch.arange(8 * W, dtype=torch.float32).reshape(8, W))
-    tier = HostTier(store, capacity_rows=8)
-    tier.read_ahead(torch.arange(4))
-    got = tier.get(torch.arange(4))  # waits for the read ahead, then answers from host memory
+    tier = _tier(GroupStore([store]), 8)
+    table = tier.table(0)
+    table.read_ahead(torch.arange(4))
+    tier.settle()  # located, read on a reader thread
+    tier.finish_reads()
+    got = table.get(torch.arange(4))
     assert torch.equal(got.rows, store.get(torch.arange(4)).rows)
-    s = tier.tier_stats()
-    assert (s.read_ahead_rows, s.read_ahead_hits, s.hits, s.misses) == (4, 4, 4, 0)
+    s = table.tier_stats()
+    assert (s.read_ahead_rows, s.read_ahead_hits, s.hits, s.misses, s.dirty) == (4, 4, 4, 0, 0)
+    table.read_ahead(torch.arange(6))  # only the two it lacks are read
+    tier.settle()
+    tier.finish_reads()
+    assert table.tier_stats().read_ahead_rows == 6
     tier.close()
 
 
@@ -207,35 +279,40 @@ class FailingStore(DictBackend):
 
 def test_a_failed_read_ahead_is_logged_once_and_the_real_miss_raises(caplog) -> None:
     store = FailingStore()
-    tier = HostTier(store, capacity_rows=4)
+    tier = _tier(GroupStore([store]), 4)
+    table = tier.table(0)
     store.down = True
     with caplog.at_level(logging.WARNING):
-        tier.read_ahead(torch.tensor([1]))
-        tier.read_ahead(torch.tensor([2]))
-        tier._wait_reads(None)
+        for key in (1, 2):
+            table.read_ahead(torch.tensor([key]))
+            tier.settle()
+        tier.finish_reads()
     assert sum("read ahead" in r.message for r in caplog.records) == 1
     with pytest.raises(OSError, match="store down"):
-        tier.get(torch.tensor([1]))
+        table.get(torch.tensor([1]))
     store.down = False
-    assert not bool(tier.get(torch.tensor([1])).found[0])
+    assert not bool(table.get(torch.tensor([1])).found[0])
     tier.close()
 
 
 def test_a_failed_write_down_keeps_its_rows_and_is_retried() -> None:
     store = FailingStore()
-    tier = HostTier(store, capacity_rows=1)
+    tier = _tier(GroupStore([store]), 1)
+    table = tier.table(0)
     store.down = True
-    tier.set(torch.tensor([1]), torch.ones(1, W))
-    tier.set(torch.tensor([2]), 2 * torch.ones(1, W))  # evicts 1: its write-down fails
-    # scan answers with the kept copy (checkpoints, export); calls that need the store raise
-    _check_scan(tier, {1: torch.ones(W), 2: 2 * torch.ones(W)})
-    with pytest.raises(BackendError, match="kept"):
-        tier.get(torch.tensor([1, 2]))
-    with pytest.raises(BackendError, match="kept"):
-        tier.set(torch.tensor([3]), 3 * torch.ones(1, W))
-    assert tier.tier_stats().rows == 1 and 3 not in tier._slot  # refused before any change
+    table.set(torch.tensor([1]), torch.ones(1, W))
+    table.set(torch.tensor([2]), 2 * torch.ones(1, W))  # over capacity: 1 and 2 go down at the next call
+    # scan answers from host memory (checkpoints, export): the rows stay until the store takes them
+    _check_scan(table, {1: torch.ones(W), 2: 2 * torch.ones(W)})
+    with pytest.raises(BackendError, match="kept in host memory"):
+        tier.flush()
+    with pytest.raises(BackendError, match="kept in host memory"):
+        table.get(torch.tensor([1, 2]))
+    with pytest.raises(BackendError, match="kept in host memory"):
+        table.set(torch.tensor([3]), 3 * torch.ones(1, W))
+    assert _held(tier) == [1, 2]  # refused before any change
     store.down = False
-    tier.set(torch.tensor([3]), 3 * torch.ones(1, W))  # the retry goes through first
+    table.set(torch.tensor([3]), 3 * torch.ones(1, W))  # the retry goes through first
     tier.flush()
     assert sorted(store._rows) == [1, 2, 3]
     assert all(torch.equal(store._rows[k], float(k) * torch.ones(W)) for k in (1, 2, 3))

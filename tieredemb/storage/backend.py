@@ -153,6 +153,13 @@ class DeviceRows(ABC):
         """What a CUDA graph of the device verbs bakes in (the index's rehashes, the row segments'
         table): a graph is replayed only while this is unchanged."""
 
+    def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
+                   found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where these rows are a tier over a slower store (a host tier): the store's rows of the
+        pairs ``locate`` did not find (``keys`` ``RESERVED_KEY`` where no pair), as their positions
+        and rows on the device; None where there are none. Host memory alone has nothing below."""
+        return None
+
 
 class GroupStore:
     """The backing store of a table group: several tables' rows, addressed by (table, key).

@@ -347,9 +347,10 @@ class HostMemoryBackend(Backend, DeviceRows):
             if u.settled is not None:
                 u.settled()
 
-    def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> None:
+    def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
         """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
-        (a key whose bucket has no room in this call, more new keys than ways, is skipped)."""
+        (a key whose bucket has no room in this call, more new keys than ways, is skipped). Returns
+        the row addresses written."""
         self._sizes_read = None
         res = self._index.find_or_insert(keys, self._step, tables=tables, given_order=True)
         if res.any_miss:  # rows for the new keys: the victims' where a bounded store evicted
@@ -366,6 +367,7 @@ class HostMemoryBackend(Backend, DeviceRows):
             placed = (res.slots >= 0).nonzero().squeeze(1)
             addresses, rows = addresses[placed], rows[placed]
         self._scatter(addresses, rows)
+        return addresses
 
     def delete(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
         """Remove keys int64 (n,) (absent ones ignored)."""

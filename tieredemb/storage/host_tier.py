@@ -1,284 +1,328 @@
-"""HostTier: a write-back tier of rows in host memory between the device cache and a slower store.
+"""HostTierGroup: a write-back tier of rows in host memory between a device cache and a slower store.
 
-``StorageConfig(host_budget=...)`` puts one in front of each table's RocksDB or Redis backend. It is a
-``Backend`` itself, so the device cache (``CacheTier``) talks to it as to any store:
+``StorageConfig(host_budget=...)`` puts one between each table group's device cache and its RocksDB
+or Redis store. Its rows are a ``HostMemoryBackend``'s (pinned segments, the key index on the GPU
+under a CUDA collection), so the device cache moves rows to and from it as it does with
+``HostMemory``: on the device, inside its insertion graph, with no host work per key
+(``GroupStore.device_rows``). What the tier adds to host memory:
 
-    get(keys)        hits from host memory; misses from the rows it is still writing down, else from
-                     the store (and kept here, clean)
-    set(keys, rows)  into host memory, dirty: the device cache's write-downs cost a copy
-    read_ahead(keys) the store's rows of ``keys`` fetched on reader threads and kept here, clean
+- **The store below.** After the device insertion, the pairs the tier did not hold are read from the
+  store in one call (``from_below``); the rows it has replace the initial rows the insertion gave them.
+- **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
+  every call, before anything else moves), its least recently used rows go, down to 3/4 of the
+  capacity: the clean ones (the store's copy is the same) at once, the dirty ones after the tier's
+  writer thread has written them down, and only if nothing wrote them meanwhile. Until then they stay
+  and answer like any other row, so the store is never asked for a row on its way down (DESIGN
+  section 4, rule 3). LFU tables order by uses instead.
+- **Reads ahead.** ``read_ahead(keys, tables)`` queues the pairs; the next call locates them and
+  hands those the tier lacks to reader threads, which read them from the store; a later call puts
+  the rows read in where the pair is still absent. A read that was in flight while the tier dropped
+  one of its pairs after writing it down drops that pair's row (it may be older than the row written).
 
-Layout: a fixed array of ``capacity`` slots (rows (capacity, W), pinned where CUDA is available), a
-dict key -> slot, and per slot its key, score (LRU: the tick of its last use; LFU: its uses), dirty
-flag and version. When a row must make room, the lowest-score slots go; the dirty ones among them are
-written down to the store in one ``store.set`` a batch, on the tier's writer thread (an ``IOWorker``),
-and answer ``get`` from their copy until the store has taken them (DESIGN section 4 rule 3: a read
-never overtakes a write of the same key).
+Per row address the tier keeps ``version`` (one more at each write into the tier), ``clean`` (the
+version the store holds), ``used`` (the tick of the last read or write, or the uses under LFU) and
+``ahead`` (read ahead, not used since), on the rows' device: the device cache's insertion updates
+them in its graph (``TieredRows.upsert_keys``, ``locate``).
 
-Every row has one authoritative place: its copy here if dirty, else the newest copy on its way down,
-else the store's. ``scan`` and ``size`` see every key once; ``flush`` writes every dirty row down and
-flushes the store; a crash loses the rows that were dirty here (and those on their way down) since the
-last ``flush``.
+Every row has one authoritative place: the tier's copy where it holds the pair, else the store's.
+``scan`` and ``size`` see every key once; ``flush`` writes every dirty row down and flushes the store;
+a crash loses the rows written into the tier since the last ``flush`` (and not yet evicted).
 
-Reads ahead never bring an old row back: each one records the keys it reads, and a ``set``, ``delete``
-or dirty eviction of one of those keys before the read lands drops the read's row for that key. A read
-ahead that fails (the store away) is logged once and dropped; the next real miss raises as usual.
-A failed write-down keeps its rows (they still answer ``get`` and ``scan``) and is retried at the next
-call, which raises ``BackendError`` while the store refuses them.
+A write-down that fails keeps its rows in the tier (dirty) and is retried, in order, at the next
+call, which raises ``BackendError`` while the store refuses them, before anything changes. A read
+ahead that fails is logged once and dropped; the pairs are then read when a batch misses them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from tieredemb.storage.backend import Backend, Fetched, GroupStore, add_bytes
+from tieredemb.keys import RESERVED_KEY
+from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
+from tieredemb.storage.host import HostMemoryBackend
 from tieredemb.storage.io_worker import IOHandle, IOWorker
 from tieredemb.storage.tiers.parts import HostTierStats
 
 log = logging.getLogger(__name__)
 
-_NEVER = torch.iinfo(torch.int64).max  # the score of a free slot: never a victim
 EVICTIONS = ("lru", "lfu")
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # a pair's table mixed into its key (``_pair_ids``)
+
+
+class TieredRows(HostMemoryBackend):
+    """A ``HostMemoryBackend`` of several tables whose rows carry a version, the store's version, a
+    use mark and a read-ahead flag (the module docstring), kept by every write and read of the
+    device verbs. ``lfu``: per table, whether ``used`` counts uses (else it is the tick of the last)."""
+
+    def __init__(self, width: int, lfu: list[bool], pinned: bool, device: torch.device | None,
+                 reserve_rows: int, dtype: torch.dtype) -> None:
+        super().__init__(width, pinned=pinned, device=device, tables=len(lfu), reserve_rows=reserve_rows,
+                         dtype=dtype)
+        dev = self.device
+        self._lfu = torch.tensor(lfu, dtype=torch.bool, device=dev)
+        self.tick = torch.zeros((), dtype=torch.int64, device=dev)
+        self.version = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.clean = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.used = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.ahead = torch.zeros(0, dtype=torch.bool, device=dev)
+        # per table: pairs found here by the device cache's fetches, and of those read ahead
+        self.hits = torch.zeros(len(lfu), dtype=torch.int64, device=dev)
+        self.ahead_hits = torch.zeros(len(lfu), dtype=torch.int64, device=dev)
+        self._cover()
+
+    def _cover(self) -> None:
+        """The marks cover every allocated row, and one more: where address -1 marks (nothing)."""
+        n = self._store.rows_allocated() + 1
+        if self.version.numel() >= n:
+            return
+        more = n + n // 4 - self.version.numel()
+        grow = lambda t: torch.cat([t, torch.zeros(more, dtype=t.dtype, device=t.device)])  # noqa: E731
+        self.version, self.clean, self.used, self.ahead = map(grow, (self.version, self.clean, self.used,
+                                                                    self.ahead))
+
+    def _at(self, addresses: torch.Tensor) -> torch.Tensor:
+        return torch.where(addresses >= 0, addresses, self.version.numel() - 1)
+
+    def _mark(self, addresses: torch.Tensor, tables: torch.Tensor | None, write: bool) -> torch.Tensor:
+        """Rows read (``write``: written) at ``addresses`` (-1: none): used now, and a version more."""
+        at = self._at(addresses)
+        self.tick.add_(1)
+        lfu = self._lfu[0] if tables is None else self._lfu[tables]
+        self.used[at] = torch.where(lfu, self.used[at] + 1, self.tick)
+        if write:
+            self.version.index_add_(0, at, torch.ones_like(at))
+        return at
+
+    # the device verbs, marking
+    def room_for(self, n: int) -> torch.Tensor:
+        pool = super().room_for(n)
+        self._cover()
+        return pool
+
+    def upsert_keys(self, keys, tables, pool):
+        addresses, counts = super().upsert_keys(keys, tables, pool)
+        self._mark(addresses, tables, write=True)
+        return addresses, counts
+
+    def _insert_rows(self, keys, rows, tables) -> torch.Tensor:
+        addresses = super()._insert_rows(keys, rows, tables)
+        self._cover()
+        self._mark(addresses, tables, write=True)
+        return addresses
+
+    def locate(self, keys: torch.Tensor, tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``HostMemoryBackend.locate``, and the rows found marked used (a device cache's fetch)."""
+        addresses, found = self._addresses(keys, tables)
+        at = self._mark(addresses, tables, write=False)
+        if tables is not None:
+            self.hits.index_add_(0, tables, found.to(torch.int64))
+            self.ahead_hits.index_add_(0, tables, (found & self.ahead[at]).to(torch.int64))
+        self.ahead[at] = False
+        return addresses, found
+
+    def capture_key(self) -> tuple[int, ...]:
+        return (*super().capture_key(), self.version.data_ptr())
+
+    def delete(self, keys: torch.Tensor, tables: torch.Tensor | None = None) -> None:
+        """As ``HostMemoryBackend.delete``; the freed rows' use marks start again from zero."""
+        keys, tables = self._keys(keys, tables)
+        self.settle()
+        addresses, found = self._addresses(keys, tables)
+        super().delete(keys, tables)
+        freed = addresses[found]
+        self.used[freed], self.ahead[freed] = 0, False
+
+    # the tier's own work
+    def where(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's row address (-1: absent) and found, marking nothing."""
+        self.settle()
+        return self._addresses(keys, tables)
+
+    def insert_absent(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The distinct pairs absent here put in with ``rows``, clean and read ahead; returns which
+        were (bool (n,))."""
+        _, found = self.where(keys, tables)
+        new = (~found).nonzero().squeeze(1)
+        if new.numel():
+            rows = rows.to(self.device, self.dtype)
+            at = self._insert_rows(keys[new], rows[new], tables[new])
+            self.clean[at] = self.version[at]
+            self.ahead[at] = True
+        return ~found
+
+    def table_rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every pair of ``table`` held: keys, addresses (int64 on the device)."""
+        self.settle()
+        keys, addresses, _ = self._index.export(table)
+        return keys, addresses
+
+    def oldest(self, table: int, k: int, busy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` least used rows of ``table`` but those at ``busy`` (addresses on their way down):
+        keys, addresses."""
+        keys, addresses = self.table_rows(table)
+        if busy.numel():
+            free = (~torch.isin(addresses, busy)).nonzero().squeeze(1)
+            keys, addresses = keys[free], addresses[free]
+        pick = torch.topk(self.used[addresses], min(k, keys.numel()), largest=False).indices
+        return keys[pick], addresses[pick]
+
+    def dirty(self, addresses: torch.Tensor) -> torch.Tensor:
+        return self.version[addresses] != self.clean[addresses]
+
+    def read_rows(self, addresses: torch.Tensor) -> torch.Tensor:
+        """The rows at ``addresses`` (on the device)."""
+        return self._gather(addresses)
+
+    def sizes(self) -> list[int]:
+        """Pairs held per table (the last upsert's counts where read, else a device read)."""
+        self.settle()
+        if self._sizes_read is None:
+            self._sizes_read = self._index.sizes_on_device.tolist()
+        return list(self._sizes_read)
 
 
 @dataclass(eq=False)
-class _Evicted:
-    """Dirty rows evicted together, on their way down (one ``store.set``): keys int64 (m,) cpu,
-    rows (m, W); ``at`` key -> position; ``handle`` the writer's (None: to be written again)."""
+class _Eviction:
+    """Dirty rows on their way down (one ``store.set``): the pairs and addresses on the rows'
+    device, their versions when read, the rows and pairs on the host, the writer's handle."""
 
     keys: torch.Tensor
-    rows: torch.Tensor
-    at: dict[int, int]
-    handle: IOHandle | None = None
-
-
-@dataclass
-class Misses:
-    """A ``look_up``: ``answer`` (rows (n, W), found (n,)) filled where held here; ``rest`` int64 (m,)
-    the positions the store answers for; ``wanted`` their distinct keys (u,), ``inverse`` (m,)."""
-
-    answer: Fetched
-    rest: torch.Tensor
-    wanted: torch.Tensor
-    inverse: torch.Tensor
+    tables: torch.Tensor
+    addresses: torch.Tensor
+    versions: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    handle: IOHandle | None
 
 
 @dataclass(eq=False)
-class _Reading:
-    """A read ahead in flight: the keys it reads, those whose row it must drop (changed since)."""
+class _Read:
+    """A read ahead on a reader thread: its pairs (host), the erasures it must respect (from
+    ``since`` on) and the reader's future."""
 
-    keys: set[int]
-    dropped: set[int] = field(default_factory=set)
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-def _pinned_ok(pinned: bool) -> bool:
-    return pinned and torch.cuda.is_available()
+    keys: torch.Tensor
+    tables: torch.Tensor
+    since: int
+    future: Future
 
 
-class HostTier(Backend):
-    """A table's hot rows in host memory, write-back over ``store`` (owned: closed with this one).
+_COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
+
+
+def _pair_ids(keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """One int64 per (table, key) pair for membership tests (a collision only drops a read ahead)."""
+    return keys + tables * _MIX
+
+
+class HostTierGroup(GroupStore, DeviceRows):
+    """A table group's hot rows in host memory, write-back over ``below`` (owned: closed with it).
 
     Args:
-        store: the table's backend below (RocksDB, Redis).
-        capacity_rows: slots (rows) in host memory, >= 1.
-        eviction: ``"lru"`` or ``"lfu"`` (the table's ``eviction``).
-        pinned: page-lock the rows (when a CUDA device copies them; ignored without CUDA).
-        readers: the thread pool running reads ahead (shared by a group's tables); None: one of its own.
+        below: the group's store (RocksDB, Redis).
+        capacities: rows in host memory per table (each >= 1).
+        evictions: ``"lru"`` / ``"lfu"`` per table.
+        device: the collection's device (CUDA: the index on it, the rows pinned and moved by it).
+        readers: threads reading ahead.
 
     Example::
 
-        tier = HostTier(rocksdb_backend, capacity_rows=1 << 20)
-        tier.read_ahead(next_batch_keys)       # returns at once
-        got = tier.get(keys)                    # hits from host memory
+        tier = HostTierGroup(rocksdb_group, capacities=[1 << 20] * 2, evictions=["lru"] * 2)
+        tier.read_ahead(next_keys, next_tables)   # returns at once
+        got = tier.get(keys, tables)              # hits from host memory, the rest from RocksDB
     """
 
-    def __init__(self, store: Backend, capacity_rows: int, eviction: str = "lru", pinned: bool = False,
-                 readers: ThreadPoolExecutor | None = None) -> None:
-        if isinstance(capacity_rows, bool) or not isinstance(capacity_rows, int) or capacity_rows < 1:
-            raise ValueError(f"HostTier capacity_rows must be an int >= 1, got {capacity_rows!r}")
-        if eviction not in EVICTIONS:
-            raise ValueError(f"HostTier eviction must be one of {EVICTIONS}, got {eviction!r}")
-        self.store = store
-        self.width, self.dtype, self.device = store.width, store.dtype, torch.device("cpu")
-        self.capacity = capacity_rows
-        self.eviction = eviction
-        rows = torch.zeros(capacity_rows, self.width, dtype=self.dtype)
-        self._rows = rows.pin_memory() if _pinned_ok(pinned) else rows  # (C, W) host
-        self._slot: dict[int, int] = {}  # key -> slot
-        self._key = torch.zeros(capacity_rows, dtype=torch.int64)  # slot -> key (where occupied)
-        self._score = torch.full((capacity_rows,), _NEVER, dtype=torch.int64)  # free: _NEVER
-        self._dirty = torch.zeros(capacity_rows, dtype=torch.bool)
-        self._ahead = torch.zeros(capacity_rows, dtype=torch.bool)  # read ahead, not used yet
-        self._version = torch.zeros(capacity_rows, dtype=torch.int64)
-        self._free = list(range(capacity_rows - 1, -1, -1))
-        self._tick = 0
-        self._lock = threading.RLock()
-        self._evicted: list[_Evicted] = []  # oldest first
-        self._reading: list[_Reading] = []
+    io_bound = False  # its calls are device work; the store's I/O runs on its own threads
+
+    def __init__(self, below: GroupStore, capacities: list[int], evictions: list[str],
+                 device: torch.device | str = "cpu", readers: int = 4) -> None:
+        for c in capacities:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                raise ValueError(f"host tier capacities must be ints >= 1, got {capacities!r}")
+        for e in evictions:
+            if e not in EVICTIONS:
+                raise ValueError(f"host tier eviction must be one of {EVICTIONS}, got {e!r}")
+        device = torch.device(device)
+        on_gpu = device.type == "cuda" and torch.cuda.is_available()
+        self.rows = TieredRows(below.width, [e == "lfu" for e in evictions], pinned=on_gpu,
+                               device=device if on_gpu else None,
+                               reserve_rows=sum(capacities) + sum(capacities) // 4, dtype=below.dtype)
+        self.below = below
+        self.capacities = list(capacities)
+        self.device, self.width, self.dtype = self.rows.device, below.width, below.dtype
+        self.device_rows = self
+        self.backends = [_TierTable(self, t) for t in range(len(capacities))]
         self._writer = IOWorker(name="host-tier/write-down")
-        self._own_readers = readers is None
-        self._readers = readers or ThreadPoolExecutor(2, thread_name_prefix="tieredemb-read-ahead")
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="tieredemb-read-ahead")
+        self._evicting: list[_Eviction] = []  # oldest first
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads ahead not yet located
+        self._reading: list[_Read] = []
+        self._erased: list[tuple[int, torch.Tensor]] = []  # (round, pair ids) dropped after a write
+        self._round = 0
         self._read_failed_logged = False
-        self._write_failed = False  # a write-down failed: the next call retries them all, in order
-        self._counts = dict(hits=0, misses=0, evictions=0, written_down=0, read_ahead_rows=0,
-                            read_ahead_hits=0, read_ahead_dropped=0)
+        self._counts = torch.zeros(len(_COUNTS), len(capacities), dtype=torch.int64)
         self._closed = False
 
-    # ----------------------------------------------------------------------------------- verbs
-    def get(self, keys: torch.Tensor) -> Fetched:
-        keys = keys.reshape(-1).to(torch.int64).cpu()
-        miss = self.look_up(keys)
-        if miss.wanted.numel():
-            self.fetched(miss, self.store.get(miss.wanted))
-        return miss.answer
+    # ------------------------------------------------------------------------ the store's verbs
+    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
+        self._maintain()
+        keys, tables = keys.reshape(-1).to(self.device), tables.reshape(-1).to(self.device)
+        self.rows.settle()
+        addresses, found = self.rows.locate(keys, tables)
+        rows = self.rows.read_rows(addresses)  # address -1 reads zeros
+        lacking = self._from_below(keys, tables, found)
+        if lacking is not None:
+            pos, below = lacking
+            rows[pos], found[pos] = below, True
+        return Fetched(rows, found)
 
-    def look_up(self, keys: torch.Tensor) -> Misses:
-        """The first half of ``get``: the rows held here (or on their way down) of ``keys`` (int64
-        (n,) cpu), and the distinct keys the store must answer for (``fetched`` completes it)."""
-        self._settle_writes()
-        n = keys.numel()
-        rows = torch.zeros(n, self.width, dtype=self.dtype)
-        found = torch.zeros(n, dtype=torch.bool)
-        klist = keys.tolist()
-        self._wait_reads(klist)
-        with self._lock:
-            slots = self._find(klist)
-            hit = slots >= 0
-            at = slots[hit]
-            rows[hit], found[hit] = self._rows[at], True
-            self._touch(at)
-            self._counts["hits"] += int(hit.sum())
-            self._counts["read_ahead_hits"] += int(self._ahead[at].sum())
-            self._ahead[at] = False
-            miss = (~hit).nonzero().squeeze(1)
-            rest = self._from_evicted(klist, miss, rows, found)
-        self._counts["misses"] += rest.numel()
-        wanted, inverse = torch.unique(keys[rest], return_inverse=True)
-        return Misses(Fetched(rows, found), rest, wanted, inverse)
+    def set(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+            distinct: bool = False) -> None:
+        self._maintain()
+        keys, tables = keys.to(self.device), tables.to(self.device)
+        if distinct:
+            self.rows.set_distinct(keys, rows, tables)
+        else:
+            self.rows.set(keys, rows, tables)
 
-    def fetched(self, miss: Misses, got: Fetched) -> None:
-        """The second half of ``get``: the store's answer for ``miss.wanted`` filled in and kept here
-        (clean). The key is not here, nor on its way down, so the store's row is the newest: only the
-        thread calling ``get`` (the cache's I/O worker) changes rows."""
-        rows, found = got.rows.to(self.dtype), got.found.cpu()
-        miss.answer.rows[miss.rest] = rows[miss.inverse]
-        miss.answer.found[miss.rest] = found[miss.inverse]
-        with self._lock:  # a read ahead may have brought some in meanwhile (the same rows)
-            kept = [i for i, (k, f) in enumerate(zip(miss.wanted.tolist(), found.tolist()))
-                    if f and k not in self._slot]
-            if kept:
-                at = _int64(kept)
-                self._insert(miss.wanted[at].tolist(), rows[at], dirty=False)
+    def delete(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        self._maintain()
+        self._finish_writes(wait=True)  # a write-down queued before must not bring a key back after
+        keys, tables = keys.to(self.device), tables.to(self.device)
+        self.rows.delete(keys, tables)
+        self._erased_now(keys, tables)
+        self.below.delete(keys.cpu(), tables.cpu())
 
-    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Upsert into host memory (dirty); a key given twice keeps its last row."""
-        keys = keys.reshape(-1).to(torch.int64).cpu()
-        rows = rows.reshape(-1, self.width).cpu().to(self.dtype)
-        self._settle_writes()
-        if keys.numel() == 0:
-            return
-        keys, rows = _last_of_each(keys, rows)
-        klist = keys.tolist()
-        with self._lock:
-            self._changed(klist)
-            slots = self._find(klist)
-            hit = slots >= 0
-            at = slots[hit]
-            self._rows[at] = rows[hit]
-            self._dirty[at] = True
-            self._ahead[at] = False
-            self._version[at] += 1
-            self._touch(at)
-            new = (~hit).nonzero().squeeze(1)
-            if new.numel():
-                self._insert([klist[i] for i in new.tolist()], rows[new], dirty=True)
-
-    def delete(self, keys: torch.Tensor) -> None:
-        keys = keys.reshape(-1).to(torch.int64).cpu()
-        self._settle_writes()
-        if keys.numel() == 0:
-            return
-        klist = keys.tolist()
-        self._drop(klist)
-        self._drain_writes()  # a queued write-down of a key must not bring it back after the delete
-        self.store.delete(keys)
-        self._drop(klist)  # a read ahead that landed meanwhile: dropped again (clean, never newer)
-
-    def read_ahead(self, keys: torch.Tensor) -> None:
-        """Fetch the store's rows of ``keys`` (int64 (n,)) into host memory on a reader thread,
-        clean; returns at once. Keys held here (or on their way down) are skipped."""
-        claim = self.claim_reads(keys)
-        if claim is not None:
-            self._readers.submit(self._read, *claim)
-
-    def claim_reads(self, keys: torch.Tensor) -> tuple[_Reading, torch.Tensor] | None:
-        """The first half of ``read_ahead``: the distinct keys (int64 (u,) cpu) not held here nor on
-        their way down, registered as read (a change to one of them from now on drops the read's
-        row); None if there are none. ``land`` and ``release`` complete it."""
-        if self._closed:
-            return None
-        klist = torch.unique(keys.reshape(-1).to(torch.int64).cpu()).tolist()
-        with self._lock:
-            todo = [k for k in klist if k not in self._slot and self._newest_evicted(k) is None]
-            if not todo:
-                return None
-            reading = _Reading(set(todo))
-            self._reading.append(reading)
-        return reading, _int64(todo)
-
-    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every row once: the dirty rows here and those on their way down first, then the store's
-        others (the clean rows here are the store's)."""
-        self._drain_writes(quiet=True)
-        keys, rows = self._kept()
-        for start in range(0, keys.numel(), chunk_rows):
-            yield keys[start : start + chunk_rows], rows[start : start + chunk_rows]
-        for skeys, srows in self.store.scan(chunk_rows):
-            if keys.numel():
-                new = ~torch.isin(skeys, keys)
-                skeys, srows = skeys[new], srows[new]
-            if skeys.numel():
-                yield skeys, srows
-
-    def size(self) -> int:
-        self._drain_writes(quiet=True)
-        keys, _ = self._kept()
-        only_here = 0 if keys.numel() == 0 else int((~self.store.get(keys).found).sum())
-        return self.store.size() + only_here
+    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Queue the pairs' rows to be read from the store into host memory (see the module
+        docstring); returns at once."""
+        if not self._closed and keys.numel():
+            self._queued.append((keys.reshape(-1).to(torch.int64).cpu(), tables.reshape(-1).cpu()))
 
     def flush(self) -> None:
         """Every dirty row written down to the store, then the store flushed."""
-        self._settle_writes()
-        self._drain_writes()
-        with self._lock:
-            at = self._dirty.nonzero().squeeze(1)
-            keys, rows, versions = self._key[at], self._rows[at].clone(), self._version[at].clone()
-        if at.numel():
-            self.store.set(keys, rows)
-            with self._lock:  # clean unless set again meanwhile
-                same = self._version[at] == versions
-                self._dirty[at[same]] = False
-                self._counts["written_down"] += at.numel()
-        self.store.flush()
-
-    def index_bytes(self) -> dict[str, int]:
-        # the slot columns, and the dict at ~100 bytes an entry (CPython's, with its int objects)
-        own = self.capacity * (8 + 8 + 8 + 1 + 1) + 100 * len(self._slot)
-        return add_bytes({"host": own}, self.store.index_bytes())
-
-    def tier_stats(self) -> HostTierStats:
-        with self._lock:
-            return HostTierStats(rows=len(self._slot), capacity=self.capacity,
-                                 dirty=int(self._dirty.sum()), **self._counts)
+        self._maintain()
+        self._finish_writes(wait=True)
+        for t in range(len(self.capacities)):
+            keys, addresses = self.rows.table_rows(t)
+            dirty = self.rows.dirty(addresses).nonzero().squeeze(1)
+            if dirty.numel() == 0:
+                continue
+            keys, addresses = keys[dirty], addresses[dirty]
+            versions = self.rows.version[addresses].clone()
+            rows = self.rows.read_rows(addresses).cpu()
+            try:
+                self.below.set(keys.cpu(), torch.full((keys.numel(),), t, dtype=torch.int64), rows, True)
+            except Exception as e:
+                raise BackendError(f"host tier: flushing {keys.numel()} rows to the store failed; they "
+                                   "are kept in host memory and written at the next flush") from e
+            self.rows.clean[addresses] = versions
+            self._counts[_COUNTS.index("written_down"), t] += keys.numel()
+        self.below.flush()
 
     def close(self) -> None:
         """Wait for the reads ahead, write every dirty row down, close the store."""
@@ -286,307 +330,277 @@ class HostTier(Backend):
             return
         self._closed = True
         try:
-            if self._own_readers:
-                self._readers.shutdown(wait=True)
-            else:
-                self._wait_reads(None)
+            self._readers.shutdown(wait=True)
             self.flush()
         finally:
             try:
                 self._writer.close()
             finally:
-                self.store.close()
+                self.below.close()
+                self.rows.close()
+
+    # ------------------------------------------------------------- the device cache's verbs
+    def settle(self, wait: bool = True) -> None:
+        self.rows.settle(wait)
+        if wait:
+            self._maintain()
+
+    def room_for(self, n: int) -> torch.Tensor:
+        return self.rows.room_for(n)
+
+    def give_back(self, pool: torch.Tensor) -> None:
+        self.rows.give_back(pool)
+
+    def locate(self, keys: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.locate(keys, tables)
+
+    def address_order(self, addresses: torch.Tensor) -> torch.Tensor:
+        return self.rows.address_order(addresses)
+
+    def read_into(self, addresses: torch.Tensor, store, to: torch.Tensor) -> None:
+        self.rows.read_into(addresses, store, to)
+
+    def upsert_keys(self, keys: torch.Tensor, tables: torch.Tensor,
+                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.upsert_keys(keys, tables, pool)
+
+    def scatter_beside(self, addresses, rows, source, stream, keep: bool = True) -> None:
+        self.rows.scatter_beside(addresses, rows, source, stream, keep)
+
+    def upserted(self, keys, tables, rows, addresses, counts, pool, settled=None) -> None:
+        self.rows.upserted(keys, tables, rows, addresses, counts, pool, settled)
+
+    def capture_key(self) -> tuple[int, ...]:
+        return self.rows.capture_key()
+
+    def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
+                   found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The store's rows of the pairs the device cache missed and host memory lacked (``keys``
+        ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none."""
+        return self._from_below(keys, tables, found)
 
     # ------------------------------------------------------------------------------- internals
-    def _find(self, klist: list[int]) -> torch.Tensor:
-        """int64 (n,) each key's slot, -1 where absent (under the lock)."""
-        get = self._slot.get
-        return _int64([get(k, -1) for k in klist])
+    def _from_below(self, keys, tables, found):
+        need = ((~found) & (keys != RESERVED_KEY)).nonzero().squeeze(1)
+        if need.numel() == 0:
+            return None
+        hkeys, htables = keys[need].cpu(), tables[need].cpu()
+        self._counts[_COUNTS.index("misses")].index_add_(0, htables, torch.ones_like(htables))
+        got = self.below.get(hkeys, htables)
+        hit = got.found.cpu().nonzero().squeeze(1)
+        if hit.numel() == 0:
+            return None
+        return need[hit.to(need.device)], got.rows[hit].to(self.device, self.dtype)
 
-    def _touch(self, at: torch.Tensor) -> None:
-        self._tick += 1
-        if self.eviction == "lru":
-            self._score[at] = self._tick
-        else:
-            self._score.index_add_(0, at, torch.ones_like(at))
+    def _maintain(self) -> None:
+        """Before each call: the write-downs the store took settled (raises while it refuses them),
+        the reads ahead that are done put in, those queued located and started, and the tables over
+        their capacity made room in."""
+        self._finish_writes(wait=False)
+        self._land_reads(wait=False)
+        self._start_reads()
+        self._evict()
 
-    def _insert(self, klist: list[int], rows: torch.Tensor, dirty: bool, ahead: bool = False) -> None:
-        """Put distinct keys absent from the tier in, evicting the lowest scores (under the lock)."""
-        for start in range(0, len(klist), self.capacity):
-            part = klist[start : start + self.capacity]
-            m = len(part)
-            short = m - len(self._free)
-            if short > 0:
-                self._evict(short)
-            taken = self._free[len(self._free) - m :]
-            del self._free[len(self._free) - m :]
-            at = _int64(taken)
-            self._slot.update(zip(part, taken))
-            self._key[at] = _int64(part)
-            self._rows[at] = rows[start : start + m]
-            self._dirty[at] = dirty
-            self._ahead[at] = ahead
-            self._version[at] += 1
-            self._score[at] = 0
-            self._touch(at)
+    def _evict(self) -> None:
+        sizes = self.rows.sizes()
+        on_way = [0] * len(self.capacities)
+        for ev in self._evicting:
+            for t, n in enumerate(torch.bincount(ev.host[1], minlength=len(on_way)).tolist()):
+                on_way[t] += n
+        busy = None
+        for t, cap in enumerate(self.capacities):
+            held = sizes[t] - on_way[t]
+            if held <= cap:
+                continue
+            if busy is None:
+                busy = torch.cat([self.rows.version[:0]] + [ev.addresses for ev in self._evicting])
+            keys, addresses = self.rows.oldest(t, held - cap * 3 // 4, busy)
+            tables = torch.full_like(keys, t)
+            self._counts[_COUNTS.index("evictions"), t] += keys.numel()
+            dirty = self.rows.dirty(addresses)
+            clean = (~dirty).nonzero().squeeze(1)
+            if clean.numel():  # the store has these rows: they go now
+                self.rows.delete(keys[clean], tables[clean])
+                self._erased_now(keys[clean], tables[clean])
+            down = dirty.nonzero().squeeze(1)
+            if down.numel():
+                keys, tables, addresses = keys[down], tables[down], addresses[down]
+                versions = self.rows.version[addresses].clone()
+                host = (keys.cpu(), tables.cpu(), self.rows.read_rows(addresses).cpu())
+                ev = _Eviction(keys, tables, addresses, versions, host, None)
+                self._evicting.append(ev)
+                if not any(e.handle is None for e in self._evicting[:-1]):  # none waits for a retry
+                    ev.handle = self._submit(ev)
 
-    def _evict(self, r: int) -> None:
-        """Free the ``r`` lowest-score slots; their dirty rows go down in one write (under the lock)."""
-        at = torch.topk(self._score, r, largest=False).indices
-        keys = self._key[at]
-        dirty = self._dirty[at]
-        for k in keys.tolist():
-            del self._slot[k]
-        if bool(dirty.any()):
-            down = at[dirty]
-            batch = _Evicted(keys[dirty], self._rows[down].clone(), {})
-            batch.at = dict(zip(batch.keys.tolist(), range(batch.keys.numel())))
-            self._changed(batch.at)  # the store gets a newer row: a read ahead of it is stale
-            self._evicted.append(batch)
-            if not self._write_failed:  # after a failure, nothing new goes down before the retry
+    def _submit(self, ev: _Eviction) -> IOHandle | None:
+        try:
+            return self._writer.submit(self.below.set, *ev.host, True)
+        except BackendError:  # an earlier write-down failed: this one waits for the retry
+            return None
+
+    def _finish_writes(self, wait: bool) -> None:
+        """The write-downs done, oldest first (``wait``: all of them): their rows dropped unless
+        written since. Those that failed are written again here, in order; raises ``BackendError``
+        while the store refuses them (nothing changed: the rows stay in host memory)."""
+        while self._evicting:
+            ev = self._evicting[0]
+            if ev.handle is not None:
+                if not wait and not ev.handle.done():
+                    return
                 try:
-                    batch.handle = self._writer.submit(self.store.set, batch.keys, batch.rows)
-                except BackendError:  # an earlier write-down failed: this one waits for the retry
-                    self._write_failed = True
-        self._score[at] = _NEVER
-        self._dirty[at] = False
-        self._ahead[at] = False
-        self._free.extend(at.tolist())
-        self._counts["evictions"] += r
+                    ev.handle.result()
+                except BackendError:
+                    ev.handle = None
+            if ev.handle is None:  # failed, or refused behind a failure: again, here
+                try:
+                    self.below.set(*ev.host, True)
+                except Exception as e:
+                    n = sum(x.keys.numel() for x in self._evicting)
+                    raise BackendError(f"host tier: writing {n} evicted rows down to the store failed; "
+                                       "they are kept in host memory and retried at the next call") from e
+            self._evicting.pop(0)
+            self._dropped(ev)
+            for later in self._evicting:  # those held back behind the failure go now
+                if later.handle is None:
+                    later.handle = self._submit(later)
 
-    def _drop(self, klist: list[int]) -> None:
-        """Remove keys from the tier and from the rows on their way down (under the lock)."""
-        with self._lock:
-            self._changed(klist)
-            at = [s for s in (self._slot.pop(k, None) for k in klist) if s is not None]
-            if at:
-                slots = _int64(at)
-                self._score[slots] = _NEVER
-                self._dirty[slots] = False
-                self._ahead[slots] = False
-                self._free.extend(at)
+    def _dropped(self, ev: _Eviction) -> None:
+        """An eviction the store has taken: the rows not written since leave host memory."""
+        addresses, found = self.rows.where(ev.keys, ev.tables)
+        at = addresses.clamp(min=0)
+        same = found & (addresses == ev.addresses) & (self.rows.version[at] == ev.versions)
+        go = same.nonzero().squeeze(1)
+        self.rows.clean[ev.addresses[go]] = ev.versions[go]
+        self._counts[_COUNTS.index("written_down")].index_add_(0, ev.host[1], torch.ones_like(ev.host[1]))
+        if go.numel():
+            self.rows.delete(ev.keys[go], ev.tables[go])
+            self._erased_now(ev.keys[go], ev.tables[go])
 
-    def _changed(self, keys) -> None:
-        """Keys set, deleted or written down: reads ahead in flight drop their rows (under the lock)."""
-        for reading in self._reading:
-            reading.dropped.update(reading.keys.intersection(keys))
+    def _erased_now(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
+        """Pairs dropped from host memory: a read ahead in flight since may hold an older row."""
+        if self._reading:
+            self._erased.append((self._round, _pair_ids(keys.cpu(), tables.cpu())))
+        self._round += 1
 
-    def _newest_evicted(self, key: int) -> tuple[_Evicted, int] | None:
-        for batch in reversed(self._evicted):
-            pos = batch.at.get(key)
-            if pos is not None:
-                return batch, pos
-        return None
+    def finish_reads(self) -> None:
+        """Wait for the reads ahead started so far and put their rows in."""
+        self._land_reads(wait=True)
 
-    def _from_evicted(self, klist: list[int], miss: torch.Tensor, rows: torch.Tensor,
-                      found: torch.Tensor) -> torch.Tensor:
-        """Fill the misses that are on their way down from their newest copy; the rest's positions."""
-        if not self._evicted or miss.numel() == 0:
-            return miss
-        rest = []
-        for i in miss.tolist():
-            hit = self._newest_evicted(klist[i])
-            if hit is None:
-                rest.append(i)
-            else:
-                rows[i], found[i] = hit[0].rows[hit[1]], True
-        self._counts["hits"] += miss.numel() - len(rest)
-        return _int64(rest)
+    def _start_reads(self) -> None:
+        """The queued reads ahead: the distinct pairs host memory lacks, read on a reader thread."""
+        if not self._queued or self._closed:
+            self._queued.clear()
+            return
+        keys, tables = (torch.cat(x) for x in zip(*self._queued))
+        self._queued.clear()
+        pairs = torch.unique(torch.stack([tables, keys]), dim=1)
+        tables, keys = pairs[0], pairs[1]
+        _, found = self.rows.where(keys.to(self.device), tables.to(self.device))
+        lack = (~found).cpu().nonzero().squeeze(1)
+        if lack.numel():
+            keys, tables = keys[lack], tables[lack]
+            self._reading.append(_Read(keys, tables, self._round,
+                                       self._readers.submit(self.below.get, keys, tables)))
 
-    def _kept(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows only this tier may hold: dirty rows here and the newest of those on their way
-        down, keys int64 (k,) distinct, rows (k, W)."""
-        with self._lock:
-            at = self._dirty.nonzero().squeeze(1)
-            parts_k, parts_r = [self._key[at]], [self._rows[at].clone()]
-            for batch in reversed(self._evicted):  # newest first: a key's first copy wins
-                parts_k.append(batch.keys)
-                parts_r.append(batch.rows)
-        keys, rows = torch.cat(parts_k), torch.cat(parts_r)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        first = torch.full((uniq.numel(),), keys.numel(), dtype=torch.int64)
-        first.scatter_reduce_(0, inverse, torch.arange(keys.numel()), "amin")
-        return uniq, rows[first]
-
-    def _read(self, reading: _Reading, keys: torch.Tensor) -> None:
-        """A read ahead, on a reader thread: never raises (a failure is logged once)."""
-        try:
-            self.land(reading, keys, self.store.get(keys))
-        except Exception as e:  # noqa: BLE001 - a read ahead is a hint: the real miss reports errors
-            self.read_failed(e)
-        finally:
-            self.release(reading)
-
-    def land(self, reading: _Reading, keys: torch.Tensor, got: Fetched) -> None:
-        """The store's rows of a claimed read kept here, clean, but for the keys changed since."""
-        found = got.found.tolist()
-        with self._lock:
-            keep = [i for i, k in enumerate(keys.tolist())
-                    if found[i] and k not in reading.dropped and k not in self._slot
-                    and self._newest_evicted(k) is None]
-            self._counts["read_ahead_dropped"] += len(reading.dropped)
-            if keep:
-                pos = _int64(keep)
-                self._insert(keys[pos].tolist(), got.rows.to(self.dtype)[pos], dirty=False, ahead=True)
-                self._counts["read_ahead_rows"] += len(keep)
-
-    def read_failed(self, error: Exception) -> None:
-        """A read ahead failed: logged the first time, dropped."""
-        if not self._read_failed_logged:
-            self._read_failed_logged = True
-            log.warning("a read ahead from the store failed (dropped; later misses read the store "
-                        "themselves): %s", error)
-
-    def release(self, reading: _Reading) -> None:
-        """A claimed read is over (landed or failed): fetches of its keys stop waiting for it."""
-        with self._lock:
-            self._reading.remove(reading)
-        reading.done.set()
-
-    def _wait_reads(self, klist: list[int] | None) -> None:
-        """Wait for the reads ahead of any of ``klist`` (None: all): their rows answer the misses."""
-        with self._lock:
-            if klist is None:
-                waiting = list(self._reading)
-            else:
-                wanted = set(klist)
-                waiting = [r for r in self._reading if not r.keys.isdisjoint(wanted)]
-        for reading in waiting:
-            reading.done.wait()
-
-    def _settle_writes(self) -> None:
-        """Forget the write-downs the store has taken; after a failure, write the others again in
-        order, here; raise ``BackendError`` while the store refuses them (nothing changed, rows kept)."""
-        with self._lock:
-            for batch in list(self._evicted):
-                if batch.handle is None or not batch.handle.done():
-                    continue
-                if self._taken(batch) is False:
-                    self._write_failed = True
-            if self._write_failed:
-                self._retry()
-
-    def _taken(self, batch: _Evicted) -> bool:
-        """Whether the writer wrote ``batch`` (its handle done): forgotten if so (under the lock)."""
-        handle, batch.handle = batch.handle, None
-        try:
-            handle.result()
-        except BackendError:  # failed, or refused behind a failure (and then newer than it)
-            return False
-        self._evicted.remove(batch)
-        self._counts["written_down"] += batch.keys.numel()
-        return True
-
-    def _retry(self) -> None:
-        """Every write-down not taken, written again in submission order (under the lock: nothing
-        new is queued meanwhile). Those the writer did take were submitted before the failure, so
-        they are older than the rows written here."""
-        for batch in list(self._evicted):
-            if batch.handle is not None:
-                batch.handle.wait()
-                if self._taken(batch):
-                    continue
+    def _land_reads(self, wait: bool) -> None:
+        """The reads ahead done (``wait``: all), oldest first: their rows put in where the pair is
+        absent and was not dropped since the read began."""
+        while self._reading and (wait or self._reading[0].future.done()):
+            read = self._reading.pop(0)
             try:
-                self.store.set(batch.keys, batch.rows)
-            except Exception as e:
-                n = sum(b.keys.numel() for b in self._evicted)
-                raise BackendError(f"host tier: writing {n} evicted rows down to the store failed; they "
-                                   "are kept and retried at the next call") from e
-            self._evicted.remove(batch)
-            self._counts["written_down"] += batch.keys.numel()
-        self._write_failed = False
+                got = read.future.result()
+            except Exception as e:  # noqa: BLE001 - a read ahead is a hint: a batch's miss reads again
+                if not self._read_failed_logged:
+                    self._read_failed_logged = True
+                    log.warning("a read ahead from the store failed (dropped; the misses read the store "
+                                "themselves): %s", e)
+                continue
+            keep = got.found.cpu()
+            erased = [ids for r, ids in self._erased if r >= read.since]
+            if erased:
+                stale = torch.isin(_pair_ids(read.keys, read.tables), torch.cat(erased))
+                self._counts[_COUNTS.index("read_ahead_dropped")].index_add_(
+                    0, read.tables, (stale & keep).to(torch.int64))
+                keep &= ~stale
+            at = keep.nonzero().squeeze(1)
+            if at.numel():
+                new = self.rows.insert_absent(read.keys[at].to(self.device), read.tables[at].to(self.device),
+                                              got.rows[at])
+                self._counts[_COUNTS.index("read_ahead_rows")].index_add_(0, read.tables[at],
+                                                                          new.cpu().to(torch.int64))
+        since = min((r.since for r in self._reading), default=self._round)
+        self._erased = [(r, ids) for r, ids in self._erased if r >= since]
 
-    def _drain_writes(self, quiet: bool = False) -> None:
-        """Wait until the store has taken every write-down (``quiet``: a failure keeps its rows here
-        and does not raise: ``scan`` and ``size`` answer with them)."""
-        with self._lock:
-            handles = [b.handle for b in self._evicted if b.handle is not None]
-        for handle in handles:
-            handle.wait()
-        try:
-            self._settle_writes()
-        except BackendError:
-            if not quiet:
-                raise
-            log.warning("host tier: the store refuses the evicted rows; answering with the copies kept here")
+    def scan_table(self, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row of ``table`` once: host memory's, then the store's others (keys and rows on the host)."""
+        self._maintain()
+        keys, addresses = self.rows.table_rows(table)
+        for start in range(0, keys.numel(), chunk_rows):
+            part = slice(start, start + chunk_rows)
+            yield keys[part].cpu(), self.rows.read_rows(addresses[part]).cpu()
+        held = keys.cpu()
+        for skeys, srows in self.below.table(table).scan(chunk_rows):
+            if held.numel():
+                new = ~torch.isin(skeys, held)
+                skeys, srows = skeys[new], srows[new]
+            if skeys.numel():
+                yield skeys, srows
+
+    def table_size(self, table: int) -> int:
+        self._maintain()
+        self._finish_writes(wait=True)  # the store's count and its answer below agree
+        keys, _ = self.rows.table_rows(table)
+        only_here = 0
+        if keys.numel():
+            tables = torch.full((keys.numel(),), table, dtype=torch.int64)
+            only_here = int((~self.below.get(keys.cpu(), tables).found).sum())
+        return self.below.table(table).size() + only_here
+
+    def tier_stats(self, table: int) -> HostTierStats:
+        _, addresses = self.rows.table_rows(table)
+        counts = dict(zip(_COUNTS, self._counts[:, table].tolist()))
+        return HostTierStats(rows=addresses.numel(), capacity=self.capacities[table],
+                             dirty=int(self.rows.dirty(addresses).sum()), hits=int(self.rows.hits[table]),
+                             read_ahead_hits=int(self.rows.ahead_hits[table]), **counts)
 
 
-def _int64(values: list[int]) -> torch.Tensor:
-    """A list of ints as int64 (n,) cpu (through numpy: several times faster than ``torch.tensor``)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64).reshape(-1))
+class _TierTable(Backend):
+    """Table ``t`` of a ``HostTierGroup``, as a one-table backend."""
 
+    def __init__(self, group: HostTierGroup, t: int) -> None:
+        self.group, self.t = group, t
+        self.width, self.device, self.dtype = group.width, group.device, group.dtype
 
-def _last_of_each(keys: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct keys, each with its last row."""
-    uniq, inverse = torch.unique(keys, return_inverse=True)
-    if uniq.numel() == keys.numel():
-        return keys, rows
-    last = torch.full((uniq.numel(),), -1, dtype=torch.int64)
-    last.scatter_reduce_(0, inverse, torch.arange(keys.numel()), "amax")
-    return uniq, rows[last]
+    def _tables(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.full((keys.numel(),), self.t, dtype=torch.int64, device=keys.device)
 
+    def get(self, keys: torch.Tensor) -> Fetched:
+        keys = keys.reshape(-1).to(torch.int64)
+        return self.group.get(keys, self._tables(keys))
 
-class HostTierGroup(GroupStore):
-    """A table group's store with a ``HostTier`` in front of each table's backend. A ``get`` asks the
-    group's own store once for every table's misses (one fan-out to RocksDB's shards); the tiers
-    share one pool of reader threads for their reads ahead.
+    def set(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        keys = keys.reshape(-1).to(torch.int64)
+        self.group.set(keys, self._tables(keys), rows.reshape(-1, self.width))
 
-    Args:
-        below: the group's store (RocksDB, Redis); its backends are owned by the tiers.
-        capacities: host-memory rows of each table.
-        evictions: ``"lru"`` / ``"lfu"`` of each table.
-        pinned: page-lock the rows (a CUDA collection).
-        readers: threads reading ahead for the group.
-    """
+    def delete(self, keys: torch.Tensor) -> None:
+        keys = keys.reshape(-1).to(torch.int64)
+        self.group.delete(keys, self._tables(keys))
 
-    def __init__(self, below: GroupStore, capacities: list[int], evictions: list[str], pinned: bool,
-                 readers: int = 4) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="tieredemb-read-ahead")
-        self.stores = below
-        super().__init__([HostTier(b, c, e, pinned, self._pool)
-                          for b, c, e in zip(below.backends, capacities, evictions)])
+    def read_ahead(self, keys: torch.Tensor) -> None:
+        keys = keys.reshape(-1).to(torch.int64)
+        self.group.read_ahead(keys, self._tables(keys))
 
-    def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
-        keys, tables = keys.cpu(), tables.cpu()
-        rows = torch.zeros(keys.numel(), self.width, dtype=self.dtype)
-        found = torch.zeros(keys.numel(), dtype=torch.bool)
-        looked = [(t, pos, self.backends[t].look_up(keys[pos])) for t, pos in self._by_table(tables)]
-        wanted = [(t, m.wanted) for t, _, m in looked if m.wanted.numel()]
-        if wanted:
-            got = self.stores.get(torch.cat([w for _, w in wanted]),
-                                  torch.cat([torch.full_like(w, t) for t, w in wanted]))
-            parts = iter(zip(got.rows.split([w.numel() for _, w in wanted]),
-                             got.found.split([w.numel() for _, w in wanted])))
-        for t, pos, m in looked:
-            if m.wanted.numel():
-                self.backends[t].fetched(m, Fetched(*next(parts)))
-            rows[pos], found[pos] = m.answer.rows, m.answer.found
-        return Fetched(rows, found)
+    def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.group.scan_table(self.t, chunk_rows)
 
-    def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
-        """Every table's keys read ahead (``HostTier.read_ahead``) in one call to the group's store, on
-        a reader thread; returns at once."""
-        keys, tables = keys.cpu(), tables.cpu()
-        claims = [(t, claim) for t, pos in self._by_table(tables)
-                  if (claim := self.backends[t].claim_reads(keys[pos])) is not None]
-        if claims:
-            self._pool.submit(self._read, claims)
+    def size(self) -> int:
+        return self.group.table_size(self.t)
 
-    def _read(self, claims: list) -> None:
-        """On a reader thread: never raises (a failure is logged once by each tier)."""
-        try:
-            got = self.stores.get(torch.cat([k for _, (_, k) in claims]),
-                                  torch.cat([torch.full_like(k, t) for t, (_, k) in claims]))
-            sizes = [k.numel() for _, (_, k) in claims]
-            for (t, (reading, k)), rows, found in zip(claims, got.rows.split(sizes), got.found.split(sizes)):
-                self.backends[t].land(reading, k, Fetched(rows, found))
-        except Exception as e:  # noqa: BLE001 - a read ahead is a hint: the real miss reports errors
-            for t, _ in claims:
-                self.backends[t].read_failed(e)
-        finally:
-            for t, (reading, _) in claims:
-                self.backends[t].release(reading)
+    def flush(self) -> None:
+        self.group.flush()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        super().close()
+    def index_bytes(self) -> dict[str, int]:
+        return add_bytes(self.group.rows.index_bytes(self.t), self.group.below.table(self.t).index_bytes())
+
+    def tier_stats(self) -> HostTierStats:
+        return self.group.tier_stats(self.t)

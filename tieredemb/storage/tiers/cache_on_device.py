@@ -238,13 +238,14 @@ class OnDeviceInsertion:
             else:
                 out = slot.outputs
                 settled = functools.partial(self._graph_settled, slot, write)
-            slots, values, kinds, written, (down_at, down_order) = out
+            slots, values, kinds, written, (down_at, down_order), lacked = out
             if slot is not None:  # the batch's own copies: the slot serves the next batch
                 slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
             self._rows_below.upserted(*written, hpool, settled)
             # the victims' rows go down to the host store beside the rest of the step: nothing of this
             # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
             self._rows_below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
+            self._fill_from_below(*lacked)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
@@ -311,7 +312,18 @@ class OnDeviceInsertion:
         # rows moved per table: victims (``insert_rows``'s count), misses the store had
         self._moved[1] += kinds[2]
         self._moved[0] += per_table(vtables, found, len(self.configs))
-        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order)
+        return (slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order),
+                (wanted, vtables, found, rows))
+
+    def _fill_from_below(self, wanted: torch.Tensor, tables: torch.Tensor, found: torch.Tensor,
+                         rows: torch.Tensor) -> None:
+        """Over a host tier: the misses it lacked get the store's rows where the store has them, over
+        the initial rows the insertion gave them (``DeviceRows.from_below``; one host read)."""
+        lacking = self._rows_below.from_below(wanted, tables, found)
+        if lacking is not None:
+            pos, got = lacking
+            self.kernels.scatter(self.store, rows[pos], got)
+            self._moved[0].index_add_(0, tables[pos], torch.ones_like(pos))
 
     def _graph_settled(self, slot, write: torch.cuda.Stream | None) -> None:
         """The host store has read the counts of the insertion replayed on ``slot``: the slot serves

@@ -89,8 +89,7 @@ def build_tiers(mode: str, tables: list[TableConfig], members: list[list[int]],
         below = storage.backing.open_group([tables[t].name for t in m], width, device,
                                            **({} if dtype == torch.float32 else {"dtype": dtype}))
         if host_rows is not None:  # a host tier in front of each table's store
-            below = HostTierGroup(below, [host_rows[t] for t in m], [tables[t].eviction for t in m],
-                                  pinned=device.type == "cuda" and torch.cuda.is_available())
+            below = HostTierGroup(below, [host_rows[t] for t in m], [tables[t].eviction for t in m], device)
         out.append(CacheTier([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
                               below=below))
     return out
