@@ -347,7 +347,8 @@ class HostMemoryBackend(Backend, DeviceRows):
             if u.settled is not None:
                 u.settled()
 
-    def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor | None) -> torch.Tensor:
+    def _insert_rows(self, keys: torch.Tensor, rows: torch.Tensor,
+                     tables: torch.Tensor | None) -> torch.Tensor:
         """Upsert distinct keys through ``find_or_insert``: the index grows, or a bounded store evicts
         (a key whose bucket has no room in this call, more new keys than ways, is skipped). Returns
         the row addresses written."""
