@@ -52,8 +52,8 @@ def _open(kind: str, url: str | None, where: str, existing: str = "clear") -> Gr
     return te.storage.Redis(url, existing=existing).open_group(["t"], W, CPU)
 
 
-def _tier(below: GroupStore, capacity: int, eviction: str = "lru") -> HostTierGroup:
-    return HostTierGroup(below, [capacity], [eviction])
+def _tier(below: GroupStore, capacity: int, eviction: str = "lru", device: str = "cpu") -> HostTierGroup:
+    return HostTierGroup(below, [capacity], [eviction], device)
 
 
 def _check_scan(table, ref: dict[int, torch.Tensor]) -> None:
@@ -82,6 +82,7 @@ def _run(tier: HostTierGroup, ops, ref: dict[int, torch.Tensor]) -> None:
                 ref[key] = row.clone()
         elif op == "get":
             got = table.get(k)
+            got = Fetched(got.rows.cpu(), got.found.cpu())
             for i, key in enumerate(keys):
                 assert bool(got.found[i]) == (key in ref), key
                 want = ref.get(key, torch.zeros(W))
@@ -125,6 +126,27 @@ def test_host_tier_matches_a_dict(kind, eviction, request) -> None:
                 store.close()
             finally:
                 tier.close()
+
+    check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_host_tier_on_the_gpu_matches_a_dict(eviction) -> None:
+    """The index on the GPU, the rows pinned and moved by the Triton kernels."""
+
+    @settings(max_examples=15, deadline=None)
+    @given(capacity=st.integers(1, 4), ops=st.lists(op_st, min_size=1, max_size=25))
+    def check(capacity, ops) -> None:
+        below = _open("dict", None, "")
+        tier = _tier(below, capacity, eviction, "cuda")
+        assert tier.device.type == "cuda"
+        ref: dict[int, torch.Tensor] = {}
+        _run(tier, ops, ref)
+        _check_scan(tier.table(0), ref)
+        tier.close()
+        got = {k: r for keys, rows in below.table(0).scan(4) for k, r in zip(keys.tolist(), rows)}
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
     check()
 
