@@ -187,10 +187,32 @@ def test_clean_rows_leave_without_a_write() -> None:
     tier.close()
 
 
+def test_the_store_is_not_asked_for_keys_it_never_held() -> None:
+    """Ids seen for the first time miss everywhere: the filter of the store's pairs answers for it."""
+    store = _CountingStore()
+    store.set(torch.tensor([100]), torch.ones(1, W))  # held before the tier opens
+    tier = _tier(GroupStore([store]), 2)
+    table = tier.table(0)
+    got = table.get(torch.arange(10))
+    assert not bool(got.found.any()) and store.asked == 0
+    table.set(torch.arange(4), torch.ones(4, W))
+    tier.settle()  # over capacity: written down, then they are the store's
+    tier.flush()
+    got = table.get(torch.tensor([0, 1, 2, 3, 100, 7]))
+    assert got.found.tolist() == [True] * 5 + [False]
+    assert 4 <= store.asked <= 5  # the ones it holds now, and 7 only as the filter's rare false positive
+    tier.close()
+
+
 class _CountingStore(DictBackend):
     def __init__(self) -> None:
         super().__init__(W)
         self.writes = 0
+        self.asked = 0
+
+    def get(self, keys):
+        self.asked += keys.numel()
+        return super().get(keys)
 
     def set(self, keys, rows) -> None:
         self.writes += keys.numel()
@@ -301,6 +323,7 @@ class FailingStore(DictBackend):
 
 def test_a_failed_read_ahead_is_logged_once_and_the_real_miss_raises(caplog) -> None:
     store = FailingStore()
+    store.set(torch.tensor([1, 2]), torch.ones(2, W))  # before the tier opens: its filter learns them
     tier = _tier(GroupStore([store]), 4)
     table = tier.table(0)
     store.down = True
@@ -313,7 +336,8 @@ def test_a_failed_read_ahead_is_logged_once_and_the_real_miss_raises(caplog) -> 
     with pytest.raises(OSError, match="store down"):
         table.get(torch.tensor([1]))
     store.down = False
-    assert not bool(table.get(torch.tensor([1])).found[0])
+    got = table.get(torch.tensor([1, 3]))
+    assert got.found.tolist() == [True, False] and torch.equal(got.rows[0], torch.ones(W))
     tier.close()
 
 

@@ -8,6 +8,8 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
 
 - **The store below.** After the device insertion, the pairs the tier did not hold are read from the
   store in one call (``from_below``); the rows it has replace the initial rows the insertion gave them.
+  A filter of the pairs the store holds (``KeyFilter``: those it held when the tier opened, and every
+  pair written down since) keeps the keys it surely lacks (ids seen for the first time) from the call.
 - **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
   every call, before anything else moves), its least recently used rows go, down to 3/4 of the
   capacity: the clean ones (the store's copy is the same) at once, the dirty ones after the tier's
@@ -47,6 +49,7 @@ from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, 
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.host import HostMemoryBackend
 from tieredemb.storage.io_worker import IOHandle, IOWorker
+from tieredemb.storage.key_filter import KeyFilter
 from tieredemb.storage.tiers.parts import HostTierStats
 
 log = logging.getLogger(__name__)
@@ -227,6 +230,9 @@ class HostTierGroup(GroupStore, DeviceRows):
         capacities: rows in host memory per table (each >= 1).
         evictions: ``"lru"`` / ``"lfu"`` per table.
         device: the collection's device (CUDA: the index on it, the rows pinned and moved by it).
+        expected_keys: about how many pairs the store will hold (the tables' ``num_embeddings``;
+            None: 64 times the capacities): the size of the filter of the pairs it holds, 16 bits a
+            pair (between 8 KiB and 1 GiB).
         readers: threads reading ahead.
 
     Example::
@@ -239,7 +245,8 @@ class HostTierGroup(GroupStore, DeviceRows):
     io_bound = False  # its calls are device work; the store's I/O runs on its own threads
 
     def __init__(self, below: GroupStore, capacities: list[int], evictions: list[str],
-                 device: torch.device | str = "cpu", readers: int = 4) -> None:
+                 device: torch.device | str = "cpu", expected_keys: int | None = None,
+                 readers: int = 4) -> None:
         for c in capacities:
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise ValueError(f"host tier capacities must be ints >= 1, got {capacities!r}")
@@ -266,6 +273,13 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._read_failed_logged = False
         self._counts = torch.zeros(len(_COUNTS), len(capacities), dtype=torch.int64)
         self._closed = False
+        # the pairs the store may hold: those it holds now, and every pair written down from here
+        expected = expected_keys if expected_keys is not None else 64 * sum(capacities)
+        self.filter = KeyFilter(min(max(16 * expected, 1 << 16), 1 << 33), self.device)
+        for t in range(len(capacities)):
+            for keys, _ in below.table(t).scan(1 << 16):
+                keys = keys.to(self.device)
+                self.filter.add(keys, torch.full_like(keys, t))
 
     # ------------------------------------------------------------------------ the store's verbs
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
@@ -284,6 +298,7 @@ class HostTierGroup(GroupStore, DeviceRows):
             distinct: bool = False) -> None:
         self._maintain()
         keys, tables = keys.to(self.device), tables.to(self.device)
+        rows = rows.to(self.device)
         if distinct:
             self.rows.set_distinct(keys, rows, tables)
         else:
@@ -315,6 +330,7 @@ class HostTierGroup(GroupStore, DeviceRows):
             keys, addresses = keys[dirty], addresses[dirty]
             versions = self.rows.version[addresses].clone()
             rows = self.rows.read_rows(addresses).cpu()
+            self.filter.add(keys, torch.full_like(keys, t))
             try:
                 self.below.set(keys.cpu(), torch.full((keys.numel(),), t, dtype=torch.int64), rows, True)
             except Exception as e:
@@ -381,7 +397,7 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     # ------------------------------------------------------------------------------- internals
     def _from_below(self, keys, tables, found):
-        need = ((~found) & (keys != RESERVED_KEY)).nonzero().squeeze(1)
+        need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if need.numel() == 0:
             return None
         hkeys, htables = keys[need].cpu(), tables[need].cpu()
@@ -426,6 +442,7 @@ class HostTierGroup(GroupStore, DeviceRows):
             if down.numel():
                 keys, tables, addresses = keys[down], tables[down], addresses[down]
                 versions = self.rows.version[addresses].clone()
+                self.filter.add(keys, tables)
                 host = (keys.cpu(), tables.cpu(), self.rows.read_rows(addresses).cpu())
                 ev = _Eviction(keys, tables, addresses, versions, host, None)
                 self._evicting.append(ev)
@@ -495,8 +512,9 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._queued.clear()
         pairs = torch.unique(torch.stack([tables, keys]), dim=1)
         tables, keys = pairs[0], pairs[1]
-        _, found = self.rows.where(keys.to(self.device), tables.to(self.device))
-        lack = (~found).cpu().nonzero().squeeze(1)
+        dkeys, dtables = keys.to(self.device), tables.to(self.device)
+        _, found = self.rows.where(dkeys, dtables)
+        lack = (~found & self.filter.may_hold(dkeys, dtables)).cpu().nonzero().squeeze(1)
         if lack.numel():
             keys, tables = keys[lack], tables[lack]
             self._reading.append(_Read(keys, tables, self._round,
@@ -600,7 +618,11 @@ class _TierTable(Backend):
         self.group.flush()
 
     def index_bytes(self) -> dict[str, int]:
-        return add_bytes(self.group.rows.index_bytes(self.t), self.group.below.table(self.t).index_bytes())
+        """The tier's index (its part), its share of the group's filter, the store's."""
+        where = "device" if self.device.type == "cuda" else "host"
+        share = self.group.filter.nbytes() // len(self.group.backends)
+        own = add_bytes(self.group.rows.index_bytes(self.t), {where: share})
+        return add_bytes(own, self.group.below.table(self.t).index_bytes())
 
     def tier_stats(self) -> HostTierStats:
         return self.group.tier_stats(self.t)

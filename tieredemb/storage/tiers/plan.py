@@ -89,7 +89,9 @@ def build_tiers(mode: str, tables: list[TableConfig], members: list[list[int]],
         below = storage.backing.open_group([tables[t].name for t in m], width, device,
                                            **({} if dtype == torch.float32 else {"dtype": dtype}))
         if host_rows is not None:  # a host tier in front of each table's store
-            below = HostTierGroup(below, [host_rows[t] for t in m], [tables[t].eviction for t in m], device)
+            known = [tables[t].num_embeddings for t in m]
+            below = HostTierGroup(below, [host_rows[t] for t in m], [tables[t].eviction for t in m], device,
+                                  expected_keys=None if None in known else sum(known))
         out.append(CacheTier([tables[t] for t in m], **common, cache_rows=[rows[t] for t in m],
                               below=below))
     return out
