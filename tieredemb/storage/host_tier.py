@@ -12,8 +12,9 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   pair written down since) keeps the keys it surely lacks (ids seen for the first time) from the call.
 - **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
   every call, before anything else moves), its least recently used rows go, down to 3/4 of the
-  capacity: the clean ones (the store's copy is the same) at once, the dirty ones after the tier's
-  writer thread has written them down, and only if nothing wrote them meanwhile. Until then they stay
+  capacity (rows read ahead and not used yet go last): the clean ones (the store's copy is the
+  same) at once, the dirty ones after the tier's writer thread has written them down, and only if
+  nothing wrote them meanwhile. Until then they stay
   and answer like any other row, so the store is never asked for a row on its way down (DESIGN
   section 4, rule 3). LFU tables order by uses instead.
 - **Reads ahead.** ``read_ahead(keys, tables)`` queues the pairs; the next call locates them and
@@ -165,15 +166,32 @@ class TieredRows(HostMemoryBackend):
         keys, addresses, _ = self._index.export(table)
         return keys, addresses
 
-    def oldest(self, table: int, k: int, busy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` least used rows of ``table`` but those at ``busy`` (addresses on their way down):
-        keys, addresses."""
-        keys, addresses = self.table_rows(table)
+    def oldest(self, over: list[int], busy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each table t's ``over[t]`` least used rows but those at ``busy`` (addresses on their way
+        down), all tables in one pass: keys, addresses, tables (int64 on the device)."""
+        self.settle()
+        index, dev = self._index, self.device
+        slots = (index.keys != RESERVED_KEY).nonzero().squeeze(1)
+        ends = torch.tensor(index.region_start[1:], dtype=torch.int64, device=dev) * index.width
+        tables = torch.searchsorted(ends, slots, right=True)
+        addresses = index.values[slots]
+        wanted = torch.tensor(over, dtype=torch.int64, device=dev)
+        take = wanted[tables] > 0
         if busy.numel():
-            free = (~torch.isin(addresses, busy)).nonzero().squeeze(1)
-            keys, addresses = keys[free], addresses[free]
-        pick = torch.topk(self.used[addresses], min(k, keys.numel()), largest=False).indices
-        return keys[pick], addresses[pick]
+            take &= ~torch.isin(addresses, busy)
+        at = take.nonzero().squeeze(1)
+        slots, tables, addresses = slots[at], tables[at], addresses[at]
+        # by table, then rows read ahead and not used yet last (a coming batch needs them), then by
+        # use: a row's rank in its table
+        order = torch.argsort(self.used[addresses], stable=True)
+        order = order[torch.argsort(self.ahead[addresses][order].to(torch.uint8), stable=True)]
+        order = order[torch.argsort(tables[order], stable=True)]
+        tables = tables[order]
+        first = torch.searchsorted(tables, torch.arange(len(over), device=dev))
+        rank = torch.arange(tables.numel(), device=dev) - first[tables]
+        chosen = (rank < wanted[tables]).nonzero().squeeze(1)
+        pick = order[chosen]
+        return index.keys[slots[pick]], addresses[pick], tables[chosen]
 
     def dirty(self, addresses: torch.Tensor) -> torch.Tensor:
         return self.version[addresses] != self.clean[addresses]
@@ -418,36 +436,33 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._evict()
 
     def _evict(self) -> None:
+        """Tables over their capacity (not counting their rows on the way down) keep 3/4 of it: the
+        others leave, the clean ones now, the dirty ones once written down (one write for all)."""
         sizes = self.rows.sizes()
-        on_way = [0] * len(self.capacities)
         for ev in self._evicting:
-            for t, n in enumerate(torch.bincount(ev.host[1], minlength=len(on_way)).tolist()):
-                on_way[t] += n
-        busy = None
-        for t, cap in enumerate(self.capacities):
-            held = sizes[t] - on_way[t]
-            if held <= cap:
-                continue
-            if busy is None:
-                busy = torch.cat([self.rows.version[:0]] + [ev.addresses for ev in self._evicting])
-            keys, addresses = self.rows.oldest(t, held - cap * 3 // 4, busy)
-            tables = torch.full_like(keys, t)
-            self._counts[_COUNTS.index("evictions"), t] += keys.numel()
-            dirty = self.rows.dirty(addresses)
-            clean = (~dirty).nonzero().squeeze(1)
-            if clean.numel():  # the store has these rows: they go now
-                self.rows.delete(keys[clean], tables[clean])
-                self._erased_now(keys[clean], tables[clean])
-            down = dirty.nonzero().squeeze(1)
-            if down.numel():
-                keys, tables, addresses = keys[down], tables[down], addresses[down]
-                versions = self.rows.version[addresses].clone()
-                self.filter.add(keys, tables)
-                host = (keys.cpu(), tables.cpu(), self.rows.read_rows(addresses).cpu())
-                ev = _Eviction(keys, tables, addresses, versions, host, None)
-                self._evicting.append(ev)
-                if not any(e.handle is None for e in self._evicting[:-1]):  # none waits for a retry
-                    ev.handle = self._submit(ev)
+            for t, n in enumerate(torch.bincount(ev.host[1], minlength=len(sizes)).tolist()):
+                sizes[t] -= n
+        over = [held - cap * 3 // 4 if held > cap else 0 for held, cap in zip(sizes, self.capacities)]
+        if not any(over):
+            return
+        busy = torch.cat([self.rows.version[:0]] + [ev.addresses for ev in self._evicting])
+        keys, addresses, tables = self.rows.oldest(over, busy)
+        self._counts[_COUNTS.index("evictions")] += torch.bincount(tables.cpu(), minlength=len(over))
+        dirty = self.rows.dirty(addresses)
+        clean = (~dirty).nonzero().squeeze(1)
+        if clean.numel():  # the store has these rows: they go now
+            self.rows.delete(keys[clean], tables[clean])
+            self._erased_now(keys[clean], tables[clean])
+        down = dirty.nonzero().squeeze(1)
+        if down.numel():
+            keys, tables, addresses = keys[down], tables[down], addresses[down]
+            versions = self.rows.version[addresses].clone()
+            self.filter.add(keys, tables)
+            host = (keys.cpu(), tables.cpu(), self.rows.read_rows(addresses).cpu())
+            ev = _Eviction(keys, tables, addresses, versions, host, None)
+            self._evicting.append(ev)
+            if not any(e.handle is None for e in self._evicting[:-1]):  # none waits for a retry
+                ev.handle = self._submit(ev)
 
     def _submit(self, ev: _Eviction) -> IOHandle | None:
         try:
