@@ -39,6 +39,9 @@ def main() -> None:
                    help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
     p.add_argument("--store-rows", type=float, default=0.0,
                    help="ssd: the share of each table's ranks written before timing (bench ssd --store-rows)")
+    p.add_argument("--lookahead", type=int, default=0,
+                   help="ssd: each step reads the rows of the batch this many ahead into the host tier "
+                        "first (ebc.read_ahead, as bench ssd's plain loop)")
     p.add_argument("--sample", action="store_true",
                    help="sample every thread's Python stack each millisecond: where each thread is")
     p.add_argument("--warmup", type=int, default=3)
@@ -63,11 +66,15 @@ def main() -> None:
     ebc, shape, batches = build(args, dev)
     grad = upstream_grad(shape, dev, 0)
 
-    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 1)]  # made outside the profile
+    # made outside the profile (and the reads ahead's on the host, as a loader yields them)
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 1 + args.lookahead)]
+    ahead = [k.to(torch.device("cpu")) for k in kjts] if args.lookahead else None
     torch.cuda.synchronize()
 
     def step(i: int) -> None:
         kjt = kjts[i]
+        if ahead is not None:
+            ebc.read_ahead(ahead[i + args.lookahead])
         ebc.prefetch(kjt)
         ebc(kjt).values().backward(grad)
 

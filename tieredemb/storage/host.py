@@ -63,10 +63,10 @@ def last_of_duplicates(keys: torch.Tensor, tables: torch.Tensor | None = None) -
     """Position of the last occurrence of each distinct key (of each distinct (table, key) pair
     with ``tables``): int64 (u,). An upsert with a key twice keeps the later row, as a sequence of
     single sets would."""
-    if tables is None:
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-    else:
-        uniq, inverse = torch.unique(torch.stack([keys, tables]), dim=1, return_inverse=True)
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    if tables is not None:  # pairs as one int64 each (a group has far fewer than 2**24 tables): two
+        # 1-D uniques, where ``torch.unique(dim=1)`` took ~200 ms for 100k pairs on the host
+        uniq, inverse = torch.unique(inverse * (1 << 24) + tables, return_inverse=True)
     last = torch.full((uniq.shape[-1],), -1, dtype=torch.int64, device=keys.device)
     last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), reduce="amax")
     return last

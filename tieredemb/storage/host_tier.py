@@ -235,6 +235,15 @@ class _Read:
 _COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
 
 
+def _distinct_pairs(keys: torch.Tensor, tables: torch.Tensor,
+                    n_tables: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (key, table) pairs, by two 1-D uniques (``torch.unique(dim=1)`` took ~200 ms for
+    100k pairs on the host)."""
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    pairs = torch.unique(inverse * n_tables + tables)
+    return uniq[pairs // n_tables], pairs % n_tables
+
+
 def _pair_ids(keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """One int64 per (table, key) pair for membership tests (a collision only drops a read ahead)."""
     return keys + tables * _MIX
@@ -523,15 +532,13 @@ class HostTierGroup(GroupStore, DeviceRows):
         if not self._queued or self._closed:
             self._queued.clear()
             return
-        keys, tables = (torch.cat(x) for x in zip(*self._queued))
+        keys, tables = (torch.cat(x).to(self.device) for x in zip(*self._queued))
         self._queued.clear()
-        pairs = torch.unique(torch.stack([tables, keys]), dim=1)
-        tables, keys = pairs[0], pairs[1]
-        dkeys, dtables = keys.to(self.device), tables.to(self.device)
-        _, found = self.rows.where(dkeys, dtables)
-        lack = (~found & self.filter.may_hold(dkeys, dtables)).cpu().nonzero().squeeze(1)
+        keys, tables = _distinct_pairs(keys, tables, len(self.capacities))
+        _, found = self.rows.where(keys, tables)
+        lack = (~found & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if lack.numel():
-            keys, tables = keys[lack], tables[lack]
+            keys, tables = keys[lack].cpu(), tables[lack].cpu()
             self._reading.append(_Read(keys, tables, self._round,
                                        self._readers.submit(self.below.get, keys, tables)))
 
