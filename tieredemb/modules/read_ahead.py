@@ -13,8 +13,9 @@ from tieredemb.config import TableConfig
 
 
 def keys_by_table(kjt: object, tables: list[TableConfig]) -> dict[str, torch.Tensor]:
-    """Each table's distinct keys in ``kjt`` (a ``te.KeyedJaggedTensor`` or TorchRec's): int64 (u,)
-    on the CPU. A feature no table reads, or a table's feature missing, is a ``ValueError``."""
+    """Each table's keys in ``kjt`` (a ``te.KeyedJaggedTensor`` or TorchRec's): int64 (n,) on the
+    CPU, repeats kept (the host tier takes the distinct ones on the device, where that is cheap).
+    A feature no table reads, or a table's feature missing, is a ``ValueError``."""
     if not hasattr(kjt, "keys") or not hasattr(kjt, "values") or not hasattr(kjt, "lengths"):
         raise TypeError(f"read_ahead takes a KeyedJaggedTensor, got {type(kjt).__name__}")
     features = list(kjt.keys())
@@ -32,14 +33,13 @@ def keys_by_table(kjt: object, tables: list[TableConfig]) -> dict[str, torch.Ten
     if sum(per_feature) != values.numel():
         raise ValueError(f"read_ahead: lengths sum to {sum(per_feature)}, values has {values.numel()}")
     spans = dict(zip(features, torch.split(values, per_feature)))
-    return {t.name: torch.unique(torch.cat([spans[f] for f in t.feature_names]))
-            for t in tables if t.feature_names}
+    return {t.name: torch.cat([spans[f] for f in t.feature_names]) for t in tables if t.feature_names}
 
 
 def keys_by_group(kjt: object, tables: list[TableConfig],
                   where: dict[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per table group: the distinct keys of its tables in ``kjt`` and each key's table in the group,
-    int64 (u,) each; ``where`` maps a table's name to (group, position in the group)."""
+    """Per table group: the keys of its tables in ``kjt`` and each key's table in the group, int64
+    (n,) each; ``where`` maps a table's name to (group, position in the group)."""
     parts: dict[int, list[tuple[torch.Tensor, int]]] = {}
     for name, keys in keys_by_table(kjt, tables).items():
         g, i = where[name]

@@ -83,7 +83,7 @@ class Backend(ABC):
 
     def read_ahead(self, keys: torch.Tensor) -> None:  # noqa: B027 - optional: a tier in front reads
         """Start reading the rows of ``keys`` (int64 (n,) on ``device``) into a faster tier in front,
-        without waiting (``HostTier``); nothing here: a store without one answers ``get`` itself."""
+        without waiting (a host tier); nothing here: a store without one answers ``get`` itself."""
 
     def tier_stats(self):
         """The counters of a tier in front of the store (``HostTierStats``), None without one."""

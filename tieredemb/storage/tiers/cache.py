@@ -634,7 +634,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         """Start reading the (``tables``, ``keys``) pairs' rows from the store into the tier in front
         of it (a host tier; none: nothing). The device cache, its scores and admission counts do not
         move."""
-        self.below.read_ahead(keys.to(self.backend_device), tables.to(self.backend_device))
+        self.below.read_ahead(keys, tables)  # where they are: the tier takes them to its device later
 
     def index_bytes(self, table: int) -> dict[str, int]:
         return add_bytes(super().index_bytes(table), self.below.table(table).index_bytes())
