@@ -11,10 +11,10 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   A filter of the pairs the store holds (``KeyFilter``: those it held when the tier opened, and every
   pair written down since) keeps the keys it surely lacks (ids seen for the first time) from the call.
 - **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
-  every call, before anything else moves), its least recently used rows go, down to 3/4 of the
-  capacity (rows read ahead and not used yet go last): the clean ones (the store's copy is the
-  same) at once, the dirty ones after the tier's writer thread has written them down, and only if
-  nothing wrote them meanwhile. Until then they stay
+  every call, before anything else moves), its least recently used rows go, down to the capacity
+  less a quarter of it, rounded down (rows read ahead and not used yet go last): the clean ones
+  (the store's copy is the same) at once, the dirty ones after the tier's writer thread has written
+  them down, and only if nothing wrote them meanwhile. Until then they stay
   and answer like any other row, so the store is never asked for a row on its way down (DESIGN
   section 4, rule 3). LFU tables order by uses instead.
 - **Reads ahead.** ``read_ahead(keys, tables)`` queues the pairs; the next call locates them and
@@ -445,13 +445,13 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._evict()
 
     def _evict(self) -> None:
-        """Tables over their capacity (not counting their rows on the way down) keep 3/4 of it: the
-        others leave, the clean ones now, the dirty ones once written down (one write for all)."""
+        """Tables over their capacity (not counting their rows on the way down) keep it less a quarter:
+        the others leave, the clean ones now, the dirty ones once written down (one write for all)."""
         sizes = self.rows.sizes()
         for ev in self._evicting:
             for t, n in enumerate(torch.bincount(ev.host[1], minlength=len(sizes)).tolist()):
                 sizes[t] -= n
-        over = [held - cap * 3 // 4 if held > cap else 0 for held, cap in zip(sizes, self.capacities)]
+        over = [held - (cap - cap // 4) if held > cap else 0 for held, cap in zip(sizes, self.capacities)]
         if not any(over):
             return
         busy = torch.cat([self.rows.version[:0]] + [ev.addresses for ev in self._evicting])
