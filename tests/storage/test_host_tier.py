@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,36 @@ def test_the_store_is_not_asked_for_keys_it_never_held() -> None:
     assert got.found.tolist() == [True] * 5 + [False]
     # 100 and the two rows that left host memory, and 7 only as the filter's rare false positive
     assert 3 <= store.asked <= 4
+    tier.close()
+
+
+class _SlowStore(DictBackend):
+    """A dict backend whose ``set`` waits for ``gate`` (a store writing slower than the tier evicts)."""
+
+    def __init__(self) -> None:
+        super().__init__(W)
+        self.gate = threading.Event()
+
+    def set(self, keys, rows) -> None:
+        self.gate.wait(10)
+        super().set(keys, rows)
+
+
+def test_a_call_waits_for_a_slow_store_rather_than_hold_more_rows() -> None:
+    """Capacity 8: at most 2 rows on their way down. Six go down and the store does not take them:
+    the next call waits until it does, then drops them."""
+    store = _SlowStore()
+    tier = _tier(GroupStore([store]), 8)
+    table = tier.table(0)
+    table.set(torch.arange(12), torch.ones(12, W))
+    tier.settle()  # 12 held: 6 go down, the writer waits at the gate
+    assert _held(tier) == list(range(12)) and len(store._rows) == 0
+    threading.Timer(0.3, store.gate.set).start()
+    t0 = time.perf_counter()
+    tier.settle()
+    assert time.perf_counter() - t0 > 0.2  # it waited for the store
+    assert len(_held(tier)) == 6 and len(store._rows) == 6
+    _check_scan(table, {k: torch.ones(W) for k in range(12)})
     tier.close()
 
 

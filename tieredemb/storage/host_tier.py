@@ -14,9 +14,10 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   every call, before anything else moves), its least recently used rows go, down to the capacity
   less a quarter of it, rounded down (rows read ahead and not used yet go last): the clean ones
   (the store's copy is the same) at once, the dirty ones after the tier's writer thread has written
-  them down, and only if nothing wrote them meanwhile. Until then they stay
-  and answer like any other row, so the store is never asked for a row on its way down (DESIGN
-  section 4, rule 3). LFU tables order by uses instead.
+  them down, and only if nothing wrote them meanwhile. Until then they stay and answer like any
+  other row, so the store is never asked for a row on its way down (DESIGN section 4, rule 3).
+  Rows on their way down stay within a quarter of the capacities: beyond that a call waits for the
+  store (the step then runs at its write rate). LFU tables order by uses instead.
 - **Reads ahead.** ``read_ahead(keys, tables)`` queues the pairs; the next call locates them and
   hands those the tier lacks to reader threads, which read them from the store; a later call puts
   the rows read in where the pair is still absent. A read that was in flight while the tier dropped
@@ -480,13 +481,17 @@ class HostTierGroup(GroupStore, DeviceRows):
             return None
 
     def _finish_writes(self, wait: bool) -> None:
-        """The write-downs done, oldest first (``wait``: all of them): their rows dropped unless
-        written since. Those that failed are written again here, in order; raises ``BackendError``
-        while the store refuses them (nothing changed: the rows stay in host memory)."""
+        """The write-downs done, oldest first (``wait``: all of them; else also as many as keep the
+        rows on their way down within a quarter of the capacities, so that host memory stays bounded
+        when the store writes slower than the tables evict): their rows dropped unless written since.
+        Those that failed are written again here, in order; raises ``BackendError`` while the store
+        refuses them (nothing changed: the rows stay in host memory)."""
+        most = max(1, sum(self.capacities) // 4)
         while self._evicting:
             ev = self._evicting[0]
             if ev.handle is not None:
-                if not wait and not ev.handle.done():
+                on_way = sum(e.host[0].numel() for e in self._evicting)
+                if not wait and not ev.handle.done() and on_way <= most:
                     return
                 try:
                     ev.handle.result()
