@@ -194,6 +194,10 @@ class TieredRows(HostMemoryBackend):
         pick = order[chosen]
         return index.keys[slots[pick]], addresses[pick], tables[chosen]
 
+    def marks_nbytes(self) -> int:
+        """Bytes of the per-row marks (on the rows' device's index side: the GPU under CUDA)."""
+        return sum(t.numel() * t.element_size() for t in (self.version, self.clean, self.used, self.ahead))
+
     def dirty(self, addresses: torch.Tensor) -> torch.Tensor:
         return self.version[addresses] != self.clean[addresses]
 
@@ -535,10 +539,10 @@ class HostTierGroup(GroupStore, DeviceRows):
     def _start_reads(self) -> None:
         """The queued reads ahead: the distinct pairs host memory lacks, read on a reader thread."""
         if not self._queued or self._closed:
-            self._queued.clear()
+            self._queued = []
             return
-        keys, tables = (torch.cat(x).to(self.device) for x in zip(*self._queued))
-        self._queued.clear()
+        queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
+        keys, tables = (torch.cat(x).to(self.device) for x in zip(*queued))
         keys, tables = _distinct_pairs(keys, tables, len(self.capacities))
         _, found = self.rows.where(keys, tables)
         lack = (~found & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
@@ -645,9 +649,10 @@ class _TierTable(Backend):
         self.group.flush()
 
     def index_bytes(self) -> dict[str, int]:
-        """The tier's index (its part), its share of the group's filter, the store's."""
+        """The tier's index (its part), its share of the group's filter and of the rows' marks, the
+        store's."""
         where = "device" if self.device.type == "cuda" else "host"
-        share = self.group.filter.nbytes() // len(self.group.backends)
+        share = (self.group.filter.nbytes() + self.group.rows.marks_nbytes()) // len(self.group.backends)
         own = add_bytes(self.group.rows.index_bytes(self.t), {where: share})
         return add_bytes(own, self.group.below.table(self.t).index_bytes())
 
