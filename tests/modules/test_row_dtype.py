@@ -149,11 +149,14 @@ def storages(kind: str, tmp_path, redis_url) -> te.StorageConfig:
         return te.StorageConfig(**small, backing=DictStore())
     if kind == "rocksdb":
         return te.StorageConfig(**small, backing=te.storage.RocksDB(str(tmp_path / "db"), shards=2))
+    if kind == "host_tier":  # a host tier of a few rows a table between the cache and RocksDB
+        return te.StorageConfig(**small, backing=te.storage.RocksDB(str(tmp_path / "db"), shards=2),
+                                host_budget=300)
     return te.StorageConfig(**small, backing=te.storage.Redis(redis_url, existing="clear"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["cache", "hybrid", "dict", "rocksdb", "redis"])
+@pytest.mark.parametrize("kind", ["cache", "hybrid", "dict", "rocksdb", "host_tier", "redis"])
 def test_every_mode_and_backend_holds_the_same_rows(dtype, kind, tmp_path, request):
     redis_url = request.getfixturevalue("redis_server") if kind == "redis" else None
     optimizer = te.optim.Adam(lr=0.02)
