@@ -195,8 +195,9 @@ def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
                             "TrainPipeline with a DLRM-style dense model, without and with it")
         p.add_argument("--store-rows", type=_share, default=0.0,
                        help="the share of each table's ranks (their initial rows) written to the store "
-                            "before timing, so that misses read rows from the disk (default 0: the "
-                            "store starts with the cache's rows; most misses are then new keys)")
+                            "before timing and flushed to its files, so that misses read rows from the "
+                            "disk (default 0: the store starts with the cache's rows; most misses are "
+                            "then new keys)")
         p.add_argument("--block-cache", type=_bytes, default=None,
                        help="RocksDB's block cache, one for the store, in bytes (e.g. 64MiB; 0: none); "
                             "default: RocksDB's own per column family, which may hold a small store "

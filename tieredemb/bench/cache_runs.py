@@ -172,15 +172,19 @@ def counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
 
 
 def prefill(ebc: te.EmbeddingBagCollection, shape: HbmShape, rows: int, device: torch.device,
-            seed: int, hot: int | None = None) -> None:
+            seed: int, hot: int | None = None, flush: bool = False) -> None:
     """Write ranks [0, rows) of every table with their initial rows: ranks [hot, rows) first, then
-    the ``hot`` hottest (default: all in one pass), so that a cache of ``hot`` rows ends with them."""
+    the ``hot`` hottest (default: all in one pass), so that a cache of ``hot`` rows ends with them.
+    ``flush``: then ``ebc.flush()``, so that a store holds them in its files (RocksDB's write buffers
+    written out: its reads then come from its block cache or the disk, not from memory tables)."""
     hot = rows if hot is None else min(hot, rows)
     for config in table_configs(shape):
         for a, b in ((hot, rows), (0, hot)):
             for lo in range(a, b, 1 << 18):
                 keys = torch.arange(lo, min(lo + (1 << 18), b), device=device)
                 ebc.write(config.name, keys, config.initializer.rows(seed, config.name, keys, shape.dim))
+    if flush:
+        ebc.flush()
 
 
 def prefill_rows(opts: CacheOptions, cache_rows: int) -> int:
@@ -312,7 +316,8 @@ class ConfigRun:
                                              storage=self.storage, device=dev, seed=opts.seed)
         t0 = time.perf_counter()
         if self.prefill_rows and opts.prefill:
-            prefill(self.ebc, shape, self.prefill_rows, dev, opts.seed, self.hot_rows)
+            prefill(self.ebc, shape, self.prefill_rows, dev, opts.seed, self.hot_rows,
+                    flush=bool(opts.store_rows))
         synchronize(dev)
         self.prefill_s = time.perf_counter() - t0
         if opts.store_rows:  # counts the store's keys: once, untimed

@@ -118,7 +118,7 @@ class PipelineRun:
                                         storage=self.storage, device=dev, seed=opts.seed)
         try:
             if rows and opts.prefill:
-                prefill(ebc, shape, rows, dev, opts.seed, hot)
+                prefill(ebc, shape, rows, dev, opts.seed, hot, flush=bool(opts.store_rows))
             model = DLRM(ebc, shape.dim, opts.dense_width, opts.dense_layers).to(dev)
             dense = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("ebc.")],
                                     lr=0.01)
