@@ -220,7 +220,7 @@ class _SlowStore(DictBackend):
 
 
 def test_a_call_waits_for_a_slow_store_rather_than_hold_more_rows() -> None:
-    """Capacity 8: at most 2 rows on their way down. Six go down and the store does not take them:
+    """Capacity 8: at most 1 row on its way down. Six go down and the store does not take them:
     the next call waits until it does, then drops them."""
     store = _SlowStore()
     tier = _tier(GroupStore([store]), 8)

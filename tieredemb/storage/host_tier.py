@@ -16,7 +16,7 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   (the store's copy is the same) at once, the dirty ones after the tier's writer thread has written
   them down, and only if nothing wrote them meanwhile. Until then they stay and answer like any
   other row, so the store is never asked for a row on its way down (DESIGN section 4, rule 3).
-  Rows on their way down stay within a quarter of the capacities: beyond that a call waits for the
+  Rows on their way down stay within an eighth of the capacities: beyond that a call waits for the
   store (the step then runs at its write rate). LFU tables order by uses instead.
 - **Reads ahead.** ``read_ahead(keys, tables)`` queues the pairs; the next call locates them and
   hands those the tier lacks to reader threads, which read them from the store; a later call puts
@@ -486,11 +486,11 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def _finish_writes(self, wait: bool) -> None:
         """The write-downs done, oldest first (``wait``: all of them; else also as many as keep the
-        rows on their way down within a quarter of the capacities, so that host memory stays bounded
+        rows on their way down within an eighth of the capacities, so that host memory stays bounded
         when the store writes slower than the tables evict): their rows dropped unless written since.
         Those that failed are written again here, in order; raises ``BackendError`` while the store
         refuses them (nothing changed: the rows stay in host memory)."""
-        most = max(1, sum(self.capacities) // 4)
+        most = max(1, sum(self.capacities) // 8)
         while self._evicting:
             ev = self._evicting[0]
             if ev.handle is not None:
