@@ -258,8 +258,9 @@ def test_a_bad_host_budget_is_refused(bad, capsys) -> None:
 
 def test_ssd_store_rows_are_in_the_store_before_timing(tmp_path) -> None:
     """``--store-rows 1``: every rank of every table is written before timing (in both runs), the
-    device cache's share of them (the hottest) last, the store holding the rest (misses then read
-    rows the store holds); the rows after training equal the all-in-device run's."""
+    device cache's share of them (the hottest) last, and flushed: the store holds every rank (misses
+    then read rows the store holds), the device cache its share; the rows after training equal the
+    all-in-device run's."""
     args = ["ssd", "--scale", str(SCALE), "--steps", "3", "--warmup", "5", "--device", "cpu",
             "--threads", "1", "--dir", str(tmp_path / "db"), "--shards", "2", "--raw-rows", "2000",
             "--store-rows", "1", "--out", str(tmp_path / "out"), "--interleave", "0"]
@@ -271,7 +272,7 @@ def test_ssd_store_rows_are_in_the_store_before_timing(tmp_path) -> None:
     assert ours["extra"]["prefill_rows_per_table"] == shape.rows
     tiers = ours["extra"]["rows_after_prefill"]
     cached = data["cache_rows_per_table"][0] * shape.num_tables
-    assert tiers["device"] >= cached and tiers["device"] + tiers["backend"] == shape.rows * shape.num_tables
+    assert tiers["device"] >= cached and tiers["backend"] == shape.rows * shape.num_tables
     assert data["check"]["passed"]
 
 
