@@ -49,6 +49,7 @@ import torch
 from tieredemb.keys import RESERVED_KEY
 from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
+from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.io_worker import IOHandle, IOWorker
 from tieredemb.storage.key_filter import KeyFilter
 from tieredemb.storage.tiered_rows import TieredRows
@@ -85,15 +86,6 @@ class _Read:
 
 
 _COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
-
-
-def _distinct_pairs(keys: torch.Tensor, tables: torch.Tensor,
-                    n_tables: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct (key, table) pairs, by two 1-D uniques (``torch.unique(dim=1)`` took ~200 ms for
-    100k pairs on the host)."""
-    uniq, inverse = torch.unique(keys, return_inverse=True)
-    pairs = torch.unique(inverse * n_tables + tables)
-    return uniq[pairs // n_tables], pairs % n_tables
 
 
 def _pair_ids(keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -167,7 +159,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         self.rows.settle()
         addresses, found = self.rows.locate(keys, tables)
         rows = self.rows.read_rows(addresses)  # address -1 reads zeros
-        lacking = self._from_below(keys, tables, found)
+        lacking = self.from_below(keys, tables, found)
         if lacking is not None:
             pos, below = lacking
             rows[pos], found[pos] = below, True
@@ -272,10 +264,6 @@ class HostTierGroup(GroupStore, DeviceRows):
                    found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The store's rows of the pairs the device cache missed and host memory lacked (``keys``
         ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none."""
-        return self._from_below(keys, tables, found)
-
-    # ------------------------------------------------------------------------------- internals
-    def _from_below(self, keys, tables, found):
         need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if need.numel() == 0:
             return None
@@ -286,6 +274,8 @@ class HostTierGroup(GroupStore, DeviceRows):
         if hit.numel() == 0:
             return None
         return need[hit.to(need.device)], got.rows[hit].to(self.device, self.dtype)
+
+    # ------------------------------------------------------------------------------- internals
 
     def _maintain(self) -> None:
         """Before each call: the write-downs the store took settled (raises while it refuses them),
@@ -390,7 +380,8 @@ class HostTierGroup(GroupStore, DeviceRows):
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
         keys, tables = (torch.cat(x).to(self.device) for x in zip(*queued))
-        keys, tables = _distinct_pairs(keys, tables, len(self.capacities))
+        last = last_of_duplicates(keys, tables)
+        keys, tables = keys[last], tables[last]
         _, found = self.rows.where(keys, tables)
         lack = (~found & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if lack.numel():
