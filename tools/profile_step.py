@@ -37,6 +37,8 @@ def main() -> None:
                         "temporary directory) with a host tier of --host-budget of the tables")
     p.add_argument("--host-budget", type=float, default=0.1,
                    help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
+    p.add_argument("--budget-fraction", type=float, default=None,
+                   help="cache/ssd: the device cache's share of the tables' bytes (default 0.1 / 0.01)")
     p.add_argument("--store-rows", type=float, default=0.0,
                    help="ssd: the share of each table's ranks written before timing (bench ssd --store-rows)")
     p.add_argument("--lookahead", type=int, default=0,
@@ -46,6 +48,7 @@ def main() -> None:
                    help="sample every thread's Python stack each millisecond: where each thread is")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--python", action="store_true", help="cProfile the Python side instead")
+    p.add_argument("--time", action="store_true", help="time the steps alone (no profiler): ms a step")
     p.add_argument("--host", action="store_true",
                    help="host time of each labelled stage, timed without a profiler")
     p.add_argument("--launches", action="store_true",
@@ -87,7 +90,14 @@ def main() -> None:
     for i in range(args.warmup):
         step(i)
     torch.cuda.synchronize()
-    if args.sample:
+    if args.time:
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        print(f"{ms:.2f} ms a step ({args.steps} steps, no profiler)")
+    elif args.sample:
         sampled(step, args)
     elif args.python:
         python_profile(step, args)
@@ -116,7 +126,8 @@ def build(args, dev: torch.device):
         footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
         backing = te.storage.RocksDB(tempfile.mkdtemp(prefix="profile-ssd-"), shards=8, direct_reads=True)
         host = int(footprint * args.host_budget) or None
-        storage = te.StorageConfig(hbm_budget=footprint // 100, backing=backing, host_budget=host)
+        budget = int(footprint * (args.budget_fraction or 0.01))
+        storage = te.StorageConfig(hbm_budget=budget, backing=backing, host_budget=host)
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=storage, device=dev)
         hot = shape.rows // 100
@@ -127,10 +138,10 @@ def build(args, dev: torch.device):
         configs = cache_table_configs(shape)
         footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
         backing = te.storage.HostMemory(reserve_rows=shape.rows if args.reserve else 0)
-        storage = te.StorageConfig(hbm_budget=footprint // 10, backing=backing)
+        storage = te.StorageConfig(hbm_budget=int(footprint * (args.budget_fraction or 0.1)), backing=backing)
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),
                                         storage=storage, device=dev)
-        prefill(ebc, shape, shape.rows // 10, dev, 0)  # the bench's steady state: the cache full
+        prefill(ebc, shape, round(shape.rows * (args.budget_fraction or 0.1)), dev, 0)  # the cache full
         batches = RankBatches(shape, dev, 0)
     return ebc, shape, batches
 

@@ -211,6 +211,41 @@ def test_captured_cache_insertion_trains_like_eager(loop, monkeypatch):
         assert torch.equal(k1, k2) and torch.equal(r1, r2), f"t{t}: the host stores differ"
 
 
+def test_captured_insertion_over_a_host_tier_trains_like_eager(monkeypatch, tmp_path):
+    """A device cache over a host tier over RocksDB, batches read ahead: the insertion (which marks
+    the tier's rows used and written on the device) is captured and replayed, never failing, and
+    trains as the same collection run eagerly, bit for bit; the tier evicted and wrote down."""
+    import tieredemb.storage.tiers.cache_on_device as cache_module
+
+    monkeypatch.setattr(cache_module, "padded_size", lambda n: -(-n // 4096) * 4096 + 4096)  # noqa: E731
+    optimizer = te.optim.RowWiseAdagrad(lr=0.05)
+    row_bytes = (16 + optimizer.state_width(16)) * 4
+
+    def make_tables(capture: bool):
+        monkeypatch.setenv("TIEREDEMB_CAPTURE", "1" if capture else "0")
+        tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"], num_embeddings=4000 * 7919) for i in range(3)]
+        storage = te.StorageConfig(hbm_budget=3 * 1024 * row_bytes, host_budget=3 * 1500 * row_bytes,
+                                   backing=te.storage.RocksDB(str(tmp_path / f"db{int(capture)}")))
+        return te.EmbeddingBagCollection(tables, optimizer=optimizer, device=DEV, seed=3, storage=storage)
+
+    eager, captured = make_tables(False), make_tables(True)
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 3, (3 * 256,), generator=gen)
+    batches = [batch(gen, lengths, 4000) for i in range(18)]
+    upstream = torch.randn(8192, 48, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    outputs = []
+    with torch.autograd.set_multithreading_enabled(False):
+        for i, kjt in enumerate(batches[:-2]):
+            for collection in (captured, eager):
+                collection.read_ahead(batches[i + 2].to(torch.device("cpu")))
+            outputs.append((step(captured, kjt, upstream), step(eager, kjt, upstream)))
+    assert_insertions_alike(outputs, eager, captured, replays=4)
+    tier = captured.stats()["t0"].host_tier
+    assert tier.evictions > 0 and tier.written_down > 0 and tier.read_ahead_rows > 0, tier
+    for collection in (eager, captured):
+        collection.close()
+
+
 def assert_insertions_alike(outputs, eager, captured, replays: int) -> None:
     """The same (captured, eager) outputs step by step and the same tables; the first group's
     insertion graphs captured, replayed at least ``replays`` times and never failed."""

@@ -22,13 +22,13 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 def to_host_later(values: torch.Tensor,
                   buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``values`` (int64 (n,) on the device) copied to the host behind the work queued, into a
-    pinned buffer taken from ``buffers`` (kept by the caller, all of n elements) or a new one, and
+    """``values`` (a tensor on the device) copied to the host behind the work queued, into a
+    pinned buffer taken from ``buffers`` (kept by the caller, all of its shape and dtype) or a new one, and
     the event after which the copy holds them; on the CPU: ``values`` itself, None. The caller gives
     the buffer back to ``buffers`` once it has read it."""
     if values.device.type != "cuda":
         return values, None
-    host = buffers.pop() if buffers else torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+    host = buffers.pop() if buffers else torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import threading
 import warnings
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 ENV = "TIEREDEMB_CAPTURE"
+log = logging.getLogger(__name__)
 
 
 def capture_default() -> bool:
@@ -111,6 +113,7 @@ class CapturedStages:
                 slot = self._capture(key, fn, inputs, lengths)
             except Exception as e:  # noqa: BLE001 (any capture failure: the eager path still works)
                 self.failed = f"{type(e).__name__}: {e}"
+                log.debug("capturing %s failed", self.what, exc_info=True)
                 warnings.warn(f"tieredemb: capturing {self.what} in a CUDA graph failed ({self.failed}); "
                               "it runs eagerly from now on", RuntimeWarning, stacklevel=3)
                 return None

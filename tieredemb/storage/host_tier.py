@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.keys import RESERVED_KEY
+from tieredemb.ops import to_host_later
 from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.host import last_of_duplicates
@@ -64,23 +65,23 @@ _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # a pair's table mixed into its key (``_p
 @dataclass(eq=False)
 class _Eviction:
     """Dirty rows on their way down (one ``store.set``): the pairs and addresses on the rows'
-    device, their versions when read, the rows and pairs on the host, the writer's handle."""
+    device, their versions when read, the pairs and rows on the host (the rows copied there behind
+    the device's work: complete once ``ready`` has passed), the writer's handle."""
 
     keys: torch.Tensor
     tables: torch.Tensor
     addresses: torch.Tensor
     versions: torch.Tensor
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ready: torch.cuda.Event | None
     handle: IOHandle | None
 
 
 @dataclass(eq=False)
 class _Read:
-    """A read ahead on a reader thread: its pairs (host), the erasures it must respect (from
-    ``since`` on) and the reader's future."""
+    """A read ahead on a reader thread: the erasures it must respect (from round ``since`` on) and
+    the reader's future (``HostTierGroup._read``: the pairs read and the store's rows of them)."""
 
-    keys: torch.Tensor
-    tables: torch.Tensor
     since: int
     future: Future
 
@@ -143,6 +144,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._round = 0
         self._read_failed_logged = False
         self._counts = torch.zeros(len(_COUNTS), len(capacities), dtype=torch.int64)
+        self._landed = torch.zeros(len(capacities), dtype=torch.int64, device=self.device)  # rows read ahead
         self._closed = False
         # the pairs the store may hold: those it holds now, and every pair written down from here
         expected = expected_keys if expected_keys is not None else 64 * sum(capacities)
@@ -267,7 +269,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if need.numel() == 0:
             return None
-        hkeys, htables = keys[need].cpu(), tables[need].cpu()
+        hkeys, htables = torch.stack([keys[need], tables[need]]).cpu()  # (one copy)
         self._counts[_COUNTS.index("misses")].index_add_(0, htables, torch.ones_like(htables))
         got = self.below.get(hkeys, htables)
         hit = got.found.cpu().nonzero().squeeze(1)
@@ -309,17 +311,23 @@ class HostTierGroup(GroupStore, DeviceRows):
             keys, tables, addresses = keys[down], tables[down], addresses[down]
             versions = self.rows.version[addresses].clone()
             self.filter.add(keys, tables)
-            host = (keys.cpu(), tables.cpu(), self.rows.read_rows(addresses).cpu())
-            ev = _Eviction(keys, tables, addresses, versions, host, None)
+            rows, ready = to_host_later(self.rows.read_rows(addresses), [])  # (the writer waits for it)
+            ev = _Eviction(keys, tables, addresses, versions, (keys.cpu(), tables.cpu(), rows), ready, None)
             self._evicting.append(ev)
             if not any(e.handle is None for e in self._evicting[:-1]):  # none waits for a retry
                 ev.handle = self._submit(ev)
 
     def _submit(self, ev: _Eviction) -> IOHandle | None:
         try:
-            return self._writer.submit(self.below.set, *ev.host, True)
+            return self._writer.submit(self._write_down, ev)
         except BackendError:  # an earlier write-down failed: this one waits for the retry
             return None
+
+    def _write_down(self, ev: _Eviction) -> None:
+        """An eviction's rows into the store, once their copy to the host is complete."""
+        if ev.ready is not None:
+            ev.ready.synchronize()
+        self.below.set(*ev.host, True)
 
     def _finish_writes(self, wait: bool) -> None:
         """The write-downs done, oldest first (``wait``: all of them; else also as many as keep the
@@ -340,7 +348,7 @@ class HostTierGroup(GroupStore, DeviceRows):
                     ev.handle = None
             if ev.handle is None:  # failed, or refused behind a failure: again, here
                 try:
-                    self.below.set(*ev.host, True)
+                    self._write_down(ev)
                 except Exception as e:
                     n = sum(x.keys.numel() for x in self._evicting)
                     raise BackendError(f"host tier: writing {n} evicted rows down to the store failed; "
@@ -374,47 +382,54 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._land_reads(wait=True)
 
     def _start_reads(self) -> None:
-        """The queued reads ahead: the distinct pairs host memory lacks, read on a reader thread."""
+        """The queued reads ahead handed to a reader thread, with which of their pairs host memory
+        lacks and the store may hold (found on the device, copied to the host behind its work: the
+        reader waits for it, this thread never does)."""
         if not self._queued or self._closed:
             self._queued = []
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
-        keys, tables = (torch.cat(x).to(self.device) for x in zip(*queued))
+        keys, tables = (torch.cat(x) for x in zip(*queued))
+        on = (keys.to(self.device, non_blocking=True), tables.to(self.device, non_blocking=True))
+        lack, ready = to_host_later(~self.rows.held(*on) & self.filter.may_hold(*on), [])
+        self._reading.append(_Read(self._round, self._readers.submit(self._read, keys, tables, lack, ready)))
+
+    def _read(self, keys: torch.Tensor, tables: torch.Tensor, lack: torch.Tensor,
+              ready: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On a reader thread: the distinct pairs of ``lack`` read from the store; returns those it
+        has and their rows (pinned where the device will copy them)."""
+        if ready is not None:
+            ready.synchronize()
+        keys, tables = keys[lack], tables[lack]
         last = last_of_duplicates(keys, tables)
         keys, tables = keys[last], tables[last]
-        _, found = self.rows.where(keys, tables)
-        lack = (~found & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
-        if lack.numel():
-            keys, tables = keys[lack].cpu(), tables[lack].cpu()
-            self._reading.append(_Read(keys, tables, self._round,
-                                       self._readers.submit(self.below.get, keys, tables)))
+        got = self.below.get(keys, tables)
+        hit = got.found.cpu().nonzero().squeeze(1)
+        rows = got.rows[hit].cpu()
+        return keys[hit], tables[hit], rows.pin_memory() if self.device.type == "cuda" else rows
 
     def _land_reads(self, wait: bool) -> None:
         """The reads ahead done (``wait``: all), oldest first: their rows put in where the pair is
-        absent and was not dropped since the read began."""
+        absent and was not dropped since the read began (on the device, no host read)."""
         while self._reading and (wait or self._reading[0].future.done()):
             read = self._reading.pop(0)
             try:
-                got = read.future.result()
+                keys, tables, rows = read.future.result()
             except Exception as e:  # noqa: BLE001 - a read ahead is a hint: a batch's miss reads again
                 if not self._read_failed_logged:
                     self._read_failed_logged = True
                     log.warning("a read ahead from the store failed (dropped; the misses read the store "
                                 "themselves): %s", e)
                 continue
-            keep = got.found.cpu()
             erased = [ids for r, ids in self._erased if r >= read.since]
-            if erased:
-                stale = torch.isin(_pair_ids(read.keys, read.tables), torch.cat(erased))
-                self._counts[_COUNTS.index("read_ahead_dropped")].index_add_(
-                    0, read.tables, (stale & keep).to(torch.int64))
-                keep &= ~stale
-            at = keep.nonzero().squeeze(1)
-            if at.numel():
-                new = self.rows.insert_absent(read.keys[at].to(self.device), read.tables[at].to(self.device),
-                                              got.rows[at])
-                self._counts[_COUNTS.index("read_ahead_rows")].index_add_(0, read.tables[at],
-                                                                          new.cpu().to(torch.int64))
+            if erased and keys.numel():
+                stale = torch.isin(_pair_ids(keys, tables), torch.cat(erased))
+                self._counts[_COUNTS.index("read_ahead_dropped")].index_add_(0, tables, stale.to(torch.int64))
+                keep = (~stale).nonzero().squeeze(1)
+                keys, tables, rows = keys[keep], tables[keep], rows[keep]
+            if keys.numel():
+                new = self.rows.insert_absent(keys, tables, rows)
+                self._landed.index_add_(0, tables.to(self.device, non_blocking=True), new.to(torch.int64))
         since = min((r.since for r in self._reading), default=self._round)
         self._erased = [(r, ids) for r, ids in self._erased if r >= since]
 
@@ -446,6 +461,7 @@ class HostTierGroup(GroupStore, DeviceRows):
     def tier_stats(self, table: int) -> HostTierStats:
         _, addresses = self.rows.table_rows(table)
         counts = dict(zip(_COUNTS, self._counts[:, table].tolist()))
+        counts["read_ahead_rows"] = int(self._landed[table])
         return HostTierStats(rows=addresses.numel(), capacity=self.capacities[table],
                              dirty=int(self.rows.dirty(addresses).sum()), hits=int(self.rows.hits[table]),
                              read_ahead_hits=int(self.rows.ahead_hits[table]), **counts)

@@ -83,7 +83,7 @@ class TieredRows(HostMemoryBackend):
         if tables is not None:
             self.hits.index_add_(0, tables, found.to(torch.int64))
             self.ahead_hits.index_add_(0, tables, (found & self.ahead[at]).to(torch.int64))
-        self.ahead[at] = False
+        self.ahead.index_fill_(0, at, False)  # (no host scalar: this runs in a CUDA graph's capture)
         return addresses, found
 
     def capture_key(self) -> tuple[int, ...]:
@@ -104,17 +104,26 @@ class TieredRows(HostMemoryBackend):
         self.settle()
         return self._addresses(keys, tables)
 
+    def held(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """bool (n,): which pairs are held, in the device's order of work and without a host read
+        (a pair an upsert left out reads as absent until ``settle`` puts it in)."""
+        return self._addresses(keys, tables)[1]
+
     def insert_absent(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The distinct pairs absent here put in with ``rows``, clean and read ahead; returns which
-        were (bool (n,))."""
-        _, found = self.where(keys, tables)
-        new = (~found).nonzero().squeeze(1)
-        if new.numel():
-            rows = rows.to(self.device, self.dtype)
-            at = self._insert_rows(keys[new], rows[new], tables[new])
-            self.clean[at] = self.version[at]
-            self.ahead[at] = True
-        return ~found
+        """The distinct pairs absent here put in with ``rows`` (pinned, or anywhere), clean and read
+        ahead: one upsert on the device, no host read (its counts are read at ``settle``; a pair it
+        leaves out goes in then, dirty). Returns which went in (bool (n,) on the device)."""
+        keys, tables = (t.to(self.device, non_blocking=True) for t in (keys, tables))
+        rows = rows.to(self.device, self.dtype, non_blocking=True)
+        keys = torch.where(self.held(keys, tables), RESERVED_KEY, keys)  # (padding: nothing stored)
+        pool = self.room_for(keys.numel())
+        addresses, counts = self.upsert_keys(keys, tables, pool)
+        self._scatter(addresses, rows)  # (address -1 writes nothing)
+        at = self._at(addresses)
+        self.clean[at] = self.version[at]
+        self.ahead.index_fill_(0, at, True)  # (address -1: the spare mark, never read as found)
+        self.upserted(keys, tables, rows, addresses, counts, pool)
+        return addresses >= 0
 
     def table_rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every pair of ``table`` held: keys, addresses (int64 on the device)."""
