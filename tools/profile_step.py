@@ -37,6 +37,8 @@ def main() -> None:
                         "temporary directory) with a host tier of --host-budget of the tables")
     p.add_argument("--host-budget", type=float, default=0.1,
                    help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
+    p.add_argument("--store-process", action="store_true",
+                   help="ssd: RocksDB served by a child process (RocksDB(process=True))")
     p.add_argument("--budget-fraction", type=float, default=None,
                    help="cache/ssd: the device cache's share of the tables' bytes (default 0.1 / 0.01)")
     p.add_argument("--store-rows", type=float, default=0.0,
@@ -124,7 +126,8 @@ def build(args, dev: torch.device):
         shape = cache_shape(args.scale)
         configs = cache_table_configs(shape)
         footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
-        backing = te.storage.RocksDB(tempfile.mkdtemp(prefix="profile-ssd-"), shards=8, direct_reads=True)
+        backing = te.storage.RocksDB(tempfile.mkdtemp(prefix="profile-ssd-"), shards=8, direct_reads=True,
+                                     process=args.store_process)
         host = int(footprint * args.host_budget) or None
         budget = int(footprint * (args.budget_fraction or 0.01))
         storage = te.StorageConfig(hbm_budget=budget, backing=backing, host_budget=host)

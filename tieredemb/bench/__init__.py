@@ -202,6 +202,9 @@ def _add_cache(sub, name: str, text: str) -> argparse.ArgumentParser:
                        help="RocksDB's block cache, one for the store, in bytes (e.g. 64MiB; 0: none); "
                             "default: RocksDB's own per column family, which may hold a small store "
                             "whole (reads then never reach the disk)")
+        p.add_argument("--store-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="RocksDB served by a child process of its own (RocksDB(process=True)): its "
+                            "writes do not hold the training process's interpreter lock (default: on)")
         p.add_argument("--lookahead", type=_at_least(0), default=2,
                        help="with --host-budget: batches whose rows are read ahead (default %(default)s)")
         p.add_argument("--dense-width", type=_at_least(1), default=1024,
@@ -501,6 +504,7 @@ def _main_cache(args: argparse.Namespace, argv: list[str], device: torch.device)
                            store_rows=getattr(args, "store_rows", 0.0),
                            block_cache_bytes=getattr(args, "block_cache", None),
                            lookahead=getattr(args, "lookahead", 2),
+                           store_process=getattr(args, "store_process", True),
                            dense_width=getattr(args, "dense_width", 1024),
                            dense_layers=getattr(args, "dense_layers", 4))
     with _torch_threads(args.threads):

@@ -572,6 +572,7 @@ class CacheBench:
                         "seed": opts.seed, "budget_fraction": opts.budget_fraction,
                         "shards": opts.shards, "prefill": opts.prefill, "optimizer": OPTIMIZER,
                         "store_rows": opts.store_rows, "block_cache_bytes": opts.block_cache_bytes,
+                        "store_process": opts.store_process,
                         "interleave": opts.interleave, "direct_reads": self.direct_reads,
                         "lr": LR, "directory": self.directory},
             "footprint_bytes": opts.footprint_bytes,

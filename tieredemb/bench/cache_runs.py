@@ -76,6 +76,9 @@ class CacheOptions:
     # ssd: RocksDB's block cache, one for the store (RocksDB(block_cache_bytes=)); None: RocksDB's
     # default, a cache per column family, which may hold a small store whole
     block_cache_bytes: int | None = None
+    # ssd: RocksDB served by a child process of its own (RocksDB(process=True)): its writes no longer
+    # hold the training process's interpreter lock
+    store_process: bool = True
     lookahead: int = 2
     dense_width: int = 1024
     dense_layers: int = 4
@@ -102,7 +105,7 @@ class CacheOptions:
     def rocksdb(self, path: str, direct_reads: bool) -> te.storage.RocksDB:
         """The store of an ssd run: RocksDB at ``path`` with this bench's shards and block cache."""
         return te.storage.RocksDB(path, shards=self.shards, direct_reads=direct_reads,
-                                  block_cache_bytes=self.block_cache_bytes)
+                                  block_cache_bytes=self.block_cache_bytes, process=self.store_process)
 
     @property
     def scale(self) -> float:

@@ -142,11 +142,18 @@ class RocksDB(BackendSpec):
         tuning: ``"default"`` (RocksDB's defaults) or ``"point_lookup"``: rows uncompressed, a hash
             index in each data block, a bloom filter on the memtable, dynamic level sizes and
             writes synced every MiB in the background (``docs/backends.md``).
+        process: serve each shard from a child process of its own (``StoreProcess``): in one
+            process RocksDB's writes hold Python's interpreter lock, so the shards write one at a
+            time and the training thread waits behind them; a process per shard writes side by
+            side. Costs the processes' start (importing torch: a second or two) and a copy of
+            each call's keys and rows over Unix sockets. Worth it where writes are many (a host
+            tier evicting to the store); only without ``cache_rows``. The files are the same.
 
     Example::
 
         te.StorageConfig(hbm_budget="8GiB", backing=te.storage.RocksDB("/tmp/emb", shards=8))
         te.storage.RocksDB("/mnt/nvme/emb", direct_reads=True, block_cache_bytes=4 << 30)
+        te.storage.RocksDB("/mnt/nvme/emb", direct_reads=True, process=True)
     """
 
     path: str
@@ -158,6 +165,7 @@ class RocksDB(BackendSpec):
     block_cache_bytes: int | None = None
     bloom_bits_per_key: int = 10
     tuning: str = "default"
+    process: bool = False
     # the open store, shared by every table opened from this spec (RocksDB allows one handle per
     # database in a process); not configuration: excluded from init, repr and equality
     _open: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -176,6 +184,11 @@ class RocksDB(BackendSpec):
         _check_int("RocksDB", "bloom_bits_per_key", self.bloom_bits_per_key, 0)
         if self.tuning not in _TUNINGS:
             raise ValueError(f"RocksDB tuning must be one of {_TUNINGS}, got {self.tuning!r}")
+        if not isinstance(self.process, bool):
+            raise TypeError(f"RocksDB process must be True or False, got {self.process!r}")
+        if self.process and self.cache_rows:
+            raise ValueError(f"RocksDB process=True takes no cache_rows (got {self.cache_rows}): a host "
+                             "tier, StorageConfig(host_budget=...), is the cache in front of it")
 
     def disk_options(self):
         """The ``DiskOptions`` of the store (``tieredemb.storage.rocksdb``)."""
@@ -198,6 +211,10 @@ class RocksDB(BackendSpec):
                    dtype: torch.dtype = torch.float32) -> GroupStore:
         """Without a DRAM cache in front: one fan-out to the shard threads per call for the whole
         group (``RocksDBGroup``); with one, table by table through the caches."""
+        if self.process:
+            from tieredemb.storage.store_process import StoreProcess
+
+            return StoreProcess(self, tables, width, dtype)
         if self.cache_rows:
             return super().open_group(tables, width, device, dtype)
         from tieredemb.storage.rocksdb import RocksDBGroup

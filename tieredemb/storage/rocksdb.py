@@ -130,6 +130,29 @@ class DiskOptions:
         return opts
 
 
+def check_meta(path: str, shards: int) -> None:
+    """The store at ``path`` (a directory that exists) is of this format and shard count; a new one
+    (an empty directory) is made so."""
+    meta_path = os.path.join(path, META_FILE)
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT or meta.get("shards") != shards:
+            raise ValueError(
+                f"RocksDB store {path} was created with {meta.get('shards')} shards "
+                f"(format {meta.get('format')}); open it with RocksDB(path, shards="
+                f"{meta.get('shards')}) or use another path"
+            )
+        return
+    if os.listdir(path):  # never scatter shard directories over someone else's files
+        raise ValueError(
+            f"RocksDB path {path} is a non-empty directory without {META_FILE}: not a "
+            f"tieredemb store; give an empty or new directory"
+        )
+    with open(meta_path, "w") as f:
+        json.dump({"format": FORMAT, "shards": shards}, f)
+
+
 class RocksDBStore:
     """The open databases of one store path, shared by the tables opened from one ``RocksDB`` spec.
 
@@ -144,22 +167,27 @@ class RocksDBStore:
             created with; another count is an error.
         disk: how the databases use the disk (``DiskOptions``; default: RocksDB's defaults with
             bloom filters of 10 bits a key).
+        only: open this shard's database alone (None: every shard's); the others are None in
+            ``dbs`` and ``families``, and a key of theirs is an error. A store served by a process
+            per shard (``StoreProcess``) opens one in each.
     """
 
-    def __init__(self, path: str, shards: int, disk: DiskOptions | None = None) -> None:
+    def __init__(self, path: str, shards: int, disk: DiskOptions | None = None,
+                 only: int | None = None) -> None:
         self.path = os.path.abspath(path)
         self.shards = shards
+        self.mine = list(range(shards)) if only is None else [only]
         self.disk = disk or DiskOptions()
         self.block_cache = self.disk.shared_cache()
         self.tables: dict[str, RocksDBBackend] = {}
         self.closed = False
         self.failed = False  # a write failed: the databases refuse writes until reopened
         self.lock = threading.RLock()
-        self.dbs: list[Rdict] = []
-        self.families: list[set[str]] = []  # column families of each shard
+        self.dbs: list[Rdict | None] = []
+        self.families: list[set[str] | None] = []  # column families of each shard
         with self._errors("open"):
             os.makedirs(self.path, exist_ok=True)
-            self._check_meta()
+            check_meta(self.path, self.shards)
             try:
                 self._open_dbs()
             except Exception as e:
@@ -169,7 +197,7 @@ class RocksDBStore:
                                        f"must accept O_DIRECT; pass direct_reads=False and "
                                        f"direct_writes=False where it does not)") from e
                 raise
-        self.pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="tieredemb-rocksdb")
+        self.pool = ThreadPoolExecutor(max_workers=len(self.mine), thread_name_prefix="tieredemb-rocksdb")
         self.write_options = WriteOptions()  # through the write-ahead log (module docstring)
 
     @contextmanager
@@ -217,31 +245,15 @@ class RocksDBStore:
                 for backend in self.tables.values():
                     backend.attach()
 
-    def _check_meta(self) -> None:
-        meta_path = os.path.join(self.path, META_FILE)
-        if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                meta = json.load(f)
-            if meta.get("format") != FORMAT or meta.get("shards") != self.shards:
-                raise ValueError(
-                    f"RocksDB store {self.path} was created with {meta.get('shards')} shards "
-                    f"(format {meta.get('format')}); open it with RocksDB(path, shards="
-                    f"{meta.get('shards')}) or use another path"
-                )
-            return
-        if os.listdir(self.path):  # never scatter shard directories over someone else's files
-            raise ValueError(
-                f"RocksDB path {self.path} is a non-empty directory without {META_FILE}: not a "
-                f"tieredemb store; give an empty or new directory"
-            )
-        with open(meta_path, "w") as f:
-            json.dump({"format": FORMAT, "shards": self.shards}, f)
-
     def _open_dbs(self, read_only: bool = False) -> None:
         """Open every shard's database (and list its column families), or none."""
         access = AccessType.read_only() if read_only else AccessType.read_write()
         try:
             for shard in range(self.shards):
+                if shard not in self.mine:
+                    self.dbs.append(None)
+                    self.families.append(None)
+                    continue
                 shard_path = os.path.join(self.path, f"shard-{shard:02d}")
                 names: list[str] = []
                 if os.path.exists(os.path.join(shard_path, "CURRENT")):
@@ -254,6 +266,12 @@ class RocksDBStore:
             self._close_dbs()  # release the shards' locks: the path may be retried
             raise
 
+    def check_mine(self, per_shard: np.ndarray) -> None:
+        """Keys counted per shard (``per_shard``) are all of the shards this store opened."""
+        if len(self.mine) < self.shards and per_shard.sum() != per_shard[self.mine].sum():
+            raise ValueError(f"RocksDB store {self.path}: keys of shards this process did not open "
+                             f"(it opened {self.mine})")
+
     def options(self) -> Options:
         """Options of a database or column family of this store."""
         return self.disk.build(self.block_cache)
@@ -263,8 +281,11 @@ class RocksDBStore:
         fails); the first failure, if any."""
         first_error: Exception | None = None
         while self.dbs:
+            if self.dbs[-1] is None:  # a shard this process did not open
+                self.dbs.pop()
+                continue
             try:
-                self.dbs.pop().close()
+                self.dbs.pop().close()  # (no database in a local: a traceback would keep it open)
             except Exception as e:  # a database in RocksDB's error state fails to close cleanly
                 first_error = first_error or e
         self.families = []
@@ -283,6 +304,8 @@ class RocksDBStore:
         try:
             with self._errors("open", table):
                 for shard, families in enumerate(self.families):  # no database in a local
+                    if families is None:
+                        continue
                     if existing == "clear" and name in families:
                         self.dbs[shard].drop_column_family(name)
                         families.discard(name)
@@ -330,12 +353,13 @@ class RocksDBBackend(Backend):
     def attach(self) -> None:
         """Take the table's column families in the store's databases (opened, or reopened)."""
         name = _column_family(self.table)
-        self._families = [db.get_column_family(name) for db in self.store.dbs]
-        self._handles = [db.get_column_family_handle(name) for db in self.store.dbs]
+        dbs = self.store.dbs
+        self._families = [None if db is None else db.get_column_family(name) for db in dbs]
+        self._handles = [None if db is None else db.get_column_family_handle(name) for db in dbs]
 
     def check_existing(self, existing: str) -> None:
         """Refuse (``existing="error"``) or check the width of (``"reuse"``) rows already stored."""
-        first = next((v for f in self._families for v in f.values()), None)
+        first = next((v for shard in self._open_shards() for v in self._families[shard].values()), None)
         if first is None or existing == "clear":
             return
         if existing == "error":
@@ -399,7 +423,7 @@ class RocksDBBackend(Backend):
         keys: list[bytes] = []
         values: list[bytes] = []
         with self.store._errors("scan", self.table):
-            for shard in range(len(self._families)):
+            for shard in self._open_shards():
                 for k, v in self._families[shard].items():
                     keys.append(k)
                     values.append(v)
@@ -412,12 +436,12 @@ class RocksDBBackend(Backend):
     def size(self) -> int:
         """Rows stored (counts every key: O(rows), for stats and tests, not the training step)."""
         with self.store.using("size", self.table):
-            return sum(_count_keys(self._families[shard]) for shard in range(len(self._families)))
+            return sum(_count_keys(self._families[shard]) for shard in self._open_shards())
 
     def flush(self) -> None:
         """Write every memtable of this table to disk (waits)."""
         with self.store.using("flush", self.table, writes=True):
-            for shard in range(len(self._families)):
+            for shard in self._open_shards():  # (no column family in a local: see ``_errors``)
                 self._families[shard].flush(True)
 
     def close(self) -> None:
@@ -434,12 +458,17 @@ class RocksDBBackend(Backend):
         self._families, self._handles = [], []
 
     # ------------------------------------------------------------------------------- internals
+    def _open_shards(self) -> list[int]:
+        """The shards whose column families this backend holds (none after ``drop_handles``)."""
+        return [s for s in range(len(self._families)) if self._families[s] is not None]
+
     def _by_shard(self, keys: torch.Tensor) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """(order: positions of ``keys`` sorted by (shard, key), [(shard, encoded keys in order)])."""
         enc = encode_keys(keys)
         shard = shard_of(keys, self.store.shards)
         order = np.lexsort((enc, shard))  # stable: a repeated key keeps its order
         counts = np.bincount(shard, minlength=self.store.shards)
+        self.store.check_mine(counts)
         ends = np.cumsum(counts)
         sorted_enc = enc[order]
         groups = [(s, sorted_enc[e - c : e]) for s, (c, e) in enumerate(zip(counts, ends)) if c]
@@ -489,6 +518,7 @@ class RocksDBGroup(GroupStore):
         enc = encode_keys(keys)
         tabs = tables.numpy()
         shard = shard_of(keys, self.store.shards)
+        self.store.check_mine(np.bincount(shard, minlength=self.store.shards))
         order = np.lexsort((enc, tabs, shard))
         sorted_enc, sorted_tab, sorted_shard = enc[order], tabs[order], shard[order]
         # runs of one (shard, table)
