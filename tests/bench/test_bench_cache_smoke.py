@@ -7,6 +7,7 @@ the all-HBM rows. The unit test of ``compare`` makes sure that comparison can fa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -295,8 +296,9 @@ def test_the_block_cache_reaches_the_store(tmp_path) -> None:
     stores keep RocksDB's own caches."""
     for given, want in ((64 << 20, 64 << 20), (0, 0), (None, None)):
         opts = CacheOptions(workload="ssd", block_cache_bytes=given)
-        group = opts.rocksdb(str(tmp_path / f"db{given}"), direct_reads=False).open_group(
-            ["t"], 4, torch.device("cpu"))
+        spec = opts.rocksdb(str(tmp_path / f"db{given}"), direct_reads=False)
+        assert spec.process  # (by default a process per shard: look at the store in-process here)
+        group = dataclasses.replace(spec, process=False).open_group(["t"], 4, torch.device("cpu"))
         try:
             assert group.store.disk.block_cache_bytes == want and group.store.shards == opts.shards
             assert (group.store.block_cache is None) == (not want)  # one cache shared by the store
