@@ -81,7 +81,7 @@ def test_groups_of_one_spec_share_one_child_and_16_bit_rows_travel_exactly(tmp_p
     spec = te.storage.RocksDB(str(tmp_path / "db"), shards=2, process=True)
     wide = spec.open_group(["w"], 9, CPU)
     half = spec.open_group(["h0", "h1"], 4, CPU, torch.bfloat16)
-    shards = spec._open["process"]
+    shards = wide._shards
     assert wide._shards is half._shards is shards and len(shards.children) == 2
     assert all(c.process.poll() is None for c in shards.children)
     keys = torch.arange(50)

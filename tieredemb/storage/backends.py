@@ -214,7 +214,7 @@ class RocksDB(BackendSpec):
         if self.process:
             from tieredemb.storage.store_process import StoreProcess
 
-            return StoreProcess(self, tables, width, dtype)
+            return StoreProcess(self, tables, width, dtype, shared=self._open)
         if self.cache_rows:
             return super().open_group(tables, width, device, dtype)
         from tieredemb.storage.rocksdb import RocksDBGroup

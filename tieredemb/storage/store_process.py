@@ -430,10 +430,12 @@ class _Shards:
 class StoreProcess(GroupStore):
     """A table group of a RocksDB store served by a process per shard (module docstring); calls from
     any thread. Opened by ``te.storage.RocksDB(process=True)``: the groups of one spec share its
-    processes (``spec._open``)."""
+    processes (kept in ``shared``, the spec's)."""
 
-    def __init__(self, spec, tables: list[str], width: int, dtype: torch.dtype = torch.float32) -> None:
-        shards = spec._open.get("process")
+    def __init__(self, spec, tables: list[str], width: int, dtype: torch.dtype = torch.float32,
+                 shared: dict | None = None) -> None:
+        shared = {} if shared is None else shared
+        shards = shared.get("process")
         if shards is None or not shards.groups:
             shards = _Shards(spec)
         self._shards = shards
@@ -443,7 +445,7 @@ class StoreProcess(GroupStore):
             if not shards.groups:
                 shards.shut_down()
             raise
-        spec._open["process"] = shards
+        shared["process"] = shards
         self._closed = False
         super().__init__([_RemoteTable(self, t, width, dtype) for t in range(len(tables))])
 
