@@ -227,7 +227,8 @@ def test_a_configuration_that_fails_is_reported_once_and_the_other_still_runs(tu
 
 def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
     """``--host-budget`` adds the host tier's run (its rows checked against all in device memory after
-    flush) and three TrainPipeline runs with a DLRM-style model (their losses checked equal)."""
+    flush), the same cache over HostMemory, and three TrainPipeline runs with a DLRM-style model
+    (their losses checked equal)."""
     args = ["ssd", "--scale", str(SCALE), "--steps", "3", "--warmup", "3", "--device", "cpu",
             "--threads", "1", "--dir", str(tmp_path / "db"), "--shards", "2", "--raw-rows", "2000",
             "--host-budget", "20000", "--lookahead", "2", "--dense-width", "16", "--dense-layers", "1",
@@ -235,7 +236,8 @@ def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
     assert main(args) == 0
     data = json.loads(next((tmp_path / "out").glob("*-ssd.json")).read_text())
     got = {r["configuration"]: r for r in data["results"]}
-    assert set(got) == {"ours", "peer", "host_tier", "pipeline", "pipeline_host_tier", "pipeline_peer"}
+    assert set(got) == {"ours", "peer", "host_tier", "host_memory", "pipeline", "pipeline_host_tier",
+                        "pipeline_peer"}
     for r in got.values():
         assert r["error"] is None and _finite_positive(r["step_ms"]), r
     host = data["host_tier"]
@@ -248,6 +250,8 @@ def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
     assert tier["hits"] > 0 and tier["misses"] > 0 and tier["evictions"] > 0
     assert got["pipeline_host_tier"]["extra"]["host_tier"]["read_ahead_rows"] > 0
     assert _finite_positive(host["step_ms"]["pipeline_host_tier / pipeline_peer"])
+    assert _finite_positive(host["step_ms"]["host_tier / host_memory"])  # the reference of the target
+    assert "host_tier" not in got["host_memory"]["extra"]  # (no tier there)
 
 
 @pytest.mark.parametrize("bad", ["0", "1.0", "-3", "lots"])

@@ -30,8 +30,9 @@ raw rocksdict's rates) ends in its verdict, ``met`` or ``NOT met``; the JSON lis
 A verdict does not change the exit status, which says whether the runs completed and trained the same
 rows.
 ``ssd --host-budget B`` adds runs with a host tier in front of RocksDB (B: a fraction of the tables'
-bytes or bytes) reading ``--lookahead`` batches ahead, and under ``TrainPipeline`` with a DLRM-style
-dense model (``tieredemb.bench.host_tier``).
+bytes or bytes) reading ``--lookahead`` batches ahead, the same device cache over ``HostMemory`` (the
+tier's reference), and under ``TrainPipeline`` with a DLRM-style dense model
+(``tieredemb.bench.host_tier``). RocksDB is served by a process per shard unless ``--no-store-process``.
 ``ssd`` also measures the disk under ``--dir`` itself with O_DIRECT (sequential write and read,
 random 4 KiB reads from 32 threads; ``tieredemb.bench.disk``) and prints the least step time it allows
 ours' misses and writes; RocksDB reads with O_DIRECT unless ``--no-direct-reads``.

@@ -599,7 +599,8 @@ class CacheBench:
         """``--host-budget``: each configuration's step, and the ratios the targets speak of."""
         ms = {r.configuration: r.step_ms for r in self.results if r.step_ms}
         out: dict = {"step_ms": ms}
-        for a, b in (("host_tier", "ours"), ("pipeline_host_tier", "pipeline"),
+        for a, b in (("host_tier", "ours"), ("host_tier", "host_memory"),
+                     ("pipeline_host_tier", "pipeline"),
                      ("pipeline_host_tier", "pipeline_peer"), ("pipeline", "pipeline_peer")):
             if ms.get(a) and ms.get(b):
                 out[f"{a} / {b}"] = ms[a] / ms[b]

@@ -5,6 +5,8 @@ batches:
 
     host_tier            ours with ``StorageConfig(host_budget=...)`` in front of RocksDB, the plain
                          loop reading batch i+k's rows ahead by hand (``ebc.read_ahead``) before step i
+    host_memory          the same device cache over ``HostMemory`` (every row in host memory, no store):
+                         what a host tier that holds the rows a step needs may come close to
     pipeline             ours over RocksDB alone, under ``te.TrainPipeline`` with a DLRM-style dense
                          model (bottom MLP, pooled embeddings, a top MLP of ``dense_layers`` x
                          ``dense_width``: make its step longer than the store's time to hide it)
@@ -88,12 +90,12 @@ class AheadRun(ConfigRun):
 
 
 def host_counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
-    """The host tiers' counters summed over tables (``TableStats.host_tier``)."""
+    """The host tiers' counters summed over tables (``TableStats.host_tier``; none: {})."""
     out: dict[str, int] = {}
     for group in ebc.tiers:
         for t in range(len(group.configs)):
             s = group.below.table(t).tier_stats()
-            for k, v in vars(s).items():
+            for k, v in vars(s).items() if s is not None else ():
                 out[k] = out.get(k, 0) + v
     return out
 
@@ -180,24 +182,14 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
                                 host_budget=host if with_host else None)
 
     tier = f"host tier {host / 1e6:.3g} MB"
-    run = AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
-                   WindowBatches(batches, k), grad, prefill_rows(opts, cache_rows), "host_tier",
-                   hot_rows=cache_rows, lookahead=k)
-    log(f"{run.label} ...")
-    try:
-        run.start()
-        before = host_counters(run.ebc)
-        run.time_steps(opts.steps)
-        after = host_counters(run.ebc)
-        m = run.finish(log)
-        m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
-                                else (after[key] - before.get(key, 0)) / opts.steps for key in after}
-        on_result(m, run)
-    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-        run.m.error = f"{type(e).__name__}: {e}"
-        on_result(run.m, None)
-    finally:
-        run.close()
+    rows = prefill_rows(opts, cache_rows)
+    plain_run(AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
+                       WindowBatches(batches, k), grad, rows, "host_tier", hot_rows=cache_rows, lookahead=k),
+              opts, log, on_result)
+    # the target's reference: the same device cache over every row in host memory (no store)
+    plain_run(ConfigRun(opts, "ours (cache, HostMemory)", te.StorageConfig(hbm_budget=budget,
+                                                                            backing=te.storage.HostMemory()),
+                        batches, grad, rows, "host_memory", hot_rows=cache_rows), opts, log, on_result)
     data = pipeline_data(opts, batches, opts.warmup + opts.steps + 2 + k)
     losses: dict[str, list[float]] = {}
     under = "ours under TrainPipeline (cache, RocksDB"
@@ -214,6 +206,28 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
         log(f"{p.label}: {m.step_ms or float('nan'):.3f} ms/step ({time.perf_counter() - t0:.1f} s)")
         on_result(m, None)
     return _loss_check(losses)
+
+
+def plain_run(run: ConfigRun, opts: CacheOptions, log: Callable[[str], None],
+              on_result: Callable[[Measurement, ConfigRun | None], None]) -> None:
+    """Time ``run`` in a plain loop and report it (with the host tiers' counters a step, where it
+    has any)."""
+    log(f"{run.label} ...")
+    try:
+        run.start()
+        before = host_counters(run.ebc)
+        run.time_steps(opts.steps)
+        after = host_counters(run.ebc)
+        m = run.finish(log)
+        if after:
+            m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
+                                    else (after[key] - before.get(key, 0)) / opts.steps for key in after}
+        on_result(m, run)
+    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+        run.m.error = f"{type(e).__name__}: {e}"
+        on_result(run.m, None)
+    finally:
+        run.close()
 
 
 def _loss_check(losses: dict[str, list[float]]) -> dict:
