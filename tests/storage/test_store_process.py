@@ -204,3 +204,25 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) has left
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_call_interrupted_before_its_answer_leaves_the_next_call_its_own(tmp_path, monkeypatch) -> None:
+    """A KeyboardInterrupt between a request and its answer: the connection owing the answer is
+    dropped, so the next call does not read the old answer as its own."""
+    import tieredemb.storage.store_process as module
+
+    group = te.storage.RocksDB(str(tmp_path / "db"), shards=2, process=True).open_group(["a"], 3, CPU)
+    keys = torch.arange(40)
+    group.set(keys, torch.zeros_like(keys), _rows(40, 3, 5))
+    real = module._recv
+
+    def interrupted(sock):
+        monkeypatch.setattr(module, "_recv", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_recv", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        group.get(keys, torch.zeros_like(keys))
+    got = group.get(keys[:7], torch.zeros(7, dtype=torch.int64))  # another call: its own answer
+    assert got.rows.shape == (7, 3) and torch.equal(got.rows, _rows(40, 3, 5)[:7])
+    group.close()

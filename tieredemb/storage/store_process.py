@@ -293,6 +293,13 @@ class _Child:
             self.process.kill()
             return self.process.wait()
 
+    def forget(self) -> None:
+        """This thread's connection closed (broken, or owing an answer no one will read)."""
+        sock = getattr(self.local, "sock", None)
+        if sock is not None:
+            self.local.sock = None
+            sock.close()
+
     def socket(self) -> socket.socket:
         """This thread's connection to the current process."""
         sock = getattr(self.local, "sock", None)
@@ -333,25 +340,35 @@ class _Shards:
         """Each shard's request (gid, target, verb, args) sent, then every answer read: the shards
         work side by side. The first error raised once all have answered; a shard whose process is
         gone is started again and asked once more (``again``)."""
-        sent, answers, errors, gone = {}, {}, [], []
-        for s, request in parts.items():
-            child = self.children[s]
-            try:
-                sock = child.socket()
-                _send(sock, request)
-                sent[s] = (sock, child.generation)
-            except OSError as e:
-                gone.append((s, child.generation, e))
-        for s, (sock, generation) in sent.items():
-            try:
-                status, value = _recv(sock)
-            except (OSError, EOFError) as e:
-                gone.append((s, generation, e))
-                continue
-            if status == "err":
-                errors.append(value)
-            else:
-                answers[s] = value
+        owing: dict[int, tuple[socket.socket, int]] = {}  # sent, answer not read yet
+        answers, errors, gone = {}, [], []
+        try:
+            for s, request in parts.items():
+                child, generation = self.children[s], self.children[s].generation
+                try:
+                    sock = child.socket()
+                    _send(sock, request)
+                    owing[s] = (sock, generation)
+                except OSError as e:
+                    child.forget()
+                    gone.append((s, generation, e))
+            for s in list(owing):
+                sock, generation = owing[s]
+                try:
+                    status, value = _recv(sock)
+                except (OSError, EOFError) as e:
+                    status, value = "gone", e
+                del owing[s]
+                if status == "gone":
+                    self.children[s].forget()
+                    gone.append((s, generation, value))
+                elif status == "err":
+                    errors.append(value)
+                else:
+                    answers[s] = value
+        finally:  # interrupted (a KeyboardInterrupt): the connections owing an answer are dropped
+            for s in owing:
+                self.children[s].forget()
         for s, generation, e in gone:
             if not again:
                 errors.append(BackendError(f"the process of store shard {s} is gone ({e}; exit code "
