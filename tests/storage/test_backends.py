@@ -118,6 +118,9 @@ def test_chunked_scan_covers_every_row_exactly_once(make_spec, kind):
     want = {k: tuple(r) for k, r in zip(keys.tolist(), rows.tolist())}
     for chunk in (1, 97, 5000):
         assert scan_all(backend, chunk) == want
+        parts = list(backend.scan_keys(chunk))  # the keys alone: the same, each once
+        assert all(0 < p.numel() <= chunk and p.dtype == torch.int64 for p in parts)
+        assert sorted(torch.cat(parts).tolist()) == sorted(want)
     assert backend.size() == keys.numel()
     backend.close()
 

@@ -72,6 +72,8 @@ def test_a_store_in_its_own_process_answers_as_a_dict(ops, tmp_path_factory) -> 
             held = {k: r for (tt, k), r in ref.items() if tt == t}
             got = _scan(group, t)
             assert sorted(got) == sorted(held) and all(torch.equal(got[k], held[k]) for k in held)
+            keys = [k for part in group.table(t).scan_keys(3) for k in part.tolist()]
+            assert sorted(keys) == sorted(held)  # the keys alone, each once
             assert group.table(t).size() == len(held)
     finally:
         group.close()

@@ -66,6 +66,11 @@ class Backend(ABC):
     @abstractmethod
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
+    def scan_keys(self, chunk_rows: int = 65536) -> Iterator[torch.Tensor]:
+        """``scan``'s keys alone (a store that can skip reading the rows does)."""
+        for keys, _ in self.scan(chunk_rows):
+            yield keys
+
     @abstractmethod
     def size(self) -> int: ...
 

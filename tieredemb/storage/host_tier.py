@@ -150,7 +150,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         expected = expected_keys if expected_keys is not None else 64 * sum(capacities)
         self.filter = KeyFilter(min(max(16 * expected, 1 << 16), 1 << 33), self.device)
         for t in range(len(capacities)):
-            for keys, _ in below.table(t).scan(1 << 16):
+            for keys in below.table(t).scan_keys(1 << 16):
                 keys = keys.to(self.device)
                 self.filter.add(keys, torch.full_like(keys, t))
 

@@ -169,8 +169,8 @@ class _Server:
             if verb not in _GROUP_VERBS:
                 raise ValueError(f"StoreProcess: no group verb {verb!r}")
             return getattr(group, verb)(*args)
-        if verb == "scan":
-            it = iter(group.table(target).scan(*args))
+        if verb in ("scan", "scan_keys"):
+            it = iter(getattr(group.table(target), verb)(*args))
             with self.lock:
                 sid = next(self.ids)
                 self.scans[sid] = it
@@ -539,10 +539,16 @@ class _RemoteTable(Backend):
         self.group.split(self.t, "delete", keys)
 
     def scan(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Shard after shard, each through its process's scan."""
+        return self._chunks("scan", chunk_rows)
+
+    def scan_keys(self, chunk_rows: int = 65536) -> Iterator[torch.Tensor]:
+        return self._chunks("scan_keys", chunk_rows)
+
+    def _chunks(self, verb: str, chunk_rows: int) -> Iterator:
+        """Shard after shard, each through its process's ``verb`` (``scan`` or ``scan_keys``)."""
         shards, gid = self.group._shards, self.group._gid
         for s in range(len(shards.children)):
-            sid = shards.fan({s: (gid, self.t, "scan", (chunk_rows,))})[s]
+            sid = shards.fan({s: (gid, self.t, verb, (chunk_rows,))})[s]
             done = False
             try:
                 while (chunk := shards.fan({s: (gid, sid, "next", ())}, again=False)[s]) is not None:
