@@ -189,6 +189,24 @@ def test_clean_rows_leave_without_a_write() -> None:
     tier.close()
 
 
+def test_a_row_whose_version_wraps_is_still_dirty_and_written_down() -> None:
+    """Versions are 32 bits, compared for equality: a write past the largest wraps it, and the row
+    still reads as dirty (not as the store's) and goes down at flush."""
+    below = GroupStore([DictBackend(W)])
+    tier = _tier(below, 4)
+    table = tier.table(0)
+    table.set(torch.tensor([1]), torch.ones(1, W))
+    tier.flush()
+    addresses, _ = tier.rows.where(torch.tensor([1]), torch.tensor([0]))
+    tier.rows.version[addresses] = tier.rows.clean[addresses] = 2**31 - 1  # clean, at the top
+    assert not bool(tier.rows.dirty(addresses).any())
+    table.set(torch.tensor([1]), 2 * torch.ones(1, W))
+    assert int(tier.rows.version[addresses]) == -(2**31) and bool(tier.rows.dirty(addresses).all())
+    tier.flush()
+    assert torch.equal(below.backends[0].get(torch.tensor([1])).rows, 2 * torch.ones(1, W))
+    tier.close()
+
+
 def test_the_store_is_not_asked_for_keys_it_never_held() -> None:
     """Ids seen for the first time miss everywhere: the filter of the store's pairs answers for it."""
     store = _CountingStore()

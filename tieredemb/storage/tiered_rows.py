@@ -27,8 +27,10 @@ class TieredRows(HostMemoryBackend):
         dev = self.device
         self._lfu = torch.tensor(lfu, dtype=torch.bool, device=dev)
         self.tick = torch.zeros((), dtype=torch.int64, device=dev)
-        self.version = torch.zeros(0, dtype=torch.int64, device=dev)
-        self.clean = torch.zeros(0, dtype=torch.int64, device=dev)
+        # versions are only compared for equality: 32 bits wrap harmlessly (a row would have to be
+        # written 2**32 times while one write-down of it is on its way to be mistaken for clean)
+        self.version = torch.zeros(0, dtype=torch.int32, device=dev)
+        self.clean = torch.zeros(0, dtype=torch.int32, device=dev)
         self.used = torch.zeros(0, dtype=torch.int64, device=dev)
         self.ahead = torch.zeros(0, dtype=torch.bool, device=dev)
         # per table: pairs found here by the device cache's fetches, and of those read ahead
@@ -56,7 +58,7 @@ class TieredRows(HostMemoryBackend):
         lfu = self._lfu[0] if tables is None else self._lfu[tables]
         self.used[at] = torch.where(lfu, self.used[at] + 1, self.tick)
         if write:
-            self.version.index_add_(0, at, torch.ones_like(at))
+            self.version.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
         return at
 
     # the device verbs, marking
