@@ -259,26 +259,27 @@ class HostMemoryBackend(Backend, DeviceRows):
         self.set_distinct(keys[last], rows[last], None if tables is None else tables[last])
 
     def set_distinct(self, keys: torch.Tensor, rows: torch.Tensor,
-                     tables: torch.Tensor | None = None) -> None:
+                     tables: torch.Tensor | None = None) -> torch.Tensor:
         """``set`` of keys the caller knows are distinct (distinct pairs with ``tables``) and valid,
         on ``self.device``: the write-down path of a cache, without the checks. ``RESERVED_KEY``
         entries are padding (nothing stored): a cache writes down its victims without counting
         them. Unbounded: one ``upsert`` on the device (new keys take rows of a pool of n free ones)
         and no host read: how many rows it took, and the keys it left out because their bucket was
-        full, are read back at the next call that needs the index (``settle``)."""
+        full, are read back at the next call that needs the index (``settle``). Returns the row
+        addresses written (unbounded: one a key, -1 for padding or a key left out)."""
         self._step += 1
         rows = rows.to(device=self.device, dtype=self.dtype)
         if self.capacity is not None:
             self.settle()
-            self._insert_rows(keys, rows, tables)
-            return
+            return self._insert_rows(keys, rows, tables)
         n = keys.numel()
         if n == 0:
-            return
+            return torch.full_like(keys, -1)
         pool = self.room_for(n)
         addresses, counts = self.upsert_keys(keys, tables, pool)
         self._scatter(addresses, rows)  # a key left out (address -1) writes nothing
         self.upserted(keys, tables, rows, addresses, counts, pool)
+        return addresses
 
     # ``set_distinct`` of an unbounded store in steps, the middle ones device work alone (a cache
     # replays them in a CUDA graph with its insertion): room, the upsert, the rows written, its record

@@ -428,8 +428,9 @@ class HostTierGroup(GroupStore, DeviceRows):
                 keep = (~stale).nonzero().squeeze(1)
                 keys, tables, rows = keys[keep], tables[keep], rows[keep]
             if keys.numel():
+                tables = tables.to(self.device, non_blocking=True)
                 new = self.rows.insert_absent(keys, tables, rows)
-                self._landed.index_add_(0, tables.to(self.device, non_blocking=True), new.to(torch.int64))
+                self._landed.index_add_(0, tables, new.to(torch.int64))
         since = min((r.since for r in self._reading), default=self._round)
         self._erased = [(r, ids) for r, ids in self._erased if r >= since]
 

@@ -116,15 +116,12 @@ class TieredRows(HostMemoryBackend):
         ahead: one upsert on the device, no host read (its counts are read at ``settle``; a pair it
         leaves out goes in then, dirty). Returns which went in (bool (n,) on the device)."""
         keys, tables = (t.to(self.device, non_blocking=True) for t in (keys, tables))
-        rows = rows.to(self.device, self.dtype, non_blocking=True)
+        rows = rows.to(self.device, self.dtype, non_blocking=True)  # (from pinned rows: no host wait)
         keys = torch.where(self.held(keys, tables), RESERVED_KEY, keys)  # (padding: nothing stored)
-        pool = self.room_for(keys.numel())
-        addresses, counts = self.upsert_keys(keys, tables, pool)
-        self._scatter(addresses, rows)  # (address -1 writes nothing)
+        addresses = self.set_distinct(keys, rows, tables)  # (its upsert marks them written)
         at = self._at(addresses)
         self.clean[at] = self.version[at]
         self.ahead.index_fill_(0, at, True)  # (address -1: the spare mark, never read as found)
-        self.upserted(keys, tables, rows, addresses, counts, pool)
         return addresses >= 0
 
     def table_rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
