@@ -40,9 +40,18 @@ def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tens
     return (hi * num_buckets) >> 32
 
 
+def keep_where(mask: torch.Tensor, keys: torch.Tensor,
+               tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (key, table) pairs where ``mask`` holds: selected on the CPU; on a device, every pair
+    kept and the others' keys made ``RESERVED_KEY`` (a selection there would read its count back)."""
+    if keys.device.type == "cpu":
+        return keys[mask], tables[mask]
+    return torch.where(mask, keys, RESERVED_KEY), tables
+
+
 def stable_name_hash(name: str) -> int:
     """A process-independent int64 hash of a string (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-__all__ = ["RESERVED_KEY", "GOLDEN", "shr", "splitmix64", "bucket_of", "stable_name_hash"]
+__all__ = ["RESERVED_KEY", "GOLDEN", "shr", "splitmix64", "bucket_of", "keep_where", "stable_name_hash"]

@@ -252,6 +252,10 @@ def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
     assert _finite_positive(host["step_ms"]["pipeline_host_tier / pipeline_peer"])
     assert _finite_positive(host["step_ms"]["host_tier / host_memory"])  # the reference of the target
     assert "host_tier" not in got["host_memory"]["extra"]  # (no tier there)
+    floor = host["disk_floor"]["asked"]  # every row asked of the store counted as a disk read
+    assert floor["misses_per_step"] == tier["misses"] + tier["read_ahead_rows"]
+    assert floor["written_bytes_per_step"] == tier["written_down"] * 129 * 4
+    assert floor["step_ms"] == got["host_tier"]["step_ms"] and floor["floor_ms"] > 0
 
 
 @pytest.mark.parametrize("bad", ["0", "1.0", "-3", "lots"])

@@ -239,3 +239,19 @@ def test_the_training_thread_never_waits_for_the_device_under_the_prefetch_threa
     reads = host_reads_by_thread(lambda: ebc.prefetch(kjt))
     assert reads.get(threading.current_thread().name, 0) >= 1, reads
     ebc(kjt).values().sum().backward()
+
+
+def test_a_read_ahead_of_a_batch_on_the_device_reads_nothing_back(tmp_path):
+    """``read_ahead`` of a KJT on the GPU (two groups: the other group's pairs padded, not selected)
+    hands the host tier its pairs without a host read; the reader thread gets them behind the
+    device's work."""
+    tables = [te.TableConfig("t0", 16, ["f0"]), te.TableConfig("t1", 32, ["f1"])]
+    storage = te.StorageConfig(hbm_budget=64 * 16 * 4, backing=te.storage.RocksDB(str(tmp_path / "db")),
+                               host_budget=1 << 20)
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1), storage=storage, device=DEV)
+    kjt = te.KeyedJaggedTensor(["f0", "f1"], torch.arange(40), lengths=torch.full((8,), 5)).to(DEV)
+    ebc.read_ahead(kjt)  # (the features' map to the groups made once)
+    assert host_reads(lambda: ebc.read_ahead(kjt)) == []
+    ebc.prefetch(kjt)
+    ebc(kjt).values().sum().backward()
+    ebc.close()

@@ -57,7 +57,7 @@ from tieredemb.bench.cache_runs import (
 from tieredemb.bench.cache_tbe import TBE_CACHE_TARGET, TbeCacheRun, compare_tbe, tbe_cache_unavailable
 from tieredemb.bench.disk import DiskFigures, floor_line, measure_disk, step_floor
 from tieredemb.bench.hbm import upstream_grad
-from tieredemb.bench.host_tier import run_host_tier
+from tieredemb.bench.host_tier import host_tier_floor, host_tier_floor_line, run_host_tier
 from tieredemb.bench.report import (
     Measurement,
     Target,
@@ -538,6 +538,8 @@ class CacheBench:
                              f"(used {h.get('read_ahead_hits', 0):.0f}), written down "
                              f"{h.get('written_down', 0):.0f}"
                              + (" a step" if r.configuration == "host_tier" else " in all"))
+                if (floor := self._host_tier_floor(r)) is not None:
+                    lines.append(host_tier_floor_line(floor))
         if self.host_check is not None:
             c = self.host_check
             lines.append(f"check host tier vs {self.all_on_device} after flush: "
@@ -592,8 +594,15 @@ class CacheBench:
                 "host_budget": opts.host_budget, "lookahead": opts.lookahead,
                 "dense_model": f"{opts.dense_layers} x {opts.dense_width}",
                 "check": self.host_check, "pipeline_losses": self.pipeline_check,
-                "step_ms": self._host_tier_steps()},
+                "step_ms": self._host_tier_steps(),
+                "disk_floor": next((f for r in self.results if (f := self._host_tier_floor(r))), None)},
         }
+
+    def _host_tier_floor(self, r: Measurement) -> dict | None:
+        """The plain host-tier run's disk floor (``host_tier_floor``); None for other runs."""
+        if r.configuration != "host_tier" or r.error is not None or not isinstance(self.disk, DiskFigures):
+            return None
+        return host_tier_floor(self.disk, r)
 
     def _host_tier_steps(self) -> dict:
         """``--host-budget``: each configuration's step, and the ratios the targets speak of."""

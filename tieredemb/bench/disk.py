@@ -18,7 +18,9 @@ what this process reaches, a lower bound of the disk's.
 
 A training step that misses ``m`` rows and writes ``w`` bytes down cannot take less than
 ``m / IOPS + w / sequential write`` on this disk (``step_floor``): each miss is a random read of a
-block, the writes are appended (a log-structured store).
+block, the writes are appended (a log-structured store). How many reads reached the disk during a
+run is counted by the kernel (``disk_io``: ``/proc/diskstats`` of the machine's disks): rows a block
+cache or the page cache served are not among them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,36 @@ def floor_line(f: dict) -> str:
     return (f"disk floor of ours' step: {f['floor_ms']:.3f} ms ({f['misses_per_step']:.0f} misses / random "
             f"read IOPS = {f['reads_ms']:.3f} ms + {f['written_bytes_per_step'] / 1e6:.2f} MB written / "
             f"sequential write = {f['writes_ms']:.3f} ms){over}")
+
+
+def disk_io() -> dict[str, int] | None:
+    """The machine's disks' counters, summed (``/proc/diskstats``; whole disks, not their partitions,
+    device-mapper or loop devices): reads and writes completed, bytes read and written. None where
+    the kernel does not say (not Linux)."""
+    try:
+        disks = {d for d in os.listdir("/sys/block") if not d.startswith(_VIRTUAL)}
+        with open("/proc/diskstats") as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return None
+    out = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0}
+    for fields in lines:
+        if len(fields) >= 10 and fields[2] in disks:  # sectors are 512 bytes in this file
+            out["reads"] += int(fields[3])
+            out["read_bytes"] += int(fields[5]) * 512
+            out["writes"] += int(fields[7])
+            out["write_bytes"] += int(fields[9]) * 512
+    return out
+
+
+def io_between(before: dict[str, int] | None, after: dict[str, int] | None, steps: int) -> dict | None:
+    """``disk_io`` counters over ``steps`` steps: a step's share of each."""
+    if before is None or after is None or steps <= 0:
+        return None
+    return {k: (after[k] - before[k]) / steps for k in before}
+
+
+_VIRTUAL = ("loop", "ram", "zram", "dm-", "md", "sr", "nbd")
 
 
 def measure_disk(directory: str, file_bytes: int = FILE_BYTES, threads: int = THREADS,

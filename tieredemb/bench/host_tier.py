@@ -40,6 +40,7 @@ from tieredemb.bench.cache_runs import (
     prefill_rows,
     table_configs,
 )
+from tieredemb.bench.disk import DiskFigures, disk_io, io_between, step_floor
 from tieredemb.bench.report import Measurement, host_rss_bytes
 from tieredemb.bench.stash import DLRM, NUM_DENSE
 from tieredemb.bench.timing import free_memory, synchronize, time_ms
@@ -217,19 +218,57 @@ def plain_run(run: ConfigRun, opts: CacheOptions, log: Callable[[str], None],
     log(f"{run.label} ...")
     try:
         run.start()
-        before = host_counters(run.ebc)
+        before, io = host_counters(run.ebc), disk_io()
         run.time_steps(opts.steps)
-        after = host_counters(run.ebc)
+        io, after = io_between(io, disk_io(), opts.steps), host_counters(run.ebc)
         m = run.finish(log)
         if after:
             m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
                                     else (after[key] - before.get(key, 0)) / opts.steps for key in after}
-        on_result(m, run)
+            below = run.ebc.tiers[0].below
+            m.extra["host_tier"]["row_bytes"] = below.width * below.dtype.itemsize
+        if io is not None:
+            m.extra["disk_io_per_step"] = io
     except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
         run.m.error = f"{type(e).__name__}: {e}"
+        run.close()
         on_result(run.m, None)
+        return
+    try:
+        on_result(m, run)  # (a failure here is the report's: raised, not taken for the run's)
     finally:
         run.close()
+
+
+def host_tier_floor(disk: DiskFigures, m: Measurement) -> dict | None:
+    """The disk floor of the plain host-tier run's step (``step_floor``) for the rows it wrote down
+    and read: ``asked`` counts every row asked of the store (its misses and reads ahead) as a read of
+    the disk; ``measured`` counts the reads the disk did (``disk_io``; None where not counted)."""
+    h = m.extra.get("host_tier")
+    if not h or not m.step_ms:
+        return None
+    written = h["written_down"] * h["row_bytes"]
+    io = m.extra.get("disk_io_per_step")
+    return {"asked": step_floor(disk, h["misses"] + h["read_ahead_rows"], written, m.step_ms),
+            "measured": None if io is None else step_floor(disk, io["reads"], written, m.step_ms),
+            "disk_io_per_step": io}
+
+
+def host_tier_floor_line(f: dict) -> str:
+    def over(x: dict) -> str:  # (a step that moves nothing has no floor to be over)
+        return f"the step {x['step_ms']:.1f} ms is {x['step_over_floor']:.2f}x it" \
+            if x["step_over_floor"] is not None else f"the step {x['step_ms']:.1f} ms"
+
+    a, d = f["asked"], f["measured"]
+    line = (f"disk floor of the host tier's step, every row asked of the store a disk read: "
+            f"{a['floor_ms']:.1f} ms ({a['misses_per_step']:.0f} reads {a['reads_ms']:.1f} ms + "
+            f"{a['written_bytes_per_step'] / 1e6:.2f} MB written {a['writes_ms']:.1f} ms); {over(a)}")
+    if d is not None:
+        io = f["disk_io_per_step"]
+        line += (f"\n  the disk's own counters a step: {io['reads']:.0f} reads ({io['read_bytes'] / 1e6:.2f} "
+                 f"MB), {io['write_bytes'] / 1e6:.2f} MB written (the page cache may write later); floor "
+                 f"with those reads {d['floor_ms']:.1f} ms: {over(d)}")
+    return line
 
 
 def _loss_check(losses: dict[str, list[float]]) -> dict:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
+from tieredemb.keys import keep_where
 from tieredemb.modules.batch import GroupBatch
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -179,7 +180,7 @@ class RowWiseSharding:
         hint: the keys other ranks own are left to their own misses)."""
         keys, tables = keys.to(self.device), tables.to(self.device)
         mine = owner_of(keys, self.salts[g][tables], self.world) == self.rank
-        self.tiers[g].read_ahead(keys[mine], tables[mine])
+        self.tiers[g].read_ahead(*keep_where(mine, keys, tables))
 
     def export(self, g: int, i: int) -> TableRows:
         """The rows this rank owns."""

@@ -46,7 +46,7 @@ from tieredemb.modules.in_flight import (
     same_batch,
 )
 from tieredemb.modules.placement import LocalPlacement
-from tieredemb.modules.read_ahead import keys_by_group
+from tieredemb.modules.read_ahead import BatchKeys
 from tieredemb.modules.staged import Collection as StagedCollection
 from tieredemb.modules.staged import StagedPrefetcher
 from tieredemb.ops import resolve_device, select_kernels
@@ -138,6 +138,7 @@ class CollectionBase(nn.Module):
             self.tiers, self.kernels, self.device, process_group, storage.replicate_hot))
         # table name -> (group, position in the group)
         self._where = {tables[t].name: (g, i) for g, m in enumerate(members) for i, t in enumerate(m)}
+        self._batch_keys = BatchKeys(tables, self._where)
         self._layout = Layout(tables, members, self.device, self._uses_weights, self.kernels)
         self.step = 0  # optimizer steps taken (backward passes)
         self._clock = 0  # prefetches taken: the LRU score of a use
@@ -604,7 +605,7 @@ class CollectionBase(nn.Module):
         """Start reading a coming batch's rows from the backing store into the host tier
         (``StorageConfig(host_budget=...)``) on I/O threads; returns at once. Nothing else moves
         (device cache, scores, admission counts); without a host tier it does nothing."""
-        for g, (keys, tables) in keys_by_group(kjt, self.table_configs, self._where).items():
+        for g, (keys, tables) in self._batch_keys.by_group(kjt).items():
             self.placement.read_ahead(g, keys, tables)
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:

@@ -10,39 +10,55 @@ from __future__ import annotations
 import torch
 
 from tieredemb.config import TableConfig
+from tieredemb.keys import keep_where
 
 
-def keys_by_table(kjt: object, tables: list[TableConfig]) -> dict[str, torch.Tensor]:
-    """Each table's keys in ``kjt`` (a ``te.KeyedJaggedTensor`` or TorchRec's): int64 (n,) on the
-    CPU, repeats kept (the host tier takes the distinct ones on the device, where that is cheap).
-    A feature no table reads, or a table's feature missing, is a ``ValueError``."""
-    if not hasattr(kjt, "keys") or not hasattr(kjt, "values") or not hasattr(kjt, "lengths"):
-        raise TypeError(f"read_ahead takes a KeyedJaggedTensor, got {type(kjt).__name__}")
-    features = list(kjt.keys())
-    known = {f for t in tables for f in t.feature_names}
-    unknown = [f for f in features if f not in known]
-    missing = sorted(known - set(features))
-    if unknown or missing:
-        raise ValueError(f"read_ahead: the batch's features {features} are not the collection's "
-                         f"(unknown: {unknown}, missing: {missing})")
-    values = kjt.values().reshape(-1).to(torch.int64).cpu()
-    lengths = kjt.lengths().reshape(-1).to(torch.int64).cpu()
-    if features and lengths.numel() % len(features):
-        raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
-    per_feature = lengths.reshape(len(features), -1).sum(1).tolist() if features else []
-    if sum(per_feature) != values.numel():
-        raise ValueError(f"read_ahead: lengths sum to {sum(per_feature)}, values has {values.numel()}")
-    spans = dict(zip(features, torch.split(values, per_feature)))
-    return {t.name: torch.cat([spans[f] for f in t.feature_names]) for t in tables if t.feature_names}
+class BatchKeys:
+    """Each table group's keys in a batch and each key's table in the group, int64 (n,) each, on the
+    batch's device: a batch on the GPU is not read back (its pairs of other groups are
+    ``RESERVED_KEY``: ``keep_where``), one on the CPU is checked and split there. Repeats are kept
+    (the host tier takes the distinct ones). ``where`` maps a table's name to (group, position in
+    the group)."""
 
+    def __init__(self, tables: list[TableConfig], where: dict[str, tuple[int, int]]) -> None:
+        self.of_feature = {f: where[t.name] for t in tables for f in t.feature_names}
+        self._maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by (features, device)
 
-def keys_by_group(kjt: object, tables: list[TableConfig],
-                  where: dict[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per table group: the keys of its tables in ``kjt`` and each key's table in the group, int64
-    (n,) each; ``where`` maps a table's name to (group, position in the group)."""
-    parts: dict[int, list[tuple[torch.Tensor, int]]] = {}
-    for name, keys in keys_by_table(kjt, tables).items():
-        g, i = where[name]
-        parts.setdefault(g, []).append((keys, i))
-    return {g: (torch.cat([k for k, _ in p]), torch.cat([torch.full_like(k, i) for k, i in p]))
-            for g, p in parts.items()}
+    def by_group(self, kjt: object) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A feature no table reads, or a table's feature missing, is a ``ValueError``."""
+        if not hasattr(kjt, "keys") or not hasattr(kjt, "values") or not hasattr(kjt, "lengths"):
+            raise TypeError(f"read_ahead takes a KeyedJaggedTensor, got {type(kjt).__name__}")
+        features = tuple(kjt.keys())
+        unknown = [f for f in features if f not in self.of_feature]
+        missing = sorted(set(self.of_feature) - set(features))
+        if unknown or missing:
+            raise ValueError(f"read_ahead: the batch's features {list(features)} are not the collection's "
+                             f"(unknown: {unknown}, missing: {missing})")
+        if not features:
+            return {}
+        values = kjt.values().reshape(-1).to(torch.int64)
+        lengths = kjt.lengths().reshape(-1).to(values.device)
+        if lengths.numel() % len(features):
+            raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
+        if lengths.device.type == "cpu" and int(lengths.sum()) != values.numel():
+            raise ValueError(f"read_ahead: lengths sum to {int(lengths.sum())}, values has {values.numel()}")
+        # each value's feature: the first whose values end past it
+        ends = lengths.reshape(len(features), -1).sum(1).cumsum(0)
+        at = torch.arange(values.numel(), device=values.device)
+        feature = torch.searchsorted(ends, at, right=True).clamp_(max=len(features) - 1)
+        group, position = self._map(features, values.device)
+        tables = position[feature]
+        groups = sorted({self.of_feature[f][0] for f in features})
+        if len(groups) == 1:
+            return {groups[0]: (values, tables)}
+        of = group[feature]
+        return {g: keep_where(of == g, values, tables) for g in groups}
+
+    def _map(self, features: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each feature's group and position in it, int64 on ``device`` (made once per order)."""
+        key = (features, device)
+        if key not in self._maps:
+            g, i = zip(*(self.of_feature[f] for f in features))
+            self._maps[key] = (torch.tensor(g, dtype=torch.int64, device=device),
+                               torch.tensor(i, dtype=torch.int64, device=device))
+        return self._maps[key]

@@ -222,7 +222,9 @@ class GroupStore:
 
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Start reading the pairs' rows into the tier in front of each table, without waiting
-        (``Backend.read_ahead``: nothing where there is none)."""
+        (``Backend.read_ahead``: nothing where there is none, and the pairs not split)."""
+        if all(type(b).read_ahead is Backend.read_ahead for b in self.backends):
+            return
         for t, pos in self._by_table(tables):
             self.backends[t].read_ahead(keys[pos])
 

@@ -188,8 +188,8 @@ class HostTierGroup(GroupStore, DeviceRows):
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Queue the pairs' rows to be read from the store into host memory (see the module
         docstring); returns at once."""
-        if not self._closed and keys.numel():
-            self._queued.append((keys.reshape(-1).to(torch.int64).cpu(), tables.reshape(-1).cpu()))
+        if not self._closed and keys.numel():  # (where they are: no host read of a device's keys)
+            self._queued.append((keys.reshape(-1).to(torch.int64), tables.reshape(-1).to(torch.int64)))
 
     def flush(self) -> None:
         """Every dirty row written down to the store, then the store flushed."""
@@ -383,24 +383,26 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def _start_reads(self) -> None:
         """The queued reads ahead handed to a reader thread, with which of their pairs host memory
-        lacks and the store may hold (found on the device, copied to the host behind its work: the
-        reader waits for it, this thread never does)."""
+        lacks and the store may hold (found on the device, copied to the host with the pairs behind
+        its work: the reader waits for it, this thread never does)."""
         if not self._queued or self._closed:
             self._queued = []
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
-        keys, tables = (torch.cat(x) for x in zip(*queued))
-        on = (keys.to(self.device, non_blocking=True), tables.to(self.device, non_blocking=True))
-        lack, ready = to_host_later(~self.rows.held(*on) & self.filter.may_hold(*on), [])
-        self._reading.append(_Read(self._round, self._readers.submit(self._read, keys, tables, lack, ready)))
+        keys, tables = (torch.cat([t.to(self.device, non_blocking=True) for t in x]) for x in zip(*queued))
+        lack = (keys != RESERVED_KEY) & ~self.rows.held(keys, tables) & self.filter.may_hold(keys, tables)
+        pairs, ready = to_host_later(torch.stack([keys, tables, lack.to(torch.int64)]), [])
+        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, ready)))
 
-    def _read(self, keys: torch.Tensor, tables: torch.Tensor, lack: torch.Tensor,
-              ready: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """On a reader thread: the distinct pairs of ``lack`` read from the store; returns those it
+    def _read(self, pairs: torch.Tensor, ready: torch.cuda.Event | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On a reader thread: of ``pairs`` (keys, tables, lack: int64 (3, n) on the host, complete
+        once ``ready`` has passed), the distinct ones lacked read from the store; returns those it
         has and their rows (pinned where the device will copy them)."""
         if ready is not None:
             ready.synchronize()
-        keys, tables = keys[lack], tables[lack]
+        lack = pairs[2].nonzero().squeeze(1)
+        keys, tables = pairs[0, lack], pairs[1, lack]
         last = last_of_duplicates(keys, tables)
         keys, tables = keys[last], tables[last]
         got = self.below.get(keys, tables)
