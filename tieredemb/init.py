@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.keys import GOLDEN, shr, splitmix64, stable_name_hash
+from tieredemb.ops import triton_hashing
 
 
 @functools.lru_cache(maxsize=256)
@@ -35,22 +36,14 @@ def random_bits(seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
 
     ``table`` is one name, or several with ``tables`` (int64 (n,)) the position of each key's."""
     bases = _bases(seed, table, stream, keys.device)
-    if keys.is_cuda and _triton_hashing() is not None:  # the same bits in one kernel
-        return _triton_hashing().random_bits(bases, keys, dim, tables)
+    if keys.is_cuda and triton_hashing() is not None:  # the same bits in one kernel
+        return triton_hashing().random_bits(bases, keys, dim, tables)
     base = bases[0] if tables is None else bases[tables]
     per_key = splitmix64(keys.to(torch.int64) ^ base)  # (n,)
     cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * GOLDEN  # (dim,)
     return splitmix64(per_key[:, None] + cols[None, :])
 
 
-@functools.cache
-def _triton_hashing():
-    """``tieredemb.ops.triton.hashing``, or None without triton."""
-    try:
-        from tieredemb.ops.triton import hashing
-    except ImportError:
-        return None
-    return hashing
 
 
 def uniform01(bits: torch.Tensor) -> torch.Tensor:
@@ -78,8 +71,8 @@ class Uniform(Initializer):
 
     def rows(self, seed: int, table: str | list[str], keys: torch.Tensor, dim: int,
              tables: torch.Tensor | None = None) -> torch.Tensor:
-        if keys.is_cuda and _triton_hashing() is not None:  # the same rows in one kernel
-            return _triton_hashing().uniform_rows(_bases(seed, table, 0, keys.device), keys, dim, tables,
+        if keys.is_cuda and triton_hashing() is not None:  # the same rows in one kernel
+            return triton_hashing().uniform_rows(_bases(seed, table, 0, keys.device), keys, dim, tables,
                                                   self.low, self.high)
         u = uniform01(random_bits(seed, table, keys, dim, tables=tables))
         return (self.low + (self.high - self.low) * u).to(torch.float32)

@@ -821,3 +821,21 @@ def test_checks_and_runs_of_a_padded_batch(gen, monkeypatch, fault):
             assert torch.equal(g[:u], w[:u])
         assert torch.equal(got[2][:n], want[2]) and (got[2][n:] == 0).all()  # inverse
         assert torch.equal(got[3][:u], want[3][:u])  # entries
+
+
+@pytest.mark.parametrize("bits, hashes", [(63 * 4, 3), (1000, 2), (1 << 16, 3)])
+def test_the_filters_kernel_answers_as_its_torch_version(gen, bits, hashes):
+    """``KeyFilter.may_hold`` in one kernel: the torch version's answer for every pair (int64
+    extremes, several tables), on filters nearly full and nearly empty; a pair added always held."""
+    from tieredemb.ops.triton import hashing
+    from tieredemb.storage.key_filter import KeyFilter
+
+    keys = torch.cat([torch.tensor([0, -1, 2**63 - 1, -(2**63) + 1, 12345]),
+                      torch.randint(-(2**62), 2**62, (3000,), generator=gen)])
+    tables = torch.randint(0, 5, (keys.numel(),), generator=gen)
+    f = KeyFilter(bits, torch.device("cpu"), hashes)  # (on the CPU: the torch version)
+    f.add(keys[::7], tables[::7])
+    want = f.may_hold(keys, tables)
+    got = hashing.bloom_may_hold(f.words.to(DEVICE), keys.to(DEVICE), tables.to(DEVICE), f.bits, hashes)
+    assert torch.equal(got.cpu(), want)
+    assert bool(want[::7].all()) and not bool(want.all())  # (both answers occur)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,6 +34,16 @@ def to_host_later(values: torch.Tensor,
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+@functools.cache
+def triton_hashing():
+    """``tieredemb.ops.triton.hashing`` (the key hashes in one kernel each), or None without triton."""
+    try:
+        from tieredemb.ops.triton import hashing
+    except ImportError:
+        return None
+    return hashing
 
 
 def select_kernels(kind: str, device: torch.device):

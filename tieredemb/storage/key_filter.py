@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tieredemb.keys import GOLDEN, splitmix64
+from tieredemb.ops import triton_hashing
 
 _BITS = 63
 
@@ -54,6 +55,8 @@ class KeyFilter:
 
     def may_hold(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """bool (n,): False where the store surely lacks the pair."""
+        if keys.is_cuda and triton_hashing() is not None:  # the same answer in one kernel
+            return triton_hashing().bloom_may_hold(self.words, keys, tables, self.bits, self.hashes)
         pos = self._positions(keys, tables)
         return ((self.words[pos // _BITS] >> (pos % _BITS)) & 1).bool().all(0)
 
