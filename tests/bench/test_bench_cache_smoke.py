@@ -232,10 +232,11 @@ def test_ssd_with_a_host_tier_and_reads_ahead(tmp_path) -> None:
     args = ["ssd", "--scale", str(SCALE), "--steps", "3", "--warmup", "3", "--device", "cpu",
             "--threads", "1", "--dir", str(tmp_path / "db"), "--shards", "2", "--raw-rows", "2000",
             "--host-budget", "20000", "--lookahead", "2", "--dense-width", "16", "--dense-layers", "1",
-            "--out", str(tmp_path / "out"), "--interleave", "0"]
+            "--out", str(tmp_path / "out"), "--interleave", "2"]  # (turns of 2 steps, then 1)
     assert main(args) == 0
     data = json.loads(next((tmp_path / "out").glob("*-ssd.json")).read_text())
     got = {r["configuration"]: r for r in data["results"]}
+    assert len(got) == len(data["results"])  # (each run reported once)
     assert set(got) == {"ours", "peer", "host_tier", "host_memory", "pipeline", "pipeline_host_tier",
                         "pipeline_peer"}
     for r in got.values():

@@ -184,15 +184,14 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
 
     tier = f"host tier {host / 1e6:.3g} MB"
     rows = prefill_rows(opts, cache_rows)
-    plain_run(AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
-                       WindowBatches(batches, k), grad, rows, "host_tier", hot_rows=cache_rows, lookahead=k),
-              opts, log, on_result)
-    # the target's reference: the same device cache over every row in host memory (no store)
-    # (timing alone: ``bench cache`` checks the rows of this path)
-    plain_run(ConfigRun(opts, "ours (cache, HostMemory)", te.StorageConfig(hbm_budget=budget,
-                                                                            backing=te.storage.HostMemory()),
-                        batches, grad, rows, "host_memory", hot_rows=cache_rows), opts, log,
-              lambda m, _: on_result(m, None))
+    # the target's reference (in turns with the tier): the same device cache over every row in host
+    # memory, no store (timed alone: ``bench cache`` checks the rows of this path)
+    reference = ConfigRun(opts, "ours (cache, HostMemory)",
+                          te.StorageConfig(hbm_budget=budget, backing=te.storage.HostMemory()),
+                          batches, grad, rows, "host_memory", hot_rows=cache_rows)
+    ahead = AheadRun(opts, f"ours (cache, RocksDB, {tier}, reads {k} ahead)", storage("store-host", True),
+                     WindowBatches(batches, k), grad, rows, "host_tier", hot_rows=cache_rows, lookahead=k)
+    plain_runs([ahead, reference], opts, log, lambda m, run: on_result(m, run if run is ahead else None))
     data = pipeline_data(opts, batches, opts.warmup + opts.steps + 2 + k)
     losses: dict[str, list[float]] = {}
     under = "ours under TrainPipeline (cache, RocksDB"
@@ -211,33 +210,69 @@ def run_host_tier(opts: CacheOptions, directory: str, direct_reads: bool, batche
     return _loss_check(losses)
 
 
-def plain_run(run: ConfigRun, opts: CacheOptions, log: Callable[[str], None],
-              on_result: Callable[[Measurement, ConfigRun | None], None]) -> None:
-    """Time ``run`` in a plain loop and report it (with the host tiers' counters a step, where it
-    has any)."""
-    log(f"{run.label} ...")
-    try:
-        run.start()
-        before, io = host_counters(run.ebc), disk_io()
-        run.time_steps(opts.steps)
-        io, after = io_between(io, disk_io(), opts.steps), host_counters(run.ebc)
-        m = run.finish(log)
-        if after:
-            m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
-                                    else (after[key] - before.get(key, 0)) / opts.steps for key in after}
-            below = run.ebc.tiers[0].below
-            m.extra["host_tier"]["row_bytes"] = below.width * below.dtype.itemsize
-        if io is not None:
-            m.extra["disk_io_per_step"] = io
-    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+@dataclass(eq=False)
+class _Timed:
+    """A plain run being timed: its host tiers' counters before, the disk's counters over its turns."""
+
+    run: ConfigRun
+    tier: dict[str, int]
+    io: dict[str, float] | None
+
+
+def plain_runs(runs: list[ConfigRun], opts: CacheOptions, log: Callable[[str], None],
+               on_result: Callable[[Measurement, ConfigRun | None], None]) -> None:
+    """Time ``runs`` in a plain loop, all built first and then in turns of ``opts.interleave`` steps
+    (0: each from start to finish), and report each (with its host tiers' counters and the disk's a
+    step, where it has any). A run that fails is reported with its error; the others go on."""
+    def failed(run: ConfigRun, e: Exception) -> None:
         run.m.error = f"{type(e).__name__}: {e}"
         run.close()
         on_result(run.m, None)
-        return
-    try:
-        on_result(m, run)  # (a failure here is the report's: raised, not taken for the run's)
-    finally:
-        run.close()
+
+    live: list[_Timed] = []
+    for run in runs:
+        log(f"{run.label} ...")
+        try:
+            run.start()
+            live.append(_Timed(run, host_counters(run.ebc), {}))
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+            failed(run, e)
+    turn = opts.interleave or opts.steps
+    while any(t.run.left for t in live):
+        for t in [t for t in live if t.run.left]:
+            try:
+                before = disk_io()
+                t.run.time_steps(turn)
+                spent = io_between(before, disk_io(), 1)
+                t.io = None if spent is None or t.io is None else {
+                    k: t.io.get(k, 0) + v for k, v in spent.items()}
+            except Exception as e:  # noqa: BLE001
+                live.remove(t)
+                failed(t.run, e)
+    for t in live:
+        try:
+            m = _measured(t, opts, log)
+        except Exception as e:  # noqa: BLE001
+            failed(t.run, e)
+            continue
+        try:
+            on_result(m, t.run)  # (a failure here is the report's: raised, not taken for the run's)
+        finally:
+            t.run.close()
+
+
+def _measured(t: _Timed, opts: CacheOptions, log: Callable[[str], None]) -> Measurement:
+    """A timed run's measurement, with its host tiers' counters and the disk's a step."""
+    after = host_counters(t.run.ebc)
+    m = t.run.finish(log)
+    if after:
+        m.extra["host_tier"] = {key: after[key] if key in ("rows", "capacity", "dirty")  # else a step's
+                                else (after[key] - t.tier.get(key, 0)) / opts.steps for key in after}
+        below = t.run.ebc.tiers[0].below
+        m.extra["host_tier"]["row_bytes"] = below.width * below.dtype.itemsize
+    if t.io is not None:
+        m.extra["disk_io_per_step"] = {k: v / opts.steps for k, v in t.io.items()}
+    return m
 
 
 def host_tier_floor(disk: DiskFigures, m: Measurement) -> dict | None:
