@@ -152,24 +152,24 @@ def test_host_tier_on_the_gpu_matches_a_dict(eviction) -> None:
     check()
 
 
-@pytest.mark.parametrize("eviction, kept", [("lru", [0, 1, 2, 5]), ("lfu", [0, 1, 2, 4])])
+@pytest.mark.parametrize("eviction, kept", [("lru", [0, 1, 2, 4, 5]), ("lfu", [0, 1, 2, 3, 4])])
 def test_a_table_over_its_capacity_keeps_its_most_used_rows(eviction, kept) -> None:
-    """Capacity 5: six rows held, the next call keeps four (the capacity less a quarter). LRU keeps
-    the rows used last (5 written, 0, 1, 2 read); LFU the rows used most (0 five times, 1 four, 2
-    three, 4 twice)."""
+    """Capacity 5: six rows held, the next call keeps five (the capacity less a sixteenth, rounded
+    down). LRU drops the row used longest ago (3: read second, then 4 read again and 5 written); LFU
+    the row used least (5 written once; 0 used five times, 1 four, 2 three, 3 and 4 twice)."""
     below = GroupStore([DictBackend(W)])
     tier = _tier(below, 5, eviction)
     table = tier.table(0)
     table.set(torch.arange(5), torch.ones(5, W))
-    for keys in ([0, 1, 2, 4], [0, 1, 2], [0, 1], [0]):
+    for keys in ([0, 1, 2, 3], [0, 1, 2], [0, 1], [0], [4]):
         table.get(torch.tensor(keys))
     table.set(torch.tensor([5]), 2 * torch.ones(1, W))
     assert _held(tier) == [0, 1, 2, 3, 4, 5]  # room is made at the next call, before it
     tier.flush()
     assert _held(tier) == kept
-    assert len(below.backends[0]._rows) == 6  # the rows that left were written down first
+    assert len(below.backends[0]._rows) == 6  # the row that left was written down first
     s = table.tier_stats()
-    assert (s.rows, s.capacity, s.evictions, s.dirty) == (4, 5, 2, 0)
+    assert (s.rows, s.capacity, s.evictions, s.dirty) == (5, 5, 1, 0)
     _check_scan(table, {**{k: torch.ones(W) for k in range(5)}, 5: 2 * torch.ones(W)})
     tier.close()
 
@@ -184,8 +184,8 @@ def test_clean_rows_leave_without_a_write() -> None:
     tier.finish_reads()
     assert _held(tier) == list(range(8))
     writes = store.writes
-    tier.settle()  # over capacity: 5 go, all clean
-    assert len(_held(tier)) == 3 and store.writes == writes
+    tier.settle()  # over capacity: 4 go, all clean
+    assert len(_held(tier)) == 4 and store.writes == writes
     tier.close()
 
 
@@ -238,19 +238,19 @@ class _SlowStore(DictBackend):
 
 
 def test_a_call_waits_for_a_slow_store_rather_than_hold_more_rows() -> None:
-    """Capacity 8: at most 1 row on its way down. Six go down and the store does not take them:
+    """Capacity 8: at most 1 row on its way down. Four go down and the store does not take them:
     the next call waits until it does, then drops them."""
     store = _SlowStore()
     tier = _tier(GroupStore([store]), 8)
     table = tier.table(0)
     table.set(torch.arange(12), torch.ones(12, W))
-    tier.settle()  # 12 held: 6 go down, the writer waits at the gate
+    tier.settle()  # 12 held: 4 go down (to the capacity), the writer waits at the gate
     assert _held(tier) == list(range(12)) and len(store._rows) == 0
     threading.Timer(0.3, store.gate.set).start()
     t0 = time.perf_counter()
     tier.settle()
     assert time.perf_counter() - t0 > 0.2  # it waited for the store
-    assert len(_held(tier)) == 6 and len(store._rows) == 6
+    assert len(_held(tier)) == 8 and len(store._rows) == 4
     _check_scan(table, {k: torch.ones(W) for k in range(12)})
     tier.close()
 

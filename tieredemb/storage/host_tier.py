@@ -12,7 +12,7 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   pair written down since) keeps the keys it surely lacks (ids seen for the first time) from the call.
 - **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
   every call, before anything else moves), its least recently used rows go, down to the capacity
-  less a quarter of it, rounded down (rows read ahead and not used yet go last): the clean ones
+  less a sixteenth of it, rounded down (rows read ahead and not used yet go last): the clean ones
   (the store's copy is the same) at once, the dirty ones after the tier's writer thread has written
   them down, and only if nothing wrote them meanwhile. Until then they stay and answer like any
   other row, so the store is never asked for a row on its way down (DESIGN section 4, rule 3).
@@ -86,6 +86,7 @@ class _Read:
     future: Future
 
 
+_SLACK = 16  # a table over its capacity keeps it less this fraction of it (``_evict``)
 _COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
 
 
@@ -289,13 +290,18 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._evict()
 
     def _evict(self) -> None:
-        """Tables over their capacity (not counting their rows on the way down) keep it less a quarter:
-        the others leave, the clean ones now, the dirty ones once written down (one write for all)."""
+        """Tables over their capacity (not counting their rows on the way down) keep it less a
+        sixteenth (``_SLACK``): the others leave, the clean ones now, the dirty ones once written down
+        (one write for all). A sixteenth, not more: a larger eviction is a burst of writes that the
+        bound on rows on their way down (an eighth) makes the training thread wait for, while the
+        writer idles between bursts; a smaller one runs the pass over the index that picks the rows
+        more often."""
         sizes = self.rows.sizes()
         for ev in self._evicting:
             for t, n in enumerate(torch.bincount(ev.host[1], minlength=len(sizes)).tolist()):
                 sizes[t] -= n
-        over = [held - (cap - cap // 4) if held > cap else 0 for held, cap in zip(sizes, self.capacities)]
+        over = [held - (cap - cap // _SLACK) if held > cap else 0
+                for held, cap in zip(sizes, self.capacities)]
         if not any(over):
             return
         busy = torch.cat([self.rows.version[:0]] + [ev.addresses for ev in self._evicting])
