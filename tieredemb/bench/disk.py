@@ -78,7 +78,8 @@ def step_floor(disk: DiskFigures, misses_per_step: float, written_bytes_per_step
     floor = reads_ms + writes_ms
     return {"floor_ms": floor, "reads_ms": reads_ms, "writes_ms": writes_ms,
             "misses_per_step": misses_per_step, "written_bytes_per_step": written_bytes_per_step,
-            "step_ms": step_ms, "step_over_floor": step_ms / floor if step_ms and floor > 0 else None}
+            "step_ms": step_ms,  # (a floor under 0.05 ms: a step that moved next to nothing: no ratio)
+            "step_over_floor": step_ms / floor if step_ms and floor >= 0.05 else None}
 
 
 def floor_line(f: dict) -> str:
