@@ -132,3 +132,23 @@ def test_step_floor_is_reads_over_iops_plus_writes_over_bandwidth():
     assert floor["writes_ms"] == pytest.approx(50.0)  # 100 MB at 2 GB/s
     assert floor["floor_ms"] == pytest.approx(250.0) and floor["step_over_floor"] == pytest.approx(4.0)
     assert "250.000 ms" in disk.floor_line(floor) and "4.00x" in disk.floor_line(floor)
+
+
+def test_disk_io_sums_whole_disks_only(tmp_path) -> None:
+    """``disk_io`` reads the kernel's counters of the disks ``/sys/block`` lists (here a fake of both):
+    partitions, loop and device-mapper devices are left out; sectors are 512 bytes."""
+    from tieredemb.bench.disk import disk_io, io_between
+
+    blocks = tmp_path / "block"
+    for name in ("vda", "nvme0n1", "loop0", "dm-0"):
+        (blocks / name).mkdir(parents=True)
+    stats = tmp_path / "diskstats"
+    rows = {"vda": (10, 3, 80, 7, 5, 2, 40, 9), "vda1": (99,) * 8, "nvme0n1": (1, 0, 8, 1, 2, 0, 16, 1),
+            "loop0": (50,) * 8, "dm-0": (70,) * 8}
+    stats.write_text("".join(f"   8       0 {name} {' '.join(map(str, v))} 0 0 0 0\n"
+                             for name, v in rows.items()))
+    got = disk_io(str(stats), str(blocks))
+    assert got == {"reads": 11, "read_bytes": 88 * 512, "writes": 7, "write_bytes": 56 * 512}
+    assert io_between(got, {k: v + 4 for k, v in got.items()}, 2) == {k: 2.0 for k in got}
+    assert io_between(None, got, 2) is None
+    assert disk_io(str(tmp_path / "absent"), str(blocks)) is None

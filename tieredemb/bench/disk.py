@@ -90,13 +90,13 @@ def floor_line(f: dict) -> str:
             f"sequential write = {f['writes_ms']:.3f} ms){over}")
 
 
-def disk_io() -> dict[str, int] | None:
-    """The machine's disks' counters, summed (``/proc/diskstats``; whole disks, not their partitions,
-    device-mapper or loop devices): reads and writes completed, bytes read and written. None where
-    the kernel does not say (not Linux)."""
+def disk_io(stats: str = "/proc/diskstats", blocks: str = "/sys/block") -> dict[str, int] | None:
+    """The machine's disks' counters, summed (``/proc/diskstats``; whole disks, those ``/sys/block``
+    lists, not their partitions, device-mapper, RAM or loop devices): reads and writes completed,
+    bytes read and written. None where the kernel does not say (not Linux)."""
     try:
-        disks = {d for d in os.listdir("/sys/block") if not d.startswith(_VIRTUAL)}
-        with open("/proc/diskstats") as f:
+        disks = {d for d in os.listdir(blocks) if not d.startswith(_VIRTUAL)}
+        with open(stats) as f:
             lines = [line.split() for line in f]
     except OSError:
         return None
