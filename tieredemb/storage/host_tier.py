@@ -86,7 +86,7 @@ class _Read:
     future: Future
 
 
-_SLACK = 16  # a table over its capacity keeps it less this fraction of it (``_evict``)
+_SLACK = 16  # a table over its capacity keeps it less 1/_SLACK of it (``_evict``)
 _COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
 
 
