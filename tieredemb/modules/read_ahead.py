@@ -40,8 +40,8 @@ class BatchKeys:
         lengths = kjt.lengths().reshape(-1).to(values.device)
         if lengths.numel() % len(features):
             raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
-        if lengths.device.type == "cpu" and int(lengths.sum()) != values.numel():
-            raise ValueError(f"read_ahead: lengths sum to {int(lengths.sum())}, values has {values.numel()}")
+        if lengths.device.type == "cpu" and (total := int(lengths.sum())) != values.numel():
+            raise ValueError(f"read_ahead: lengths sum to {total}, values has {values.numel()}")
         # each value's feature: the first whose values end past it
         ends = lengths.reshape(len(features), -1).sum(1).cumsum(0)
         at = torch.arange(values.numel(), device=values.device)
