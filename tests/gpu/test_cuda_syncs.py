@@ -255,3 +255,40 @@ def test_a_read_ahead_of_a_batch_on_the_device_reads_nothing_back(tmp_path):
     ebc.prefetch(kjt)
     ebc(kjt).values().sum().backward()
     ebc.close()
+
+
+@pytest.mark.parametrize("dims", [(16, 16, 16), (16, 32, 16)], ids=["one-group", "two-groups"])
+def test_a_cache_step_over_a_host_tier_that_holds_the_tables_reads_the_device_once(dims, tmp_path):
+    """A device cache of a quarter of the rows over a host tier that holds them all, over RocksDB:
+    the cache misses and evicts every step, the tier holds every miss (or the store never had it),
+    so the staged read says so and the insertion asks the store nothing: one host read a step, as
+    over host memory alone."""
+    rows = 4000
+    width = max(dims) + 1  # (row-wise Adagrad: one state value a row)
+    storage = te.StorageConfig(hbm_budget=3 * rows // 4 * width * 4, host_budget=3 * 2 * rows * width * 4,
+                               backing=te.storage.RocksDB(str(tmp_path / "db")))
+    tables = [te.TableConfig(f"t{i}", d, [f"f{i}"], num_embeddings=rows) for i, d in enumerate(dims)]
+    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.RowWiseAdagrad(lr=0.05), storage=storage,
+                                    device=DEV)
+    assert ebc.storage_mode == "cache"
+    gen = torch.Generator().manual_seed(0)
+    for i in range(46):
+        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+        ids = torch.randint(0, 600, (int(lengths.sum()),), generator=gen)
+        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
+
+        def step(kjt=kjt):
+            ebc.prefetch(kjt)
+            ebc(kjt).values().sum().backward()
+
+        if i < 40:  # warm: the cache fills and evicts, the tier and its store stop growing
+            step()
+            continue
+        if i == 40:
+            before = ebc.stats()["t0"]
+        reads = host_reads(step)
+        assert len(reads) <= 1, f"{len(reads)} host reads in a cache step over a host tier: {reads}"
+    after = ebc.stats()["t0"]
+    assert after.evictions > before.evictions and after.misses > before.misses
+    assert after.host_tier.hits > before.host_tier.hits and after.host_tier.misses == 0, after.host_tier
+    ebc.close()

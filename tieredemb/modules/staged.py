@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, GroupMajor, Layout, StagedBatch
 from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
 from tieredemb.ops.capture import CapturedStages, Slot
@@ -139,7 +140,7 @@ class StagedPrefetcher:
         n = given.values.numel()
         if self.captured is None or n == 0:
             return None
-        indexes = tuple(g.index.capture_key for g in (self.tiers if group is None else [group]))
+        indexes = tuple(g.capture_key() for g in (self.tiers if group is None else [group]))
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
         inputs = (given.values, given.per_feature, given.weights, step)
         capture = self.of.may_capture()
@@ -191,6 +192,10 @@ class StagedPrefetcher:
                 per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
                                                     out))
                 read += [per_region[-1], group.index.sizes_on_device]
+                if group.below_reads:  # its pairs alone, numbered within it
+                    mine = (tables >= first) & (tables < first + len(group.configs))
+                    read += group.stage_below(torch.where(mine, keys, RESERVED_KEY),
+                                              torch.where(mine, tables - first, 0), out[0], count)
         with label("## group.prefetch ##"):
             # each group's pairs come together, group by group: the first pair of each
             pairs = torch.stack([p[len(g.configs) : 2 * len(g.configs)].sum()
@@ -215,14 +220,15 @@ class StagedPrefetcher:
         for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
             r = len(group.configs)
             misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
-            at += 4 * r
+            below = info[at + 4 * r : at + 4 * r + group.below_reads]
+            at += 4 * r + group.below_reads
             u, m = sum(present), gb.ids.numel()
             mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
             part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],
                                   pending.counts[mine], pending.order[its], pending.slots[mine],
                                   pending.values[mine], pending.per_region[g], pending.step,
                                   pending.id_values[its])
-            gpf = group.finish_prefetch(part, [u, *misses, *sizes, *contested], gb.ids_per_table)
+            gpf = group.finish_prefetch(part, [u, *misses, *sizes, *contested, *below], gb.ids_per_table)
             gpf.sorted_ids.plan = pending.plans[g]
             groups.append(gpf)
             pairs, ids = pairs + u, ids + m

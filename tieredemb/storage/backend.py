@@ -165,6 +165,21 @@ class DeviceRows(ABC):
         and rows on the device; None where there are none. Host memory alone has nothing below."""
         return None
 
+    # how many int64 values ``lacking`` returns (0: it returns None, nothing is below these rows)
+    lacking_reads = 0
+
+    def lacking(self, keys: torch.Tensor, tables: torch.Tensor, missed: torch.Tensor) -> torch.Tensor | None:
+        """Where these rows are a tier over a slower store: int64 (2,) on the device, this tier's
+        ``erasures`` so far in the device's order of work, then how many pairs ``missed`` marks (bool,
+        ``keys`` ``RESERVED_KEY`` where no pair) it lacks and the store may hold. Device work only (a
+        CUDA graph may hold it). While ``erasures`` stays what it read, a count of 0 says that
+        ``from_below`` of those pairs would find nothing. None: nothing is below these rows."""
+        return None
+
+    def erasures(self) -> int:
+        """How many times pairs have left these rows (``lacking``'s count holds while unchanged)."""
+        return 0
+
 
 class GroupStore:
     """The backing store of a table group: several tables' rows, addressed by (table, key).

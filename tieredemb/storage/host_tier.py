@@ -142,7 +142,8 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # reads ahead not yet located
         self._reading: list[_Read] = []
         self._erased: list[tuple[int, torch.Tensor]] = []  # (round, pair ids) dropped after a write
-        self._round = 0
+        self._round = 0  # erasures so far (``_erased_now``), on the host
+        self._erasures = torch.zeros(1, dtype=torch.int64, device=self.device)  # the same, on the device
         self._read_failed_logged = False
         self._counts = torch.zeros(len(_COUNTS), len(capacities), dtype=torch.int64)
         self._landed = torch.zeros(len(capacities), dtype=torch.int64, device=self.device)  # rows read ahead
@@ -278,6 +279,17 @@ class HostTierGroup(GroupStore, DeviceRows):
             return None
         return need[hit.to(need.device)], got.rows[hit].to(self.device, self.dtype)
 
+    lacking_reads = 2
+
+    def lacking(self, keys: torch.Tensor, tables: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:
+        before = self._erasures.clone()  # first: a deletion after the count below is not counted
+        need = missed & (keys != RESERVED_KEY) & ~self.rows.held(keys, tables)
+        need &= self.filter.may_hold(keys, tables)
+        return torch.cat([before, need.sum().view(1)])
+
+    def erasures(self) -> int:
+        return self._round
+
     # ------------------------------------------------------------------------------- internals
 
     def _maintain(self) -> None:
@@ -382,6 +394,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         if self._reading:
             self._erased.append((self._round, _pair_ids(keys.cpu(), tables.cpu())))
         self._round += 1
+        self._erasures += 1  # (after the deletion, in the device's order: ``lacking`` reads it)
 
     def finish_reads(self) -> None:
         """Wait for the reads ahead started so far and put their rows in."""

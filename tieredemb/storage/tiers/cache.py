@@ -130,25 +130,50 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         misses inserted after the fetch (``_place``)."""
         return super().stage_prefetch(ids, tables, step, guard, by_id=False, id_count=id_count)
 
+    @property
+    def below_reads(self) -> int:
+        """Over a tier of a slower store (a host tier), with the insertion staged: 2, the tier's
+        ``DeviceRows.lacking`` of the probe's misses."""
+        rows = self._rows_below
+        return rows.lacking_reads if rows is not None and self.can_stage() else 0
+
+    def stage_below(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
+                    count: torch.Tensor) -> list[torch.Tensor]:
+        """The count of the probe's misses the tier below lacks and its store may hold, with the
+        tier's erasures before it (``DeviceRows.lacking``): where it says none (the tables in the
+        tier's reach, nearly always), the insertion asks the store nothing (``_insert_on_device``)."""
+        if not self.below_reads:
+            return []
+        missed = (slots == -1) & (torch.arange(keys.numel(), device=keys.device) < count)
+        return [self._rows_below.lacking(keys, tables, missed)]
+
+    def capture_key(self) -> tuple:
+        """The index's rehashes, and over a host tier what ``stage_below`` bakes in of it."""
+        return (*super().capture_key(), *(self._rows_below.capture_key() if self.below_reads else ()))
+
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
-        info = info[: 2 * len(self.configs)]  # misses and sizes (its probe contests nothing)
+        regions = len(self.configs)
+        below = info[3 * regions :]  # ``stage_below``'s
+        info = info[: 2 * regions]  # misses and sizes (its probe contests nothing)
         try:
             with label("## resolve ##"):
                 return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
-                                   staged.step, staged.slots[:u], staged.values[:u], staged.per_region, info)
+                                   staged.step, staged.slots[:u], staged.values[:u], staged.per_region, info,
+                                   below)
         finally:
             self.disarm()  # an arm the insertion did not take (it took it, or found it wrong)
 
     def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
                step: int, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
-               info: list[int]) -> CachePrefetch:
+               info: list[int], below: list[int] = ()) -> CachePrefetch:
         """The training prefetch after the probe (``slots``, ``values``, ``per_region``: the pairs
         found are locked and touched) and its host read (``info``: misses per region, then the
-        index's sizes): pads, fetch, insert, write-down. A fetch that raises unlocks the pairs found
-        and changes nothing else but their scores (which rows stay in the cache, not what they hold)."""
+        index's sizes; ``below``: ``stage_below``'s, where staged): pads, fetch, insert, write-down.
+        A fetch that raises unlocks the pairs found and changes nothing else but their scores (which
+        rows stay in the cache, not what they hold)."""
         if self._inserts_on_device():
             return self._insert_on_device(unique, utab, inverse, counts, step, slots, values, per_region,
-                                          info)
+                                          info, below)
         regions = len(self.configs)
         p = self._split_pads(unique, utab, slots, per_region, info)
         with label("## cache.fetch ##"):

@@ -182,7 +182,7 @@ class OnDeviceInsertion:
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
-                          per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
+                          per_region: torch.Tensor, info: list[int], below: list[int] = ()) -> CachePrefetch:
         """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: after
         the probe (``slots``, ``values``: the pairs found, locked and touched), the misses
         (``info``'s count of ``slots`` -1) inserted in the dedup's order (``insert_rows``), each
@@ -245,7 +245,8 @@ class OnDeviceInsertion:
             # the victims' rows go down to the host store beside the rest of the step: nothing of this
             # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
             self._rows_below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
-            self._fill_from_below(*lacked)
+            if self._asks_below(below):
+                self._fill_from_below(*lacked)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
@@ -314,6 +315,12 @@ class OnDeviceInsertion:
         self._moved[0] += per_table(vtables, found, len(self.configs))
         return (slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order),
                 (wanted, vtables, found, rows))
+
+    def _asks_below(self, below: list[int]) -> bool:
+        """Whether the insertion asks the store below the host tier for the misses the tier lacked
+        (``_fill_from_below``: one host read, which waits for the device): not where the staged read
+        (``below``: ``stage_below``'s erasures, count) counted none and no pair left the tier since."""
+        return not below or below[1] > 0 or below[0] != self._rows_below.erasures()
 
     def _fill_from_below(self, wanted: torch.Tensor, tables: torch.Tensor, found: torch.Tensor,
                          rows: torch.Tensor) -> None:

@@ -1,0 +1,122 @@
+"""A device cache over a host tier, its prefetch staged: the staged read counts the misses the tier
+lacks (and its store may hold), and where it counts none the insertion asks the store nothing
+(``HostTierGroup.from_below``, a host read that waits for the device, is not called). A pair that
+leaves the tier between the count and the insertion is still read from the store.
+
+References: the same tables trained in HBM alone (hbm_direct), on the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb as te
+from tests.modules.test_tiered_modes import DictStore, zipf_batches
+from tieredemb.storage.tiers.cache import CacheTier
+
+DIM, ROWS = 4, 300
+OPT = te.optim.Adam(lr=0.05)
+
+
+def _tables(groups: int) -> list[te.TableConfig]:
+    """Features a and b: of one table (one cache group), or of two tables of two dims (two groups,
+    staged together: one dedup, one read)."""
+    init = te.init.Normal(0.0, 0.1)
+    if groups == 1:
+        return [te.TableConfig("t", DIM, ["a", "b"], num_embeddings=ROWS, initializer=init)]
+    return [te.TableConfig("t", DIM, ["a"], num_embeddings=ROWS, initializer=init),
+            te.TableConfig("u", 2 * DIM, ["b"], num_embeddings=ROWS)]
+
+
+def _pair(groups: int, cache_rows: int, host_rows: int):
+    """A collection caching ``cache_rows`` rows a table over a host tier of ``host_rows`` over a
+    dict store, and the same tables in HBM."""
+    dim = groups * DIM  # (the wider table's)
+    row_bytes = (dim + OPT.state_width(dim)) * 4
+    storage = te.StorageConfig(hbm_budget=cache_rows * row_bytes * groups, backing=DictStore(),
+                               bucket_width=4, segment_rows=8, host_budget=host_rows * row_bytes * groups)
+    cached = te.EmbeddingBagCollection(_tables(groups), optimizer=OPT, storage=storage, seed=3)
+    plain = te.EmbeddingBagCollection(_tables(groups), optimizer=OPT, seed=3)
+    assert cached.storage_mode == "cache" and len(cached.tiers) == groups
+    return cached, plain
+
+
+def _batch(keys: list[int]) -> te.KeyedJaggedTensor:
+    """Each key once in feature a and once in b."""
+    return te.KeyedJaggedTensor(["a", "b"], torch.tensor(keys * 2), lengths=torch.ones(len(keys) * 2,
+                                                                                        dtype=torch.int64))
+
+
+def _spied(monkeypatch) -> dict[str, int]:
+    """Calls of the cache's insertion on the device and of its question to the store below the
+    host tier (``_fill_from_below``: ``HostTierGroup.from_below``), counted."""
+    calls = {"_insert_on_device": 0, "_fill_from_below": 0}
+    for name in calls:
+        method = getattr(CacheTier, name)
+
+        def spy(self, *args, _method=method, _name=name):
+            calls[_name] += 1
+            return _method(self, *args)
+
+        monkeypatch.setattr(CacheTier, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_misses_the_host_tier_holds_ask_the_store_nothing(groups, pipelined, monkeypatch) -> None:
+    """A tier that holds every row the cache evicts: no insertion asks the store (ids seen for the
+    first time are not in it either), and the run is hbm_direct's."""
+    calls = _spied(monkeypatch)
+    cached, plain = _pair(groups, cache_rows=128, host_rows=ROWS)
+    batches = zipf_batches(60, 6, seed=groups)
+    grads = torch.Generator().manual_seed(1)
+    for m in (cached, plain):
+        m.prefetch(batches[0]) if pipelined else None
+    for i, kjt in enumerate(batches):
+        outs = []
+        for m in (cached, plain):
+            out = m(kjt).values()
+            if pipelined and i + 1 < len(batches):
+                m.prefetch_deferred(batches[i + 1])
+            outs.append(out)
+        g = torch.randn(outs[0].shape, generator=grads)
+        for out in outs:
+            (out * g).sum().backward()
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    stats = [cached.stats()[t.name] for t in _tables(groups)]
+    assert all(s.misses > 0 and s.host_tier.hits > 0 for s in stats), stats  # the tier served misses
+    assert calls["_insert_on_device"] > len(batches) // 2, calls  # (a conflict miss inserts on the host)
+    assert calls["_fill_from_below"] == 0, calls
+    cached.close()
+
+
+def test_a_row_that_leaves_the_tier_after_the_count_is_read_from_the_store(monkeypatch) -> None:
+    """Batch i+1's prefetch is staged while key 1's row is on its way down from the tier (the tier
+    over its capacity: it still holds the row, so the staged read counts no miss lacked); the store
+    then takes the row and the tier drops it before batch i+1's insertion. The insertion must ask the
+    store for it: its row is the trained one, not a fresh initial row."""
+    calls = _spied(monkeypatch)
+    cached, plain = _pair(1, cache_rows=4, host_rows=8)
+    steps = [_batch(keys) for keys in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16],
+                                                [1])]
+    tier = cached.tiers[0].below
+    for m in (cached, plain):
+        for kjt in steps[:3]:
+            m(kjt).values().sum().backward()
+    one = (torch.tensor([1]), torch.tensor([0]))
+    assert bool(tier.rows.held(*one)), "key 1 should be in the host tier before the race"
+    got = {}
+    for m in (cached, plain):
+        out = m(steps[3]).values()
+        m.prefetch_deferred(steps[4])  # staged: its read counts key 1 as held by the tier
+        if m is cached:
+            assert bool(tier.rows.held(*one))
+            asked = calls["_fill_from_below"]
+            tier.flush()  # the write-downs taken by the store: key 1's row leaves the tier
+            assert not bool(tier.rows.held(*one))
+        out.sum().backward()
+        got[m is plain] = m(steps[4]).values().detach()
+    torch.testing.assert_close(got[False], got[True], rtol=1e-5, atol=1e-6)
+    assert calls["_fill_from_below"] > asked, "the insertion should have asked the store for key 1"
+    cached.close()
