@@ -61,6 +61,9 @@ def main() -> None:
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
                         "backward (Overlapped)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="each step is te.TrainPipeline's progress (no dense model; batches pinned on the "
+                        "host as a loader yields them; --lookahead: TrainPipeline(lookahead=k))")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
@@ -71,24 +74,7 @@ def main() -> None:
     ebc, shape, batches = build(args, dev)
     grad = upstream_grad(shape, dev, 0)
 
-    # made outside the profile (and the reads ahead's on the host, as a loader yields them)
-    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 1 + args.lookahead)]
-    ahead = [k.to(torch.device("cpu")) for k in kjts] if args.lookahead else None
-    torch.cuda.synchronize()
-
-    def step(i: int) -> None:
-        kjt = kjts[i]
-        if ahead is not None:
-            ebc.read_ahead(ahead[i + args.lookahead])
-        ebc.prefetch(kjt)
-        ebc(kjt).values().backward(grad)
-
-    if args.overlap:
-        overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
-
-        def step(i: int) -> None:  # noqa: F811 (the overlapped step instead)
-            overlapped.step(kjts[i], kjts[i + 1])
-
+    kjts, step = make_step(args, ebc, grad, batches, dev)
     for i in range(args.warmup):
         step(i)
     torch.cuda.synchronize()
@@ -107,6 +93,30 @@ def main() -> None:
         host_times(ebc, kjts, grad, args)
     else:
         torch_profile(step, args)
+
+
+def make_step(args, ebc, grad, batches, dev: torch.device):
+    """The batches (made outside the profile; the reads ahead's on the host, as a loader yields
+    them) and the step of the loop asked for: step(i) trains batch i."""
+    kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 3 + args.lookahead)]
+    ahead = [k.to(torch.device("cpu")) for k in kjts] if args.lookahead else None
+    torch.cuda.synchronize()
+    if args.pipeline:
+        pipe = te.TrainPipeline(_Loss(ebc, grad), None, device=dev, lookahead=args.lookahead)
+        data = iter([{"kjt": k.to(torch.device("cpu")).pin_memory()} for k in kjts])
+        return kjts, lambda i: pipe.progress(data)
+    if args.overlap:
+        overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
+        return kjts, lambda i: overlapped.step(kjts[i], kjts[i + 1])
+
+    def step(i: int) -> None:
+        kjt = kjts[i]
+        if ahead is not None:
+            ebc.read_ahead(ahead[i + args.lookahead])
+        ebc.prefetch(kjt)
+        ebc(kjt).values().backward(grad)
+
+    return kjts, step
 
 
 def build(args, dev: torch.device):
@@ -192,6 +202,17 @@ def print_top_gpu(avg, steps: int, title: str = "top GPU time per step (ms):", t
     print(title)
     for e in sorted(avg, key=lambda e: -getattr(e, attr))[:top]:
         print(f"  {e.key[:60]:60s} {e.count / steps:6.1f} {getattr(e, attr) / 1e3 / steps:8.3f}")
+
+
+class _Loss(torch.nn.Module):
+    """The collection's output against a fixed upstream gradient: TrainPipeline's model."""
+
+    def __init__(self, ebc, grad) -> None:
+        super().__init__()
+        self.ebc, self.grad = ebc, grad
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return (self.ebc(batch["kjt"]).values() * self.grad).sum()
 
 
 class Overlapped:

@@ -265,7 +265,7 @@ def test_a_cache_step_over_a_host_tier_that_holds_the_tables_reads_the_device_on
     over host memory alone."""
     rows = 4000
     width = max(dims) + 1  # (row-wise Adagrad: one state value a row)
-    storage = te.StorageConfig(hbm_budget=3 * rows // 4 * width * 4, host_budget=3 * 2 * rows * width * 4,
+    storage = te.StorageConfig(hbm_budget=rows // 4 * width * 4, host_budget=3 * 2 * rows * width * 4,
                                backing=te.storage.RocksDB(str(tmp_path / "db")))
     tables = [te.TableConfig(f"t{i}", d, [f"f{i}"], num_embeddings=rows) for i, d in enumerate(dims)]
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.RowWiseAdagrad(lr=0.05), storage=storage,

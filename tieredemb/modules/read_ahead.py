@@ -42,13 +42,16 @@ class BatchKeys:
             raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
         if lengths.device.type == "cpu" and (total := int(lengths.sum())) != values.numel():
             raise ValueError(f"read_ahead: lengths sum to {total}, values has {values.numel()}")
-        # each value's feature: the first whose values end past it
-        ends = lengths.reshape(len(features), -1).sum(1).cumsum(0)
-        at = torch.arange(values.numel(), device=values.device)
-        feature = torch.searchsorted(ends, at, right=True).clamp_(max=len(features) - 1)
         group, position = self._map(features, values.device)
-        tables = position[feature]
         groups = sorted({self.of_feature[f][0] for f in features})
+        per_feature = lengths.reshape(len(features), -1).sum(1)
+        if values.device.type == "cpu":  # (its lengths checked above: each feature's values repeated)
+            feature = torch.repeat_interleave(torch.arange(len(features)), per_feature,
+                                              output_size=values.numel())
+        else:  # each value's feature: the first whose values end past it (whatever the lengths hold)
+            at = torch.arange(values.numel(), device=values.device)
+            feature = torch.searchsorted(per_feature.cumsum(0), at, right=True).clamp_(max=len(features) - 1)
+        tables = position[feature]
         if len(groups) == 1:
             return {groups[0]: (values, tables)}
         of = group[feature]

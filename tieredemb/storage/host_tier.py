@@ -283,8 +283,7 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def lacking(self, keys: torch.Tensor, tables: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:
         before = self._erasures.clone()  # first: a deletion after the count below is not counted
-        need = missed & (keys != RESERVED_KEY) & ~self.rows.held(keys, tables)
-        need &= self.filter.may_hold(keys, tables)
+        need = missed & self._lacking(keys, tables)
         return torch.cat([before, need.sum().view(1)])
 
     def erasures(self) -> int:
@@ -402,25 +401,39 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def _start_reads(self) -> None:
         """The queued reads ahead handed to a reader thread, with which of their pairs host memory
-        lacks and the store may hold (found on the device, copied to the host with the pairs behind
-        its work: the reader waits for it, this thread never does)."""
+        lacks and the store may hold (found on the device and copied to the host behind its work:
+        the reader waits for it, this thread never does). Pairs given on the host go to the device
+        in one copy from pinned memory (from pageable memory the copy would wait for the device)."""
         if not self._queued or self._closed:
             self._queued = []
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
-        keys, tables = (torch.cat([t.to(self.device, non_blocking=True) for t in x]) for x in zip(*queued))
-        lack = (keys != RESERVED_KEY) & ~self.rows.held(keys, tables) & self.filter.may_hold(keys, tables)
-        pairs, ready = to_host_later(torch.stack([keys, tables, lack.to(torch.int64)]), [])
-        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, ready)))
+        if self.device.type == "cuda" and all(k.device.type == "cpu" for k, _ in queued):
+            n = sum(k.numel() for k, _ in queued)
+            pairs = torch.empty(2, n, dtype=torch.int64, pin_memory=True)
+            for row, x in zip(pairs, zip(*queued)):
+                torch.cat(x, out=row)
+            keys, tables = pairs.to(self.device, non_blocking=True)
+            lack, ready = to_host_later(self._lacking(keys, tables), [])
+        else:
+            keys, tables = (torch.cat([t.to(self.device, non_blocking=True) for t in x])
+                            for x in zip(*queued))
+            both, ready = to_host_later(torch.stack([keys, tables, self._lacking(keys, tables).long()]), [])
+            pairs, lack = both[:2], both[2]
+        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, lack, ready)))
 
-    def _read(self, pairs: torch.Tensor, ready: torch.cuda.Event | None
+    def _lacking(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """bool: which pairs host memory lacks and the store may hold (device work only)."""
+        return (keys != RESERVED_KEY) & ~self.rows.held(keys, tables) & self.filter.may_hold(keys, tables)
+
+    def _read(self, pairs: torch.Tensor, lack: torch.Tensor, ready: torch.cuda.Event | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """On a reader thread: of ``pairs`` (keys, tables, lack: int64 (3, n) on the host, complete
-        once ``ready`` has passed), the distinct ones lacked read from the store; returns those it
-        has and their rows (pinned where the device will copy them)."""
+        """On a reader thread: of ``pairs`` (keys, tables: int64 (2, n) on the host), the distinct
+        ones ``lack`` marks (n on the host, complete once ``ready`` has passed) read from the store;
+        returns those it has and their rows (pinned where the device will copy them)."""
         if ready is not None:
             ready.synchronize()
-        lack = pairs[2].nonzero().squeeze(1)
+        lack = lack.nonzero().squeeze(1)
         keys, tables = pairs[0, lack], pairs[1, lack]
         last = last_of_duplicates(keys, tables)
         keys, tables = keys[last], tables[last]

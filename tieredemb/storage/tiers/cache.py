@@ -29,6 +29,7 @@ import torch
 
 from tieredemb.config import TableConfig
 from tieredemb.index.key_index import CONTESTED, InsertResult, KeyIndex, Region
+from tieredemb.keys import RESERVED_KEY
 from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
@@ -144,8 +145,10 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         tier's reach, nearly always), the insertion asks the store nothing (``_insert_on_device``)."""
         if not self.below_reads:
             return []
-        missed = (slots == -1) & (torch.arange(keys.numel(), device=keys.device) < count)
-        return [self._rows_below.lacking(keys, tables, missed)]
+        pair = torch.arange(keys.numel(), device=keys.device) < count
+        # (the padding's pairs are whatever the buffers held: a table out of range is read nowhere)
+        keys, tables = torch.where(pair, keys, RESERVED_KEY), torch.where(pair, tables, 0)
+        return [self._rows_below.lacking(keys, tables, pair & (slots == -1))]
 
     def capture_key(self) -> tuple:
         """The index's rehashes, and over a host tier what ``stage_below`` bakes in of it."""
