@@ -435,6 +435,8 @@ class HostTierGroup(GroupStore, DeviceRows):
             ready.synchronize()
         lack = lack.nonzero().squeeze(1)
         keys, tables = pairs[0, lack], pairs[1, lack]
+        if keys.numel() == 0:  # host memory holds them all (the tables in its reach: nearly always)
+            return keys, tables, torch.empty(0, self.width, dtype=self.dtype)
         last = last_of_duplicates(keys, tables)
         keys, tables = keys[last], tables[last]
         got = self.below.get(keys, tables)
