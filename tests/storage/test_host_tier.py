@@ -384,8 +384,9 @@ def test_a_failed_read_ahead_is_logged_once_and_the_real_miss_raises(caplog) -> 
             tier.settle()
         tier.finish_reads()
     assert sum("read ahead" in r.message for r in caplog.records) == 1
-    with pytest.raises(OSError, match="store down"):
+    with pytest.raises(BackendError, match="reading 1 rows from the store failed") as info:
         table.get(torch.tensor([1]))
+    assert isinstance(info.value.__cause__, OSError) and "store down" in str(info.value.__cause__)
     store.down = False
     got = table.get(torch.tensor([1, 3]))
     assert got.found.tolist() == [True, False] and torch.equal(got.rows[0], torch.ones(W))

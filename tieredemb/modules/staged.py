@@ -192,9 +192,9 @@ class StagedPrefetcher:
                 per_region.append(group.stage_probe(keys, tables, step, counts, count, staged.guard(), first,
                                                     out))
                 read += [per_region[-1], group.index.sizes_on_device]
-                if group.insertion_reads:  # its pairs alone, numbered within it
+                if group.below_reads:  # its pairs alone, numbered within it
                     mine = (tables >= first) & (tables < first + len(group.configs))
-                    read += group.stage_insertion(torch.where(mine, keys, RESERVED_KEY),
+                    read += group.stage_below(torch.where(mine, keys, RESERVED_KEY),
                                               torch.where(mine, tables - first, 0), out[0], count)
         with label("## group.prefetch ##"):
             # each group's pairs come together, group by group: the first pair of each
@@ -220,8 +220,8 @@ class StagedPrefetcher:
         for g, (group, gb) in enumerate(zip(self.tiers, batch.groups)):
             r = len(group.configs)
             misses, present, contested, sizes = (info[at + i * r : at + (i + 1) * r] for i in range(4))
-            below = info[at + 4 * r : at + 4 * r + group.insertion_reads]
-            at += 4 * r + group.insertion_reads
+            below = info[at + 4 * r : at + 4 * r + group.below_reads]
+            at += 4 * r + group.below_reads
             u, m = sum(present), gb.ids.numel()
             mine, its = slice(pairs, pairs + u), slice(ids, ids + m)
             part = StagedPrefetch(pending.keys[mine], pending.tables[mine], pending.inverse[its],

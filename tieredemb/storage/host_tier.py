@@ -272,8 +272,11 @@ class HostTierGroup(GroupStore, DeviceRows):
         if need.numel() == 0:
             return None
         hkeys, htables = torch.stack([keys[need], tables[need]]).cpu()  # (one copy)
+        try:
+            got = self.below.get(hkeys, htables)
+        except Exception as e:
+            raise BackendError(f"host tier: reading {hkeys.numel()} rows from the store failed") from e
         self._counts[_COUNTS.index("misses")].index_add_(0, htables, torch.ones_like(htables))
-        got = self.below.get(hkeys, htables)
         hit = got.found.cpu().nonzero().squeeze(1)
         if hit.numel() == 0:
             return None

@@ -95,9 +95,6 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         self.in_flight = kernels.index_class(bucket_width, device=device, regions=[
             Region("lru", None, 256) for _ in configs])
         self._owing = 0  # prefetched batches not yet released that owe pairs in ``in_flight``
-        # scratch pads registered in ``in_flight`` so far (``_register_owed``), on the host and the device
-        self._registered = 0
-        self._registered_on_device = torch.zeros(1, dtype=torch.int64, device=device)
         # rows moved per table: fetched from / written to the backing store
         self._moved = torch.zeros(2, len(configs), dtype=torch.int64, device=self.backend_device)
         self._init_insertion()  # the insertion on the device over host memory (``OnDeviceInsertion``)
@@ -135,60 +132,51 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         return super().stage_prefetch(ids, tables, step, guard, by_id=False, id_count=id_count)
 
     @property
-    def insertion_reads(self) -> int:
-        """Where the insertion may run on the device (``_inserts_on_device``): 2, the scratch pads'
-        registrations and the batch's pairs in one (``stage_insertion``); over a host tier 2 more,
-        its ``DeviceRows.lacking`` of the probe's misses."""
-        return 2 + self._rows_below.lacking_reads if self._may_insert_on_device() else 0
+    def below_reads(self) -> int:
+        """Over a tier of a slower store (a host tier), with the insertion staged: 2, the tier's
+        ``DeviceRows.lacking`` of the probe's misses."""
+        rows = self._rows_below
+        return rows.lacking_reads if rows is not None and self.can_stage() else 0
 
-    def stage_insertion(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
-                        count: torch.Tensor) -> list[torch.Tensor]:
-        """What decides the insertion's path before the host reads anything: how many of the probe's
-        misses are in a scratch pad an earlier batch owes (``in_flight``), after the count of the
-        pads registered so far (where none is, the insertion runs on the device even while earlier
-        batches owe pads); over a host tier, how many misses it lacks and its store may hold, after
-        its erasures (where none, the insertion asks the store nothing)."""
-        if not self.insertion_reads:
+    def stage_below(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
+                    count: torch.Tensor) -> list[torch.Tensor]:
+        """The count of the probe's misses the tier below lacks and its store may hold, with the
+        tier's erasures before it (``DeviceRows.lacking``): where it says none (the tables in the
+        tier's reach, nearly always), the insertion asks the store nothing (``_insert_on_device``)."""
+        if not self.below_reads:
             return []
         pair = torch.arange(keys.numel(), device=keys.device) < count
         # (the padding's pairs are whatever the buffers held: a table out of range is read nowhere)
         keys, tables = torch.where(pair, keys, RESERVED_KEY), torch.where(pair, tables, 0)
-        missed = pair & (slots == -1)
-        registered = self._registered_on_device.clone()  # first: a pad registered later is not counted
-        in_pad = (missed & (self.in_flight.find(keys, tables) >= 0)).sum().view(1)
-        below = self._rows_below.lacking(keys, tables, missed)
-        return [registered, in_pad, *([] if below is None else [below])]
+        return [self._rows_below.lacking(keys, tables, pair & (slots == -1))]
 
     def capture_key(self) -> tuple:
-        """The indexes' rehashes (the cache's, its scratch pads'), and over a host tier what
-        ``stage_insertion`` bakes in of it."""
-        if not self.insertion_reads:
-            return super().capture_key()
-        return (*super().capture_key(), self.in_flight.capture_key, *self._rows_below.capture_key())
+        """The index's rehashes, and over a host tier what ``stage_below`` bakes in of it."""
+        return (*super().capture_key(), *(self._rows_below.capture_key() if self.below_reads else ()))
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:
         regions = len(self.configs)
-        decided = info[3 * regions :]  # ``stage_insertion``'s
+        below = info[3 * regions :]  # ``stage_below``'s
         info = info[: 2 * regions]  # misses and sizes (its probe contests nothing)
         try:
             with label("## resolve ##"):
                 return self._place(staged.keys[:u], staged.tables[:u], staged.inverse, staged.counts[:u],
                                    staged.step, staged.slots[:u], staged.values[:u], staged.per_region, info,
-                                   decided)
+                                   below)
         finally:
             self.disarm()  # an arm the insertion did not take (it took it, or found it wrong)
 
     def _place(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
                step: int, slots: torch.Tensor, values: torch.Tensor, per_region: torch.Tensor,
-               info: list[int], decided: list[int] = ()) -> CachePrefetch:
+               info: list[int], below: list[int] = ()) -> CachePrefetch:
         """The training prefetch after the probe (``slots``, ``values``, ``per_region``: the pairs
         found are locked and touched) and its host read (``info``: misses per region, then the
-        index's sizes; ``decided``: ``stage_insertion``'s, where staged): pads, fetch, insert,
-        write-down. A fetch that raises unlocks the pairs found and changes nothing else but their
-        scores (which rows stay in the cache, not what they hold)."""
-        if self._inserts_on_device(decided):
+        index's sizes; ``below``: ``stage_below``'s, where staged): pads, fetch, insert, write-down.
+        A fetch that raises unlocks the pairs found and changes nothing else but their scores (which
+        rows stay in the cache, not what they hold)."""
+        if self._inserts_on_device():
             return self._insert_on_device(unique, utab, inverse, counts, step, slots, values, per_region,
-                                          info, decided[2:])
+                                          info, below)
         regions = len(self.configs)
         p = self._split_pads(unique, utab, slots, per_region, info)
         with label("## cache.fetch ##"):
@@ -492,8 +480,6 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             return
         res = self.in_flight.find_or_insert(keys, 0, lock=True, tables=tables)
         self.in_flight.assign(res.slots, scratch)
-        self._registered += 1  # (after the pads, in the device's order: ``stage_insertion`` reads it)
-        self._registered_on_device += 1
 
     def _write_down(self, keys: torch.Tensor, tables: torch.Tensor, addresses: torch.Tensor) -> None:
         """Copy rows at ``addresses`` to the backends under (``tables``, ``keys``). The host copies

@@ -132,7 +132,7 @@ class OnDeviceInsertion:
         ~0.2 ms of host a step with the device idle."""
         self.disarm()
         last = self._last_insert
-        if last is None or not self._may_insert_on_device() or not self._device_graphs_for(staged.step):
+        if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
             return
         pairs, bound = last
         pool, hpool = self._lend(bound)
@@ -173,22 +173,12 @@ class OnDeviceInsertion:
         return (pairs, bound, self.index.generation, self.store.pointer_table().data_ptr(),
                 *self._rows_below.capture_key())
 
-    def _may_insert_on_device(self) -> bool:
-        """Whether a batch's insertion may run on the device without a host read: every pair gets a
-        cache row or a scratch row (no bounded table, no admission), and the backing store takes
-        padded write-downs on this device (``GroupStore.device_rows``: host memory's, a host tier's)."""
-        return self.can_stage() and self._rows_below is not None
-
-    def _inserts_on_device(self, decided: list[int] = ()) -> bool:
-        """Whether this batch's insertion runs on the device: it may (``_may_insert_on_device``), no
-        write-down waits for a retry (its rows are not in the store the device reads: the host path
-        fetches through them, ``WriteDowns.get``), and none of its pairs is in a scratch pad an
-        earlier batch still owes (``in_flight``): no batch owes one, or the staged read (``decided``:
-        ``stage_insertion``'s pads registered, pairs in a pad) found none of its pairs in one and no
-        pad was registered since."""
-        if not self._may_insert_on_device() or self.writes.unwritten:
-            return False
-        return not self._owing or (len(decided) >= 2 and decided[1] == 0 and decided[0] == self._registered)
+    def _inserts_on_device(self) -> bool:
+        """Whether this batch's insertion runs on the device without a host read: every pair gets a
+        cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
+        batch is still owed (``in_flight``), and the backing store takes padded write-downs on this
+        device (``GroupStore.device_rows``: host memory's)."""
+        return self.can_stage() and not self._owing and self._rows_below is not None
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
@@ -329,8 +319,7 @@ class OnDeviceInsertion:
     def _asks_below(self, below: list[int]) -> bool:
         """Whether the insertion asks the store below the host tier for the misses the tier lacked
         (``_fill_from_below``: one host read, which waits for the device): not where the staged read
-        (``below``: the tier's ``lacking``, erasures and count) counted none and no pair left the
-        tier since."""
+        (``below``: ``stage_below``'s erasures, count) counted none and no pair left the tier since."""
         return not below or below[1] > 0 or below[0] != self._rows_below.erasures()
 
     def _fill_from_below(self, wanted: torch.Tensor, tables: torch.Tensor, found: torch.Tensor,

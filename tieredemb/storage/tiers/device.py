@@ -175,8 +175,8 @@ class DeviceTier(DeviceInsertion):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero, and marks the contested ones (a bounded
         table's, ``find_touch``). Reads nothing on the host: returns the staged state and the int64
-        tensors to read (1, R, R, R and ``insertion_reads`` long: the pairs, misses, sizes, contested pairs,
-        ``stage_insertion``'s; read with the caller's own in one ``torch.cat``) whose values, in that
+        tensors to read (1, R, R, R and ``below_reads`` long: the pairs, misses, sizes, contested pairs,
+        ``stage_below``'s; read with the caller's own in one ``torch.cat``) whose values, in that
         order, ``finish_prefetch`` takes.
         ``by_id``: also each id's row as probed, the forward's addresses when every key is found
         (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
@@ -195,15 +195,15 @@ class DeviceTier(DeviceInsertion):
         staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step,
                                 values[inverse] if by_id else None)
         return staged, [count, per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :],
-                        *self.stage_insertion(keys, utab, slots, count)]
+                        *self.stage_below(keys, utab, slots, count)]
 
-    insertion_reads = 0  # how many int64 values ``stage_insertion`` adds to the staged read
+    below_reads = 0  # how many int64 values ``stage_below`` adds to the staged read
 
-    def stage_insertion(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
+    def stage_below(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
                     count: torch.Tensor) -> list[torch.Tensor]:
         """What the staged read takes for the insertion from the store below, after the probe
         (``keys``: the distinct pairs, padded, ``count`` of them, ``RESERVED_KEY`` where another
-        group's; ``slots``: the probe's): ``insertion_reads`` int64 values, read after the others. Here
+        group's; ``slots``: the probe's): ``below_reads`` int64 values, read after the others. Here
         none."""
         return []
 
