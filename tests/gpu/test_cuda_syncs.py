@@ -62,6 +62,30 @@ def test_a_warm_step_reads_the_device_once(module, optimizer, dims, capacity):
     assert len(reads) == 1, f"{len(reads)} host reads in a warm step: {reads}"
 
 
+def cache_steps_read_once(ebc) -> tuple:
+    """46 plain-loop steps of ids drawn from the first 600 keys of three features (warm after 40:
+    the cache fills and evicts, the stores below hold every key and stop growing); each of the last
+    6 reads the device at most once. Returns table t0's stats before and after those 6."""
+    gen = torch.Generator().manual_seed(0)
+    for i in range(46):
+        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
+        ids = torch.randint(0, 600, (int(lengths.sum()),), generator=gen)
+        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
+
+        def step(kjt=kjt):
+            ebc.prefetch(kjt)
+            ebc(kjt).values().sum().backward()
+
+        if i < 40:
+            step()
+            continue
+        if i == 40:
+            before = ebc.stats()["t0"]
+        reads = host_reads(step)
+        assert len(reads) <= 1, f"{len(reads)} host reads in a cache step: {reads}"
+    return before, ebc.stats()["t0"]
+
+
 def test_a_cache_step_with_misses_and_evictions_reads_the_device_once():
     """A plain loop in cache mode (a quarter of the rows on the device, misses and evictions every
     step): the staged prefetch's read (checks, distinct keys, probe) and no other: the insertion
@@ -74,24 +98,7 @@ def test_a_cache_step_with_misses_and_evictions_reads_the_device_once():
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.RowWiseAdagrad(lr=0.05), storage=storage,
                                     device=DEV)
     assert ebc.storage_mode == "cache"
-    gen = torch.Generator().manual_seed(0)
-    for i in range(46):
-        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
-        ids = torch.randint(0, 600, (int(lengths.sum()),), generator=gen)
-        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
-
-        def step(kjt=kjt):
-            ebc.prefetch(kjt)
-            ebc(kjt).values().sum().backward()
-
-        if i < 40:  # warm: the cache fills and evicts, the host store holds every key and stops growing
-            step()
-            continue
-        if i == 40:
-            before = ebc.stats()["t0"]
-        reads = host_reads(step)
-        assert len(reads) <= 1, f"{len(reads)} host reads in a cache step: {reads}"
-    after = ebc.stats()["t0"]
+    before, after = cache_steps_read_once(ebc)
     assert after.evictions > before.evictions and after.misses > before.misses
 
 
@@ -271,24 +278,7 @@ def test_a_cache_step_over_a_host_tier_that_holds_the_tables_reads_the_device_on
     ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.RowWiseAdagrad(lr=0.05), storage=storage,
                                     device=DEV)
     assert ebc.storage_mode == "cache"
-    gen = torch.Generator().manual_seed(0)
-    for i in range(46):
-        lengths = torch.randint(1, 6, (3 * 64,), generator=gen)
-        ids = torch.randint(0, 600, (int(lengths.sum()),), generator=gen)
-        kjt = te.KeyedJaggedTensor([f"f{i}" for i in range(3)], ids, lengths=lengths).to(DEV)
-
-        def step(kjt=kjt):
-            ebc.prefetch(kjt)
-            ebc(kjt).values().sum().backward()
-
-        if i < 40:  # warm: the cache fills and evicts, the tier and its store stop growing
-            step()
-            continue
-        if i == 40:
-            before = ebc.stats()["t0"]
-        reads = host_reads(step)
-        assert len(reads) <= 1, f"{len(reads)} host reads in a cache step over a host tier: {reads}"
-    after = ebc.stats()["t0"]
+    before, after = cache_steps_read_once(ebc)
     assert after.evictions > before.evictions and after.misses > before.misses
     assert after.host_tier.hits > before.host_tier.hits and after.host_tier.misses == 0, after.host_tier
     ebc.close()

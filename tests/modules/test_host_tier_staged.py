@@ -1,7 +1,8 @@
 """A device cache over a host tier, its prefetch staged: the staged read counts the misses the tier
-lacks (and its store may hold), and where it counts none the insertion asks the store nothing
-(``HostTierGroup.from_below``, a host read that waits for the device, is not called). A pair that
-leaves the tier between the count and the insertion is still read from the store.
+lacks (and its store may hold). Where it counts none the insertion runs on the device and asks the
+store nothing (``HostTierGroup.from_below``, a host read, is not called); else it runs on the host,
+the store read before anything changes. A pair that leaves the tier between the count and the
+insertion is still read from the store; a failed read of the store changes nothing.
 
 References: the same tables trained in HBM alone (hbm_direct), on the same batches."""
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import tieredemb as te
-from tests.modules.test_tiered_modes import DictStore, zipf_batches
+from tests.modules.test_tiered_modes import DictStore, FlakyStore, zipf_batches
+from tieredemb.storage.host_tier import HostTierGroup
 from tieredemb.storage.tiers.cache import CacheTier
 
 DIM, ROWS = 4, 300
@@ -48,17 +50,17 @@ def _batch(keys: list[int]) -> te.KeyedJaggedTensor:
 
 
 def _spied(monkeypatch) -> dict[str, int]:
-    """Calls of the cache's insertion on the device and of its question to the store below the
-    host tier (``_fill_from_below``: ``HostTierGroup.from_below``), counted."""
-    calls = {"_insert_on_device": 0, "_fill_from_below": 0}
-    for name in calls:
-        method = getattr(CacheTier, name)
+    """Calls of the cache's insertion (``_place``), of its insertion on the device and of the host
+    tier's read of the store (``from_below``), counted."""
+    calls = {"_place": 0, "_insert_on_device": 0, "from_below": 0}
+    for cls, name in ((CacheTier, "_place"), (CacheTier, "_insert_on_device"), (HostTierGroup, "from_below")):
+        method = getattr(cls, name)
 
         def spy(self, *args, _method=method, _name=name):
             calls[_name] += 1
             return _method(self, *args)
 
-        monkeypatch.setattr(CacheTier, name, spy)
+        monkeypatch.setattr(cls, name, spy)
     return calls
 
 
@@ -87,17 +89,19 @@ def test_misses_the_host_tier_holds_ask_the_store_nothing(groups, pipelined, mon
     stats = [cached.stats()[t.name] for t in _tables(groups)]
     assert all(s.misses > 0 and s.host_tier.hits > 0 for s in stats), stats  # the tier served misses
     assert calls["_insert_on_device"] > len(batches) // 2, calls  # (a conflict miss inserts on the host)
-    assert calls["_fill_from_below"] == 0, calls
+    # only the insertions on the host (a batch sharing a scratch pad of the one before) asked it
+    assert calls["from_below"] <= calls["_place"] - calls["_insert_on_device"], calls
     cached.close()
 
 
 def test_a_row_that_leaves_the_tier_after_the_count_is_read_from_the_store(monkeypatch) -> None:
-    """Batch i+1's prefetch is staged while key 1's row is on its way down from the tier (the tier
-    over its capacity: it still holds the row, so the staged read counts no miss lacked); the store
-    then takes the row and the tier drops it before batch i+1's insertion. The insertion must ask the
-    store for it: its row is the trained one, not a fresh initial row."""
+    """Batch i+1's prefetch is staged while key 1's row is in the tier (so the staged read counts no
+    miss the tier lacks); then, before batch i+1's insertion, rows of other keys fill the tier past
+    its capacity and key 1's row, the oldest, leaves it for the store. The insertion must not trust
+    the count (the tier erased rows since): it runs on the host and reads key 1 from the store, its
+    trained row, not a fresh initial row."""
     calls = _spied(monkeypatch)
-    cached, plain = _pair(1, cache_rows=4, host_rows=8)
+    cached, plain = _pair(1, cache_rows=4, host_rows=12)
     steps = [_batch(keys) for keys in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16],
                                                 [1])]
     tier = cached.tiers[0].below
@@ -105,18 +109,52 @@ def test_a_row_that_leaves_the_tier_after_the_count_is_read_from_the_store(monke
         for kjt in steps[:3]:
             m(kjt).values().sum().backward()
     one = (torch.tensor([1]), torch.tensor([0]))
-    assert bool(tier.rows.held(*one)), "key 1 should be in the host tier before the race"
     got = {}
     for m in (cached, plain):
         out = m(steps[3]).values()
         m.prefetch_deferred(steps[4])  # staged: its read counts key 1 as held by the tier
         if m is cached:
-            assert bool(tier.rows.held(*one))
-            asked = calls["_fill_from_below"]
-            tier.flush()  # the write-downs taken by the store: key 1's row leaves the tier
+            assert bool(tier.rows.held(*one)), "key 1 should be in the host tier at the staged read"
+            asked = dict(calls)
+            others = torch.arange(100, 104)
+            tier.set(others, torch.zeros_like(others), torch.zeros(4, tier.width))
+            tier.flush()  # over its capacity: the oldest rows (keys 1 to 4) leave for the store
             assert not bool(tier.rows.held(*one))
         out.sum().backward()
         got[m is plain] = m(steps[4]).values().detach()
     torch.testing.assert_close(got[False], got[True], rtol=1e-5, atol=1e-6)
-    assert calls["_fill_from_below"] > asked, "the insertion should have asked the store for key 1"
+    # batch i+1's insertion ran on the host, which asked the store for key 1
+    assert calls["from_below"] > asked["from_below"], calls
+    assert calls["_insert_on_device"] == asked["_insert_on_device"], calls
+    cached.close()
+
+
+def test_a_failed_read_of_the_store_changes_nothing() -> None:
+    """Key 1's row is in the store alone (the tier dropped it, the cache evicted it); the store's
+    reads fail while batch [1] is prefetched: the prefetch raises ``BackendError`` chained to the
+    store's error, and once the store answers again the same batch trains as hbm_direct (key 1's
+    row is the trained one, not an initial row an insertion left in the cache)."""
+    store, sgd = FlakyStore(), te.optim.SGD(lr=0.3)
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8,
+                               host_budget=8 * DIM * 4)
+    cached = te.EmbeddingBagCollection(_tables(1), optimizer=sgd, storage=storage, seed=3)
+    plain = te.EmbeddingBagCollection(_tables(1), optimizer=sgd, seed=3)
+    steps = [_batch(keys) for keys in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16])]
+    for kjt in steps + steps[2:]:  # the tier keeps the newest 8 (its rows used again last)
+        for m in (cached, plain):
+            m(kjt).values().sum().backward()
+    cached.flush()
+    tier = cached.tiers[0].below
+    one = (torch.tensor([1]), torch.tensor([0]))
+    assert not bool(tier.rows.held(*one)), "key 1 should be in the store alone"
+    store.failing["get"] = True
+    with pytest.raises(te.storage.BackendError) as info:
+        cached(_batch([1]))
+    assert isinstance(info.value.__cause__, ConnectionError), info.value
+    store.failing["get"] = False
+    for kjt in [_batch([1])] + steps:
+        got, want = (m(kjt).values() for m in (cached, plain))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for out in (got, want):
+            out.sum().backward()
     cached.close()

@@ -543,10 +543,14 @@ class FlakyStore(BackendSpec):
         return self.opened[table]
 
 
-def test_backend_faults_surface_chained_and_lose_no_row() -> None:
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_backend_faults_surface_chained_and_lose_no_row(host_tier) -> None:
+    """A store that refuses writes, then reads, then comes back; with a host tier of 3 rows in front
+    of it, the tier's write-downs fail, and so do the cache's into it."""
     optimizer = te.optim.SGD(lr=0.3)
     store = FlakyStore()
-    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8)
+    storage = te.StorageConfig(hbm_budget=4 * DIM * 4, backing=store, bucket_width=4, segment_rows=8,
+                               host_budget=3 * DIM * 4 if host_tier else None)
     cached = make(storage, "lru", None, optimizer)
     plain = make(None, "lru", None, optimizer)
     batches = zipf_batches(12, 5, seed=4)

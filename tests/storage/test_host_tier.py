@@ -180,11 +180,11 @@ def test_clean_rows_leave_without_a_write() -> None:
     store.set(torch.arange(8), torch.ones(8, W))
     tier = _tier(GroupStore([store]), 4)
     tier.table(0).read_ahead(torch.arange(8))
-    tier.settle()
+    tier.maintain()
     tier.finish_reads()
     assert _held(tier) == list(range(8))
     writes = store.writes
-    tier.settle()  # over capacity: 4 go, all clean
+    tier.maintain()  # over capacity: 4 go, all clean
     assert len(_held(tier)) == 4 and store.writes == writes
     tier.close()
 
@@ -216,7 +216,7 @@ def test_the_store_is_not_asked_for_keys_it_never_held() -> None:
     got = table.get(torch.arange(10))
     assert not bool(got.found.any()) and store.asked == 0
     table.set(torch.arange(4), torch.ones(4, W))
-    tier.settle()  # over capacity: written down, then they are the store's
+    tier.maintain()  # over capacity: written down, then they are the store's
     tier.flush()
     got = table.get(torch.tensor([0, 1, 2, 3, 100, 7]))
     assert got.found.tolist() == [True] * 5 + [False]
@@ -244,11 +244,11 @@ def test_a_call_waits_for_a_slow_store_rather_than_hold_more_rows() -> None:
     tier = _tier(GroupStore([store]), 8)
     table = tier.table(0)
     table.set(torch.arange(12), torch.ones(12, W))
-    tier.settle()  # 12 held: 4 go down (to the capacity), the writer waits at the gate
+    tier.maintain()  # 12 held: 4 go down (to the capacity), the writer waits at the gate
     assert _held(tier) == list(range(12)) and len(store._rows) == 0
     threading.Timer(0.3, store.gate.set).start()
     t0 = time.perf_counter()
-    tier.settle()
+    tier.maintain()
     assert time.perf_counter() - t0 > 0.2  # it waited for the store
     assert len(_held(tier)) == 8 and len(store._rows) == 4
     _check_scan(table, {k: torch.ones(W) for k in range(12)})
@@ -297,7 +297,7 @@ def test_a_read_ahead_racing_a_write_never_brings_the_old_row_back() -> None:
     table = tier.table(0)
     store.gated = True
     table.read_ahead(torch.tensor([5]))
-    tier.settle()  # the read starts
+    tier.maintain()  # the read starts
     assert store.entered.wait(10)
     store.gated = False
     table.set(torch.tensor([5]), torch.full((1, W), 2.0))  # the new row
@@ -322,7 +322,7 @@ def test_a_read_ahead_of_a_deleted_key_does_not_bring_it_back() -> None:
     table = tier.table(0)
     store.gated = True
     table.read_ahead(torch.tensor([5]))
-    tier.settle()
+    tier.maintain()
     assert store.entered.wait(10)
     store.gated = False
     table.delete(torch.tensor([5]))
@@ -339,14 +339,14 @@ def test_reads_ahead_are_served_from_host_memory() -> None:
     tier = _tier(GroupStore([store]), 8)
     table = tier.table(0)
     table.read_ahead(torch.arange(4))
-    tier.settle()  # located, read on a reader thread
+    tier.maintain()  # located, read on a reader thread
     tier.finish_reads()
     got = table.get(torch.arange(4))
     assert torch.equal(got.rows, store.get(torch.arange(4)).rows)
     s = table.tier_stats()
     assert (s.read_ahead_rows, s.read_ahead_hits, s.hits, s.misses, s.dirty) == (4, 4, 4, 0, 0)
     table.read_ahead(torch.arange(6))  # only the two it lacks are read
-    tier.settle()
+    tier.maintain()
     tier.finish_reads()
     assert table.tier_stats().read_ahead_rows == 6
     tier.close()
@@ -381,7 +381,7 @@ def test_a_failed_read_ahead_is_logged_once_and_the_real_miss_raises(caplog) -> 
     with caplog.at_level(logging.WARNING):
         for key in (1, 2):
             table.read_ahead(torch.tensor([key]))
-            tier.settle()
+            tier.maintain()
         tier.finish_reads()
     assert sum("read ahead" in r.message for r in caplog.records) == 1
     with pytest.raises(BackendError, match="reading 1 rows from the store failed") as info:

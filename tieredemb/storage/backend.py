@@ -158,11 +158,10 @@ class DeviceRows(ABC):
         """What a CUDA graph of the device verbs bakes in (the index's rehashes, the row segments'
         table): a graph is replayed only while this is unchanged."""
 
-    def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
-                   found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where these rows are a tier over a slower store (a host tier): the store's rows of the
-        pairs ``locate`` did not find (``keys`` ``RESERVED_KEY`` where no pair), as their positions
-        and rows on the device; None where there are none. Host memory alone has nothing below."""
+    def maintain(self) -> None:
+        """The store's own upkeep, before a batch is staged (a host tier: its evictions, the
+        write-downs and reads ahead that are done); raises ``BackendError`` while the store refuses
+        its write-downs. Nothing here."""
         return None
 
     # how many int64 values ``lacking`` returns (0: it returns None, nothing is below these rows)
@@ -172,8 +171,8 @@ class DeviceRows(ABC):
         """Where these rows are a tier over a slower store: int64 (2,) on the device, this tier's
         ``erasures`` so far in the device's order of work, then how many pairs ``missed`` marks (bool,
         ``keys`` ``RESERVED_KEY`` where no pair) it lacks and the store may hold. Device work only (a
-        CUDA graph may hold it). While ``erasures`` stays what it read, a count of 0 says that
-        ``from_below`` of those pairs would find nothing. None: nothing is below these rows."""
+        CUDA graph may hold it). While ``erasures`` stays what it read, a count of 0 says that the
+        store has no row of those pairs for the tier to give. None: nothing is below these rows."""
         return None
 
     def erasures(self) -> int:

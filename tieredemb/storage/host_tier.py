@@ -6,10 +6,17 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
 ``HostMemory``: on the device, inside its insertion graph, with no host work per key
 (``GroupStore.device_rows``). What the tier adds to host memory:
 
-- **The store below.** After the device insertion, the pairs the tier did not hold are read from the
-  store in one call (``from_below``); the rows it has replace the initial rows the insertion gave them.
-  A filter of the pairs the store holds (``KeyFilter``: those it held when the tier opened, and every
-  pair written down since) keeps the keys it surely lacks (ids seen for the first time) from the call.
+- **The store below.** A ``get`` reads the pairs the tier does not hold from the store in one call
+  (``from_below``). A filter of the pairs the store holds (``KeyFilter``: those it held when the tier
+  opened, and every pair written down since) keeps the keys it surely lacks (ids seen for the first
+  time) from the call. The device cache's staged prefetch counts on the device the misses the tier
+  lacks and the store may hold (``lacking``): where none (the tables in the tier's reach, nearly
+  always) its insertion runs on the device; else on the host, through ``get``, the store read before
+  anything changes (a failed read raises ``BackendError`` and changes nothing).
+- **Upkeep.** ``maintain`` (the device cache calls it before each batch is staged; every verb of
+  the store's calls it first) settles the write-downs, lands the reads ahead, starts the queued
+  ones and evicts; ``settle`` only reads back the device's upserts (a batch's release calls it, and
+  must not raise).
 - **A bound.** Each table holds at most its capacity of rows. When a table is over it (checked at
   every call, before anything else moves), its least recently used rows go, down to the capacity
   less a sixteenth of it, rounded down (rows read ahead and not used yet go last): the clean ones
@@ -232,9 +239,10 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     # ------------------------------------------------------------- the device cache's verbs
     def settle(self, wait: bool = True) -> None:
-        self.rows.settle(wait)
-        if wait:
-            self._maintain()
+        self.rows.settle(wait)  # (only: a batch's release settles too, and must not raise)
+
+    def maintain(self) -> None:
+        self._maintain()
 
     def room_for(self, n: int) -> torch.Tensor:
         return self.rows.room_for(n)
@@ -266,8 +274,9 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
                    found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The store's rows of the pairs the device cache missed and host memory lacked (``keys``
-        ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none."""
+        """The store's rows of the pairs host memory lacked (``found`` False; ``keys``
+        ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none. A
+        failed read raises ``BackendError`` chained to the store's error and changes nothing."""
         need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if need.numel() == 0:
             return None

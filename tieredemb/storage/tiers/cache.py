@@ -174,9 +174,9 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         index's sizes; ``below``: ``stage_below``'s, where staged): pads, fetch, insert, write-down.
         A fetch that raises unlocks the pairs found and changes nothing else but their scores (which
         rows stay in the cache, not what they hold)."""
-        if self._inserts_on_device():
+        if self._inserts_on_device() and not self._needs_below(below):
             return self._insert_on_device(unique, utab, inverse, counts, step, slots, values, per_region,
-                                          info, below)
+                                          info)
         regions = len(self.configs)
         p = self._split_pads(unique, utab, slots, per_region, info)
         with label("## cache.fetch ##"):
@@ -292,9 +292,12 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
 
     def place_overflow(self) -> None:
         """Besides ``DeviceTier``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
-        before anything reads the index, the scratch pads or the free rows."""
+        before anything reads the index, the scratch pads or the free rows; then the backing store's
+        upkeep (``DeviceRows.maintain``)."""
         super().place_overflow()
         self._owe_conflicts()
+        if self._rows_below is not None:  # the host tier's upkeep: before a batch is staged, not
+            self._rows_below.maintain()  # between its staged read and its insertion
 
     def _fetched_rows_of(self, n: int, miss: torch.Tensor) -> torch.Tensor:
         """int64 (n,): the row of each position in the fetch of ``miss`` (its positions), -1 elsewhere."""

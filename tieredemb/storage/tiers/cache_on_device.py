@@ -134,6 +134,8 @@ class OnDeviceInsertion:
         last = self._last_insert
         if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
             return
+        if self._rows_below.lacking_reads:  # over a host tier: the read may send the batch to the host
+            return  # path (``_needs_below``), and an arm is never followed by that path
         pairs, bound = last
         pool, hpool = self._lend(bound)
         key = self._insert_key(pairs, bound)
@@ -182,7 +184,7 @@ class OnDeviceInsertion:
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
-                          per_region: torch.Tensor, info: list[int], below: list[int] = ()) -> CachePrefetch:
+                          per_region: torch.Tensor, info: list[int]) -> CachePrefetch:
         """``_place`` reading nothing on the host, as ``hbm_direct``'s bounded tables insert: after
         the probe (``slots``, ``values``: the pairs found, locked and touched), the misses
         (``info``'s count of ``slots`` -1) inserted in the dedup's order (``insert_rows``), each
@@ -238,15 +240,13 @@ class OnDeviceInsertion:
             else:
                 out = slot.outputs
                 settled = functools.partial(self._graph_settled, slot, write)
-            slots, values, kinds, written, (down_at, down_order), lacked = out
+            slots, values, kinds, written, (down_at, down_order) = out
             if slot is not None:  # the batch's own copies: the slot serves the next batch
                 slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
             self._rows_below.upserted(*written, hpool, settled)
             # the victims' rows go down to the host store beside the rest of the step: nothing of this
             # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
             self._rows_below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
-            if self._asks_below(below):
-                self._fill_from_below(*lacked)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
@@ -313,24 +313,16 @@ class OnDeviceInsertion:
         # rows moved per table: victims (``insert_rows``'s count), misses the store had
         self._moved[1] += kinds[2]
         self._moved[0] += per_table(vtables, found, len(self.configs))
-        return (slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order),
-                (wanted, vtables, found, rows))
+        return slots, values, kinds, (evicted, vtables, down, addresses, hcounts), (addresses[order], order)
 
-    def _asks_below(self, below: list[int]) -> bool:
-        """Whether the insertion asks the store below the host tier for the misses the tier lacked
-        (``_fill_from_below``: one host read, which waits for the device): not where the staged read
-        (``below``: ``stage_below``'s erasures, count) counted none and no pair left the tier since."""
+    def _needs_below(self, below: list[int]) -> bool:
+        """Whether a batch's misses may need rows of the store below a host tier: its insertion then
+        runs on the host, the store read before anything changes (a failed read changes nothing).
+        Not where the staged read (``below``: the tier's ``lacking``, erasures and count) counted
+        none the tier lacks and no pair left the tier since."""
+        if self._rows_below is None or not self._rows_below.lacking_reads:
+            return False
         return not below or below[1] > 0 or below[0] != self._rows_below.erasures()
-
-    def _fill_from_below(self, wanted: torch.Tensor, tables: torch.Tensor, found: torch.Tensor,
-                         rows: torch.Tensor) -> None:
-        """Over a host tier: the misses it lacked get the store's rows where the store has them, over
-        the initial rows the insertion gave them (``DeviceRows.from_below``; one host read)."""
-        lacking = self._rows_below.from_below(wanted, tables, found)
-        if lacking is not None:
-            pos, got = lacking
-            self.kernels.scatter(self.store, rows[pos], got)
-            self._moved[0].index_add_(0, tables[pos], torch.ones_like(pos))
 
     def _graph_settled(self, slot, write: torch.cuda.Stream | None) -> None:
         """The host store has read the counts of the insertion replayed on ``slot``: the slot serves
