@@ -142,7 +142,8 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
                     count: torch.Tensor) -> list[torch.Tensor]:
         """The count of the probe's misses the tier below lacks and its store may hold, with the
         tier's erasures before it (``DeviceRows.lacking``): where it says none (the tables in the
-        tier's reach, nearly always), the insertion asks the store nothing (``_insert_on_device``)."""
+        tier's reach, nearly always), the insertion runs on the device and asks the store nothing;
+        else on the host path, the store read first (``_needs_below``)."""
         if not self.below_reads:
             return []
         pair = torch.arange(keys.numel(), device=keys.device) < count
