@@ -486,7 +486,7 @@ def test_a_killed_process_keeps_every_row_flush_wrote(tmp_path, steps_after_flus
     from safetensors.torch import load_file
 
     path, out = str(tmp_path / "db"), str(tmp_path / "rows.safetensors")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, path, out, str(steps_after_flush)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:

@@ -252,7 +252,7 @@ for line in sys.stdin:
 
 def holder(url: str, ttl_s: float) -> subprocess.Popen:
     """A process holding the namespace ``tieredemb`` of ``url`` (table "t"), lease TTL ``ttl_s``."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, url, str(ttl_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     assert proc.stdout.readline().strip() == "holding"

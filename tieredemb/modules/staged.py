@@ -66,7 +66,7 @@ class StagedPrefetcher:
         seen before (``capture.py``). ``defer``: its read copied now into pinned memory behind it,
         for ``finish`` to take later."""
         for g in self.tiers if group is None else [group]:
-            g.place_overflow()  # before a graph is chosen by the index's shape
+            g.before_staging()  # host work, before a graph is chosen by the index's shape
         slot = self._replay_staged(given, group, step)
         if slot is None:
             with label("## check_batch ##"):

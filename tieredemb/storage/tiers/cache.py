@@ -293,12 +293,17 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
 
     def place_overflow(self) -> None:
         """Besides ``DeviceTier``'s: the counts of the batches inserted on the device (``_owe_conflicts``),
-        before anything reads the index, the scratch pads or the free rows; then the backing store's
-        upkeep (``DeviceRows.maintain``)."""
+        before anything reads the index, the scratch pads or the free rows."""
         super().place_overflow()
         self._owe_conflicts()
-        if self._rows_below is not None:  # the host tier's upkeep: before a batch is staged, not
-            self._rows_below.maintain()  # between its staged read and its insertion
+
+    def before_staging(self) -> None:
+        """Besides ``DeviceTier``'s: the backing store's upkeep (``DeviceRows.maintain``: a host
+        tier's evictions, write-downs and reads ahead), before the batch is staged, not between its
+        staged read and its insertion (a device insertion calls no verb of the store's)."""
+        super().before_staging()
+        if self._rows_below is not None:
+            self._rows_below.maintain()
 
     def _fetched_rows_of(self, n: int, miss: torch.Tensor) -> torch.Tensor:
         """int64 (n,): the row of each position in the fetch of ``miss`` (its positions), -1 elsewhere."""

@@ -182,8 +182,8 @@ class DeviceTier(DeviceInsertion):
         (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
         the device (a captured prefetch; the caller sets the host's in the result). ``id_count``:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
-        captured prefetch of a batch shape padded to a bucket)."""
-        self.place_overflow()
+        captured prefetch of a batch shape padded to a bucket). Device work only, captured in a
+        CUDA graph: the caller ran ``before_staging`` first."""
         with label("## dedup ##"):
             order, skeys, stables = self.kernels.id_order(ids, tables, len(self.configs), id_count)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
@@ -196,6 +196,11 @@ class DeviceTier(DeviceInsertion):
                                 values[inverse] if by_id else None)
         return staged, [count, per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :],
                         *self.stage_below(keys, utab, slots, count)]
+
+    def before_staging(self) -> None:
+        """The host work a staged prefetch (``stage_prefetch``, device work only) needs done first:
+        ``place_overflow``, before a graph is chosen by the index's shape."""
+        self.place_overflow()
 
     below_reads = 0  # how many int64 values ``stage_below`` adds to the staged read
 
