@@ -36,7 +36,7 @@ def main() -> None:
                    help="ssd: a device cache of 1%% of the tables over RocksDB (O_DIRECT reads, in a "
                         "temporary directory) with a host tier of --host-budget of the tables")
     p.add_argument("--host-budget", type=float, default=0.1,
-                   help="ssd: the host tier's share of the tables' bytes (0: no host tier)")
+                   help="ssd: the host tier's share of the tables' bytes, or bytes if >= 1 (0: no host tier)")
     p.add_argument("--store-process", action="store_true",
                    help="ssd: RocksDB served by a child process (RocksDB(process=True))")
     p.add_argument("--budget-fraction", type=float, default=None,
@@ -138,7 +138,7 @@ def build(args, dev: torch.device):
         footprint = sum(t.num_embeddings * (t.embedding_dim + 1) * 4 for t in configs)
         backing = te.storage.RocksDB(tempfile.mkdtemp(prefix="profile-ssd-"), shards=8, direct_reads=True,
                                      process=args.store_process)
-        host = int(footprint * args.host_budget) or None
+        host = int(footprint * args.host_budget if args.host_budget < 1 else args.host_budget) or None
         budget = int(footprint * (args.budget_fraction or 0.01))
         storage = te.StorageConfig(hbm_budget=budget, backing=backing, host_budget=host)
         ebc = te.EmbeddingBagCollection(configs, optimizer=te.optim.RowWiseAdagrad(lr=0.05),

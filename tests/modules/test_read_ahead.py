@@ -32,16 +32,23 @@ def pairs(keys: torch.Tensor, tables: torch.Tensor) -> list[tuple[int, int]]:
     return sorted((k, t) for k, t in zip(keys.tolist(), tables.tolist()) if k != RESERVED_KEY)
 
 
+# where the pairs are wanted: None (where the batch is), or a CUDA device for a CPU batch (copied)
+WANTED = [None] + [pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", WANTED)
 @pytest.mark.parametrize("order", [["fa", "fb1", "fb2", "fc"], ["fc", "fb2", "fa", "fb1"]])
-def test_each_group_gets_its_tables_keys(order) -> None:
+def test_each_group_gets_its_tables_keys(order, device) -> None:
     gen = torch.Generator().manual_seed(3)
-    lengths = torch.randint(0, 4, (len(order) * 5,), generator=gen)
+    lengths = torch.randint(0, 4, (len(order) * 5,), generator=gen, dtype=torch.int32)
     values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
     kjt = te.KeyedJaggedTensor(order, values, lengths=lengths)
-    got = BatchKeys(TABLES, WHERE).by_group(kjt)
+    got = BatchKeys(TABLES, WHERE).by_group(kjt, device)
     want = by_hand(order, values.tolist(), lengths.tolist())
     assert set(got) == set(want) == {0, 1}
     for g, (keys, tables) in got.items():
+        assert keys.device.type == tables.device.type == (device or values.device).type
         assert keys.dtype == tables.dtype == torch.int64
         assert pairs(keys, tables) == sorted(want[g])
 

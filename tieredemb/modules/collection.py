@@ -605,7 +605,7 @@ class CollectionBase(nn.Module):
         """Start reading a coming batch's rows from the backing store into the host tier
         (``StorageConfig(host_budget=...)``) on I/O threads; returns at once. Nothing else moves
         (device cache, scores, admission counts); without a host tier it does nothing."""
-        for g, (keys, tables) in self._batch_keys.by_group(kjt).items():
+        for g, (keys, tables) in self._batch_keys.by_group(kjt, self.device).items():
             self.placement.read_ahead(g, keys, tables)
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:

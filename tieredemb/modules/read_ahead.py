@@ -24,8 +24,12 @@ class BatchKeys:
         self.of_feature = {f: where[t.name] for t in tables for f in t.feature_names}
         self._maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by (features, device)
 
-    def by_group(self, kjt: object) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """A feature no table reads, or a table's feature missing, is a ``ValueError``."""
+    def by_group(self, kjt: object,
+                 device: torch.device | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A feature no table reads, or a table's feature missing, is a ``ValueError``. ``device``:
+        where the pairs are wanted; a CPU batch for a CUDA device is checked on the CPU, then its
+        values and lengths go there in one copy from pinned memory and its tables are found there
+        (the host's work a batch: a copy, not a pass over its ids)."""
         if not hasattr(kjt, "keys") or not hasattr(kjt, "values") or not hasattr(kjt, "lengths"):
             raise TypeError(f"read_ahead takes a KeyedJaggedTensor, got {type(kjt).__name__}")
         features = tuple(kjt.keys())
@@ -42,6 +46,8 @@ class BatchKeys:
             raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
         if lengths.device.type == "cpu" and (total := int(lengths.sum())) != values.numel():
             raise ValueError(f"read_ahead: lengths sum to {total}, values has {values.numel()}")
+        if device is not None and device.type == "cuda" and values.device.type == "cpu":
+            values, lengths = _to_device(values, lengths, device)
         group, position = self._map(features, values.device)
         groups = sorted({self.of_feature[f][0] for f in features})
         per_feature = lengths.reshape(len(features), -1).sum(1)
@@ -65,3 +71,15 @@ class BatchKeys:
             self._maps[key] = (torch.tensor(g, dtype=torch.int64, device=device),
                                torch.tensor(i, dtype=torch.int64, device=device))
         return self._maps[key]
+
+
+def _to_device(values: torch.Tensor, lengths: torch.Tensor,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``values`` and ``lengths`` on the CPU, copied to ``device`` in one copy from pinned
+    memory (from pageable memory the copy would wait for the device's work)."""
+    n = values.numel()
+    both = torch.empty(n + lengths.numel(), dtype=torch.int64, pin_memory=True)
+    both[:n].copy_(values)
+    both[n:].copy_(lengths)
+    both = both.to(device, non_blocking=True)
+    return both[:n], both[n:]
