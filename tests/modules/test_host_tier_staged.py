@@ -2,7 +2,8 @@
 lacks (and its store may hold). Where it counts none the insertion runs on the device and asks the
 store nothing (``HostTierGroup.from_below``, a host read, is not called); else it runs on the host,
 the store read before anything changes. A pair that leaves the tier between the count and the
-insertion is still read from the store; a failed read of the store changes nothing.
+insertion is still read from the store; a failed read of the store changes nothing; rows whose
+write-down failed go down before any newer row does.
 
 References: the same tables trained in HBM alone (hbm_direct), on the same batches."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import tieredemb as te
-from tests.modules.test_tiered_modes import DictStore, FlakyStore, zipf_batches
+from tests.modules.test_tiered_modes import DictStore, FlakyStore, sorted_rows, zipf_batches
 from tieredemb.storage.host_tier import HostTierGroup
 from tieredemb.storage.tiers.cache import CacheTier
 
@@ -157,4 +158,43 @@ def test_a_failed_read_of_the_store_changes_nothing() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for out in (got, want):
             out.sum().backward()
+    cached.close()
+
+
+def test_rows_a_failed_write_down_kept_are_not_overwritten_by_newer_ones(monkeypatch) -> None:
+    """The cache's flush into the host tier fails (the tier's ``set`` raises, twice): the cache keeps
+    those rows, copies of rows it still holds, to write them down at the next call that needs the
+    store. Training goes on and evicts some of them, newer, into the tier. Those kept copies must
+    be written before any newer row goes down (an insertion on the device writes victims straight
+    into the tier, so it waits while rows are kept): else the next flush puts the old copies back
+    over the trained rows."""
+    calls = _spied(monkeypatch)
+    cached, plain = _pair(1, cache_rows=4, host_rows=ROWS)
+    batches = zipf_batches(16, 6, seed=5)
+    for m in (cached, plain):
+        for kjt in batches[:6]:
+            m(kjt).values().sum().backward()
+    tier = cached.tiers[0].below
+    set_rows, refusals = tier.set, [2]  # the write-down and flush's retry of it
+
+    def refuse(*args, **kwargs):
+        refusals[0] -= 1
+        if refusals[0] == 0:
+            tier.set = set_rows
+        raise te.storage.BackendError("injected: the tier refuses the write-down")
+
+    tier.set = refuse
+    with pytest.raises(te.storage.BackendError):
+        cached.flush()
+    on_device = calls["_insert_on_device"]
+    for m in (cached, plain):
+        for kjt in batches[6:]:
+            m(kjt).values().sum().backward()
+    cached.flush()
+    want, got = (sorted_rows(m.export("t")) for m in (plain, cached))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    # the first insertion after the failure ran on the host (it wrote the kept rows), later ones on
+    # the device again
+    assert calls["_insert_on_device"] > on_device, calls
     cached.close()

@@ -178,9 +178,11 @@ class OnDeviceInsertion:
     def _inserts_on_device(self) -> bool:
         """Whether this batch's insertion runs on the device without a host read: every pair gets a
         cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
-        batch is still owed (``in_flight``), and the backing store takes padded write-downs on this
-        device (``GroupStore.device_rows``: host memory's)."""
-        return self.can_stage() and not self._owing and self._rows_below is not None
+        batch is still owed (``in_flight``), the backing store takes padded write-downs on this
+        device (``GroupStore.device_rows``: host memory's), and no write-down that failed is kept
+        (``writes.unwritten``: the device's victims would go down before it, and it after them)."""
+        return (self.can_stage() and not self._owing and self._rows_below is not None
+                and not self.writes.unwritten)
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
