@@ -282,3 +282,31 @@ def test_a_cache_step_over_a_host_tier_that_holds_the_tables_reads_the_device_on
     assert after.evictions > before.evictions and after.misses > before.misses
     assert after.host_tier.hits > before.host_tier.hits and after.host_tier.misses == 0, after.host_tier
     ebc.close()
+
+
+def test_a_warm_sharded_step_at_world_size_one_reads_the_device_three_times(tmp_path):
+    """The sharded path (NCCL, one rank): the batch checks, then per group the route's split sizes
+    with the number of distinct pairs, then the owner's staged probe of the pairs it received (its
+    dedup and probe in one read): three host reads a warm step of one group (the requester's and
+    the owner's dedups read no count of their own)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        tables = [te.TableConfig("t0", 16, ["f0", "f1"])]
+        collection = te.EmbeddingBagCollection(tables, optimizer=te.optim.Adam(lr=0.01), device=DEV,
+                                               process_group=dist.group.WORLD)
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(0, 5, (2 * 64,), generator=gen)
+        ids = torch.randint(0, 500, (int(lengths.sum()),), generator=gen)
+        kjt = te.KeyedJaggedTensor(["f0", "f1"], ids, lengths=lengths).to(DEV)
+
+        def step():
+            collection(kjt).values().sum().backward()
+
+        for _ in range(2):  # warm: the batch's keys are stored
+            step()
+        reads = host_reads(step)
+        assert len(reads) <= 3, f"{len(reads)} host reads in a warm sharded step: {reads}"
+    finally:
+        dist.destroy_process_group()

@@ -84,14 +84,22 @@ class Route:
 
 
 def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
-          group) -> Route:
+          group, count: torch.Tensor | None = None) -> Route:
     """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
     with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
-    count matrix and one host read (histograms, no atomics on a few hot bins)."""
+    count matrix and one host read (histograms, no atomics on a few hot bins). ``count``: int64 (1,)
+    on the device where only the first ``count`` pairs are the batch's (a padded dedup's, the rest
+    unspecified): the rest is routed nowhere, and ``count`` is read with the rest (the route's
+    ``order`` then has that many pairs)."""
+    if count is not None:
+        real = torch.arange(owner.numel(), device=owner.device) < count
+        owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
+        tables, counts = torch.where(real, tables, 0), torch.where(real, counts, 0)
     order = torch.argsort(owner, stable=True)
     cell = owner * num_tables + tables
-    pairs = torch.bincount(cell, minlength=world * num_tables).view(world, num_tables)
-    ids = torch.bincount(cell, weights=counts.to(torch.float64), minlength=world * num_tables)
+    cells = world * num_tables
+    pairs = torch.bincount(cell, minlength=cells + num_tables)[:cells].view(world, num_tables)
+    ids = torch.bincount(cell, weights=counts.to(torch.float64), minlength=cells + num_tables)[:cells]
     ids = ids.round().to(torch.int64).view(world, num_tables)
     send = torch.cat([pairs.sum(1, keepdim=True), pairs, ids], 1)
     recv = torch.empty_like(send)
@@ -99,7 +107,10 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
         recv.copy_(send)
     else:
         dist.all_to_all_single(recv, send, group=group)
-    both = torch.cat([send[:, 0], recv.sum(0)[1:], recv[:, 0]]).tolist()
+    read = [send[:, 0], recv.sum(0)[1:], recv[:, 0]] + ([count.reshape(1)] if count is not None else [])
+    both = torch.cat(read).tolist()
+    if count is not None:
+        order = order[: both.pop()]
     return Route(order, both[:world], both[world + 2 * num_tables :], both[world : world + num_tables],
                  both[world + num_tables : world + 2 * num_tables])
 

@@ -73,21 +73,48 @@ class RowWiseSharding:
 
     # ------------------------------------------------------------------------------- the step
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ShardedPrefetch:
-        """Group g's ids to their owners; this rank resolves the pairs it received."""
+        """Group g's ids to their owners; this rank resolves the pairs it received. The batch's
+        distinct pairs are counted on the device and read with the route's split sizes (one host
+        read for both)."""
         tier = self.tiers[g]
-        keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
-                                                                  self.kernels)
-        way, got = self.send_pairs(g, keys, tables, counts)
+        if gb.ids.numel() == 0:
+            keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
+                                                                      self.kernels)
+            way, got = self.send_pairs(g, keys, tables, counts)
+        else:
+            order, skeys, stables = self.kernels.id_order(gb.ids, gb.tables, len(tier.configs))
+            keys, tables, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, stables, order)
+            real = torch.arange(keys.numel(), device=keys.device) < count
+            tables = torch.where(real, tables, 0)  # (past the count unspecified: no table out of range)
+            way, got = self.send_pairs(g, keys, tables, counts, count)
+            u = way.order.numel()
+            keys, counts = keys[:u], counts[:u]
+            sorted_ids = IdOrder(order, counts)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        served = tier.prefetch(rkeys, rtables, way.ids_per_table, clock, training, occurrences=rcounts)
+        served = self._serve(tier, rkeys, rtables, rcounts, way.ids_per_table, clock, training)
         return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
 
-    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
-                   counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
+    def _serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+               ids_per_table: list[int], clock: int, training: bool) -> GroupPrefetch:
+        """The pairs this rank received (each with the ``counts`` of ids it stands for) resolved
+        like a local batch: a training batch of a tier that stages its prefetch in one host read
+        (the dedup of the pairs several ranks sent, the probe, the insertion's counts together), as
+        the local step does; else ``prefetch`` (a read for the dedup, one for the probe)."""
+        if not training or not tier.can_stage():
+            return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts)
+        tier.before_staging()
+        guard = torch.zeros(1, dtype=torch.int64, device=self.device)  # (the requesters checked their ids)
+        staged, reads = tier.stage_prefetch(keys, tables, clock, guard, occurrences=counts)
+        info = torch.cat([r.reshape(-1) for r in reads]).tolist()  # the one host read
+        return tier.finish_prefetch(staged, info, ids_per_table)
+
+    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                   count: torch.Tensor | None = None) -> tuple[Route, torch.Tensor]:
         """Distinct pairs of group g (keys, tables, counts: int64 (u,)) to their owners, counted in
-        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received)."""
+        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received).
+        ``count``: only the first ``count`` pairs are real (``route``'s)."""
         owner = owner_of(keys, self.salts[g][tables], self.world)
-        way = route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group)
+        way = route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group, count)
         pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
         got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
         self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]

@@ -124,12 +124,13 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         return self.bound is None and self.admission is None
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
-                       guard: torch.Tensor,
-                       id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
+                       guard: torch.Tensor, id_count: torch.Tensor | None = None,
+                       occurrences: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """``DeviceTier.stage_prefetch`` without per-id rows (a cache's misses get theirs after the
         read). Its probe is the step's only one: the keys found are locked and touched there, the
         misses inserted after the fetch (``_place``)."""
-        return super().stage_prefetch(ids, tables, step, guard, by_id=False, id_count=id_count)
+        return super().stage_prefetch(ids, tables, step, guard, by_id=False, id_count=id_count,
+                                      occurrences=occurrences)
 
     @property
     def below_reads(self) -> int:

@@ -169,8 +169,8 @@ class DeviceTier(DeviceInsertion):
         return self.admission is None
 
     def stage_prefetch(self, ids: torch.Tensor, tables: torch.Tensor, step: int | torch.Tensor,
-                       guard: torch.Tensor, by_id: bool = True,
-                       id_count: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
+                       guard: torch.Tensor, by_id: bool = True, id_count: torch.Tensor | None = None,
+                       occurrences: torch.Tensor | None = None) -> tuple[StagedPrefetch, list[torch.Tensor]]:
         """The device half of a training ``prefetch`` (``can_stage`` groups):
         dedup on padded buffers, then the fused probe, which locks and touches the keys found unless
         ``guard`` (int64 (G,) on the device) is not all zero, and marks the contested ones (a bounded
@@ -182,18 +182,22 @@ class DeviceTier(DeviceInsertion):
         (gathered while the host waits for its read, not after it). ``step``: an int, or int64 () on
         the device (a captured prefetch; the caller sets the host's in the result). ``id_count``:
         int64 () on the device, the batch's ids, the rest of ``ids`` padding that sorts after them (a
-        captured prefetch of a batch shape padded to a bucket). Device work only, captured in a
-        CUDA graph: the caller ran ``before_staging`` first."""
+        captured prefetch of a batch shape padded to a bucket). ``occurrences``: int64 (n,), how many
+        lookups each id stands for (a shard owner's received pairs: ``prefetch``'s). Device work
+        only, captured in a CUDA graph: the caller ran ``before_staging`` first."""
         with label("## dedup ##"):
             order, skeys, stables = self.kernels.id_order(ids, tables, len(self.configs), id_count)
             keys, utab, inverse, entries, count = self.kernels.sorted_runs_padded(skeys, stables, order,
                                                                                   id_count)
+            counts = entries if occurrences is None else \
+                torch.zeros_like(entries).index_add_(0, inverse, occurrences)
         with label("## resolve ##"):
-            slots, values, per_region = self.index.find_touch(keys, utab, step, entries, count, guard,
+            slots, values, per_region = self.index.find_touch(keys, utab, step, counts, count, guard,
                                                               contest=self._contest)
         regions = len(self.configs)
-        staged = StagedPrefetch(keys, utab, inverse, entries, order, slots, values, per_region, step,
-                                values[inverse] if by_id else None)
+        staged = StagedPrefetch(keys, utab, inverse, counts, order, slots, values, per_region, step,
+                                values[inverse] if by_id else None,
+                                entries=None if occurrences is None else entries)
         return staged, [count, per_region[:regions], self.index.sizes_on_device, per_region[2 * regions :],
                         *self.stage_below(keys, utab, slots, count)]
 
@@ -249,7 +253,8 @@ class DeviceTier(DeviceInsertion):
         u = info[0]
         self.lookups = [a + b for a, b in zip(self.lookups, ids_per_table)]
         pf = self._finish_staged(staged, u, info[1:])
-        pf.sorted_ids = IdOrder(staged.order, staged.counts[:u])
+        entries = staged.counts if staged.entries is None else staged.entries
+        pf.sorted_ids = IdOrder(staged.order, entries[:u])
         return pf
 
     def _finish_staged(self, staged: StagedPrefetch, u: int, info: list[int]) -> GroupPrefetch:

@@ -188,6 +188,8 @@ class StagedPrefetch:
     per_region: torch.Tensor
     step: int
     id_values: torch.Tensor | None = None  # int64 (n,) values[inverse]: each id's row if it was found
+    # ids per pair where ``counts`` sums occurrences the entries carry (a shard owner's), else None
+    entries: torch.Tensor | None = None
 
 
 # columns of the per-table device counters
