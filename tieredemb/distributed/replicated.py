@@ -192,7 +192,7 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
             rkeys, rtables = torch.cat([rkeys, hot.keys[now]]), torch.cat([rtables, hot.tables[now]])
             rcounts = torch.cat([rcounts, touched[now]])
-        served = tier.prefetch(rkeys, rtables, lookups, clock, training, occurrences=rcounts)
+        served = self._serve(tier, rkeys, rtables, rcounts, lookups, clock, training)
         return ReplicatedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served,
                                   sorted_ids, part)
 
