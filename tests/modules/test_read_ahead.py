@@ -65,3 +65,15 @@ def test_a_batch_whose_lengths_do_not_sum_to_its_values_is_refused() -> None:
                                lengths=torch.tensor([1, 1, 1, 0]))
     with pytest.raises(ValueError, match="lengths sum to 3, values has 2"):
         BatchKeys(TABLES, WHERE).by_group(kjt)
+
+
+def test_only_the_wanted_groups_pairs_are_made_and_every_batch_is_checked() -> None:
+    order = ["fa", "fb1", "fb2", "fc"]
+    kjt = te.KeyedJaggedTensor(order, torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 1, 1, 1]))
+    every = BatchKeys(TABLES, WHERE).by_group(kjt)
+    (g, (keys, tables)), = BatchKeys(TABLES, WHERE).by_group(kjt, wanted={1}).items()
+    assert g == 1 and pairs(keys, tables) == pairs(*every[1]) == [(3, 0), (4, 0)]
+    assert BatchKeys(TABLES, WHERE).by_group(kjt, wanted=set()) == {}
+    bad = te.KeyedJaggedTensor(order, torch.tensor([1, 2]), lengths=torch.tensor([1, 1, 1, 0]))
+    with pytest.raises(ValueError, match="lengths sum to 3, values has 2"):
+        BatchKeys(TABLES, WHERE).by_group(bad, wanted=set())

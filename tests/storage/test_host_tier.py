@@ -352,6 +352,54 @@ def test_reads_ahead_are_served_from_host_memory() -> None:
     tier.close()
 
 
+def test_a_tier_that_holds_every_row_of_its_store_reads_nothing_ahead(monkeypatch) -> None:
+    """Over a store empty at open, every row the store gets (a flush) stays in host memory: a read
+    ahead has nothing to bring (``reads_ahead`` False): its pairs are not even located, nor a
+    reader thread started. Once a row has left host memory for the store (an eviction), reads ahead
+    bring it back. A store that held rows at open is read ahead from the start."""
+    located = []
+    lacking = HostTierGroup._lacking
+    monkeypatch.setattr(HostTierGroup, "_lacking", lambda self, *a: located.append(1) or lacking(self, *a))
+    store = CountingStore()
+    tier = _tier(GroupStore([store]), 4)
+    table = tier.table(0)
+    table.set(torch.arange(4), torch.ones(4, W))
+    tier.flush()  # the store holds rows 0-3 now; so does host memory
+    assert not tier.reads_ahead() and store.gets == 0
+    table.read_ahead(torch.arange(6))
+    tier.maintain()
+    tier.finish_reads()
+    assert store.gets == 0 and not located
+    assert torch.equal(table.get(torch.arange(4)).rows, torch.ones(4, W)) and store.gets == 0
+    table.set(torch.arange(4, 8), torch.full((4, W), 2.0))  # over capacity: rows 0-3 leave
+    tier.maintain()
+    tier.settle()
+    tier.flush()
+    assert tier.reads_ahead()
+    gone = [k for k in range(8) if k not in _held(tier)]
+    assert gone, _held(tier)
+    table.read_ahead(torch.tensor(gone))
+    tier.maintain()
+    tier.finish_reads()
+    assert located and store.gets > 0 and table.tier_stats().read_ahead_rows == len(gone)
+    tier.close()
+    reopened = _tier(GroupStore([store]), 4)  # the store holds rows at open
+    assert reopened.reads_ahead()
+    reopened.close()
+
+
+class CountingStore(DictBackend):
+    """A dict backend that counts its reads."""
+
+    def __init__(self) -> None:
+        super().__init__(W)
+        self.gets = 0
+
+    def get(self, keys):
+        self.gets += 1
+        return super().get(keys)
+
+
 class FailingStore(DictBackend):
     """A dict backend whose calls raise while ``down``."""
 

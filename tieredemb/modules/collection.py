@@ -604,8 +604,10 @@ class CollectionBase(nn.Module):
     def read_ahead(self, kjt: object) -> None:
         """Start reading a coming batch's rows from the backing store into the host tier
         (``StorageConfig(host_budget=...)``) on I/O threads; returns at once. Nothing else moves
-        (device cache, scores, admission counts); without a host tier it does nothing."""
-        for g, (keys, tables) in self._batch_keys.by_group(kjt, self.device).items():
+        (device cache, scores, admission counts); without a host tier, or while each host tier
+        holds every row its store has, it only checks the batch."""
+        wanted = {g for g, tier in enumerate(self.tiers) if tier.reads_ahead()}
+        for g, (keys, tables) in self._batch_keys.by_group(kjt, self.device, wanted).items():
             self.placement.read_ahead(g, keys, tables)
 
     def delete_rows(self, table: str, keys: torch.Tensor) -> None:

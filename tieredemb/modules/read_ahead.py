@@ -24,12 +24,13 @@ class BatchKeys:
         self.of_feature = {f: where[t.name] for t in tables for f in t.feature_names}
         self._maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by (features, device)
 
-    def by_group(self, kjt: object,
-                 device: torch.device | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def by_group(self, kjt: object, device: torch.device | None = None,
+                 wanted: set[int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """A feature no table reads, or a table's feature missing, is a ``ValueError``. ``device``:
         where the pairs are wanted; a CPU batch for a CUDA device is checked on the CPU, then its
         values and lengths go there in one copy from pinned memory and its tables are found there
-        (the host's work a batch: a copy, not a pass over its ids)."""
+        (the host's work a batch: a copy, not a pass over its ids). ``wanted``: the groups whose
+        pairs to make (None: all); the batch is checked whatever it holds."""
         if not hasattr(kjt, "keys") or not hasattr(kjt, "values") or not hasattr(kjt, "lengths"):
             raise TypeError(f"read_ahead takes a KeyedJaggedTensor, got {type(kjt).__name__}")
         features = tuple(kjt.keys())
@@ -46,10 +47,13 @@ class BatchKeys:
             raise ValueError(f"read_ahead: {lengths.numel()} lengths for {len(features)} features")
         if lengths.device.type == "cpu" and (total := int(lengths.sum())) != values.numel():
             raise ValueError(f"read_ahead: lengths sum to {total}, values has {values.numel()}")
+        present = sorted({self.of_feature[f][0] for f in features})
+        groups = [g for g in present if wanted is None or g in wanted]
+        if not groups:
+            return {}
         if device is not None and device.type == "cuda" and values.device.type == "cpu":
             values, lengths = _to_device(values, lengths, device)
         group, position = self._map(features, values.device)
-        groups = sorted({self.of_feature[f][0] for f in features})
         per_feature = lengths.reshape(len(features), -1).sum(1)
         if values.device.type == "cpu":  # (its lengths checked above: each feature's values repeated)
             feature = torch.repeat_interleave(torch.arange(len(features)), per_feature,
@@ -58,7 +62,7 @@ class BatchKeys:
             at = torch.arange(values.numel(), device=values.device)
             feature = torch.searchsorted(per_feature.cumsum(0), at, right=True).clamp_(max=len(features) - 1)
         tables = position[feature]
-        if len(groups) == 1:
+        if len(present) == 1:
             return {groups[0]: (values, tables)}
         of = group[feature]
         return {g: keep_where(of == g, values, tables) for g in groups}

@@ -234,10 +234,15 @@ class GroupStore:
     def table(self, t: int) -> Backend:
         return self.backends[t]
 
+    def reads_ahead(self) -> bool:
+        """Whether ``read_ahead`` may bring rows in now (False: a call would do nothing, and the
+        caller may skip the work of making its pairs)."""
+        return not all(type(b).read_ahead is Backend.read_ahead for b in self.backends)
+
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Start reading the pairs' rows into the tier in front of each table, without waiting
         (``Backend.read_ahead``: nothing where there is none, and the pairs not split)."""
-        if all(type(b).read_ahead is Backend.read_ahead for b in self.backends):
+        if not self.reads_ahead():
             return
         for t, pos in self._by_table(tables):
             self.backends[t].read_ahead(keys[pos])

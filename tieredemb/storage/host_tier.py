@@ -29,6 +29,8 @@ under a CUDA collection), so the device cache moves rows to and from it as it do
   hands those the tier lacks to reader threads, which read them from the store; a later call puts
   the rows read in where the pair is still absent. A read that was in flight while the tier dropped
   one of its pairs after writing it down drops that pair's row (it may be older than the row written).
+  While the tier holds every pair the store has (the store was empty at open and no pair has left
+  host memory since), nothing is read ahead and no miss asks the store (``reads_ahead``).
 
 Per row address the tier keeps ``version`` (one more at each write into the tier), ``clean`` (the
 version the store holds), ``used`` (the tick of the last read or write, or the uses under LFU) and
@@ -158,10 +160,15 @@ class HostTierGroup(GroupStore, DeviceRows):
         # the pairs the store may hold: those it holds now, and every pair written down from here
         expected = expected_keys if expected_keys is not None else 64 * sum(capacities)
         self.filter = KeyFilter(min(max(16 * expected, 1 << 16), 1 << 33), self.device)
+        # every pair the store holds is in host memory too: the store was empty at open and no pair
+        # has left host memory for it since (a deletion leaves both). Reads ahead then bring nothing
+        # and no miss the tier lacks is read from the store (the filter's false positives aside)
+        self._holds_below = True
         for t in range(len(capacities)):
             for keys in below.table(t).scan_keys(1 << 16):
                 keys = keys.to(self.device)
                 self.filter.add(keys, torch.full_like(keys, t))
+                self._holds_below = self._holds_below and keys.numel() == 0
 
     # ------------------------------------------------------------------------ the store's verbs
     def get(self, keys: torch.Tensor, tables: torch.Tensor) -> Fetched:
@@ -194,10 +201,14 @@ class HostTierGroup(GroupStore, DeviceRows):
         self._erased_now(keys, tables)
         self.below.delete(keys.cpu(), tables.cpu())
 
+    def reads_ahead(self) -> bool:
+        """Whether the store may hold pairs host memory lacks (a read ahead may bring rows in)."""
+        return not self._closed and not self._holds_below
+
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Queue the pairs' rows to be read from the store into host memory (see the module
         docstring); returns at once."""
-        if not self._closed and keys.numel():  # (where they are: no host read of a device's keys)
+        if self.reads_ahead() and keys.numel():  # (where they are: no host read of a device's keys)
             self._queued.append((keys.reshape(-1).to(torch.int64), tables.reshape(-1).to(torch.int64)))
 
     def flush(self) -> None:
@@ -270,13 +281,15 @@ class HostTierGroup(GroupStore, DeviceRows):
         self.rows.upserted(keys, tables, rows, addresses, counts, pool, settled)
 
     def capture_key(self) -> tuple[int, ...]:
-        return self.rows.capture_key()
+        return (*self.rows.capture_key(), self._holds_below)  # (``lacking`` bakes it in)
 
     def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
                    found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The store's rows of the pairs host memory lacked (``found`` False; ``keys``
         ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none. A
         failed read raises ``BackendError`` chained to the store's error and changes nothing."""
+        if self._holds_below:  # the store lacks what host memory lacks
+            return None
         need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
         if need.numel() == 0:
             return None
@@ -295,6 +308,8 @@ class HostTierGroup(GroupStore, DeviceRows):
 
     def lacking(self, keys: torch.Tensor, tables: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:
         before = self._erasures.clone()  # first: a deletion after the count below is not counted
+        if self._holds_below:  # (no pair the tier lacks is in the store; ``capture_key`` has it)
+            return torch.cat([before, torch.zeros_like(before)])
         need = missed & self._lacking(keys, tables)
         return torch.cat([before, need.sum().view(1)])
 
@@ -333,6 +348,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         dirty = self.rows.dirty(addresses)
         clean = (~dirty).nonzero().squeeze(1)
         if clean.numel():  # the store has these rows: they go now
+            self._holds_below = False
             self.rows.delete(keys[clean], tables[clean])
             self._erased_now(keys[clean], tables[clean])
         down = dirty.nonzero().squeeze(1)
@@ -397,6 +413,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         self.rows.clean[ev.addresses[go]] = ev.versions[go]
         self._counts[_COUNTS.index("written_down")].index_add_(0, ev.host[1], torch.ones_like(ev.host[1]))
         if go.numel():
+            self._holds_below = False
             self.rows.delete(ev.keys[go], ev.tables[go])
             self._erased_now(ev.keys[go], ev.tables[go])
 
@@ -416,7 +433,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         lacks and the store may hold (found on the device and copied to the host behind its work:
         the reader waits for it, this thread never does). Pairs given on the host go to the device
         in one copy from pinned memory (from pageable memory the copy would wait for the device)."""
-        if not self._queued or self._closed:
+        if not self._queued or not self.reads_ahead():
             self._queued = []
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)

@@ -668,6 +668,9 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             out.rows["host"] = out.host_tier.rows
         return out
 
+    def reads_ahead(self) -> bool:
+        return self.below.reads_ahead()
+
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Start reading the (``tables``, ``keys``) pairs' rows from the store into the tier in front
         of it (a host tier; none: nothing). The device cache, its scores and admission counts do not

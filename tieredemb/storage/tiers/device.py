@@ -629,6 +629,10 @@ class DeviceTier(DeviceInsertion):
         self.place_overflow()
         self._take_back(wait=True)
 
+    def reads_ahead(self) -> bool:
+        """Whether ``read_ahead`` may bring rows in now: never here (a cache over a host tier's may)."""
+        return False
+
     def read_ahead(self, keys: torch.Tensor, tables: torch.Tensor) -> None:
         """Nothing: every row already lives in this tier (a cache over a host tier reads ahead)."""
 
