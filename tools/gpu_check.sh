@@ -7,7 +7,7 @@
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--tbe] [--check-launch] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
+#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
@@ -28,6 +28,10 @@
 # --check-launch: only the CUDA kernel, index and module suites with TIEREDEMB_FAST_LAUNCH=check (every
 # launch through Triton, an error if one FastLaunch key stands for two compiled kernels): run it before
 # adding a Triton version to tieredemb.ops.triton.launch.TESTED.
+#
+# --ssd-fit: only the host tier with the tables in its reach: `bench ssd` at scale 0.1 with a 6 GiB
+# tier (against the same cache over HostMemory, in turns), then tools/profile_step.py --time of the
+# two alone, in turns (2 rounds): the cache over HostMemory and the device cache over the tier.
 #
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
@@ -50,6 +54,7 @@ run_dist=0
 run_stash=0
 run_tbe=0
 run_check_launch=0
+run_ssd_fit=0
 ab_old=""
 variants=()
 ab_args=""
@@ -71,6 +76,7 @@ while [ $# -gt 0 ]; do
         --stash) run_stash=1 ;;
         --tbe) run_tbe=1 ;;
         --check-launch) run_check_launch=1 ;;
+        --ssd-fit) run_ssd_fit=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
         --ab-args) ab_args="$2"; shift ;;
@@ -112,6 +118,21 @@ if [ "$run_stash" = 1 ]; then
     echo "== bench stash"
     timeout 360 python3 -m tieredemb.cli bench stash --long-steps 200 --out "$OUT" "${bench_args[@]}" 2>&1 \
         | grep -v -i warn | tail -n 25
+    exit 0
+fi
+
+if [ "$run_ssd_fit" = 1 ]; then
+    echo "== bench ssd, a host tier that holds the tables"
+    timeout 240 python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 \
+        --host-budget 6GiB --store-rows 0.2 --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 \
+        --out "$OUT" 2>&1 | grep -E "ms/step|ratio|host_tier:|passed|equal|rows of"
+    common=(--scale 0.1 --budget-fraction 0.01 --lookahead 2 --warmup 60 --steps 40 --time)
+    for round in 1 2; do
+        echo "round $round, HostMemory: $(timeout 90 python3 tools/profile_step.py --workload cache \
+            "${common[@]}" 2>&1 | tail -n 1)"
+        echo "round $round, host tier: $(timeout 90 python3 tools/profile_step.py --workload ssd \
+            --store-rows 0.2 --store-process --host-budget 6442450944 "${common[@]}" 2>&1 | tail -n 1)"
+    done
     exit 0
 fi
 
