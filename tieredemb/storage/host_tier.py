@@ -161,8 +161,8 @@ class HostTierGroup(GroupStore, DeviceRows):
         expected = expected_keys if expected_keys is not None else 64 * sum(capacities)
         self.filter = KeyFilter(min(max(16 * expected, 1 << 16), 1 << 33), self.device)
         # every pair the store holds is in host memory too: the store was empty at open and no pair
-        # has left host memory for it since (a deletion leaves both). Reads ahead then bring nothing
-        # and no miss the tier lacks is read from the store (the filter's false positives aside)
+        # has left host memory for it since (a deletion leaves both). Reads ahead then bring nothing,
+        # and a pair the tier lacks is none of the store's, whatever the filter's false positives say
         self._holds_below = True
         for t in range(len(capacities)):
             for keys in below.table(t).scan_keys(1 << 16):
