@@ -7,7 +7,7 @@
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
+#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--gpu-tests] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
@@ -28,6 +28,9 @@
 # --check-launch: only the CUDA kernel, index and module suites with TIEREDEMB_FAST_LAUNCH=check (every
 # launch through Triton, an error if one FastLaunch key stands for two compiled kernels): run it before
 # adding a Triton version to tieredemb.ops.triton.launch.TESTED.
+#
+# --gpu-tests: only tests/gpu and the suites that run on CUDA where it is present (the kernels, the
+# index, 16-bit rows, reads ahead, the host tier): a few minutes, where --tests-only takes ten.
 #
 # --ssd-fit: only the host tier with the tables in its reach: `bench ssd` at scale 0.1 with a 6 GiB
 # tier (against the same cache over HostMemory, in turns), then tools/profile_step.py --time of the
@@ -55,6 +58,7 @@ run_stash=0
 run_tbe=0
 run_check_launch=0
 run_ssd_fit=0
+run_gpu_tests=0
 ab_old=""
 variants=()
 ab_args=""
@@ -77,6 +81,7 @@ while [ $# -gt 0 ]; do
         --tbe) run_tbe=1 ;;
         --check-launch) run_check_launch=1 ;;
         --ssd-fit) run_ssd_fit=1 ;;
+        --gpu-tests) run_gpu_tests=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
         --ab-args) ab_args="$2"; shift ;;
@@ -118,6 +123,15 @@ if [ "$run_stash" = 1 ]; then
     echo "== bench stash"
     timeout 360 python3 -m tieredemb.cli bench stash --long-steps 200 --out "$OUT" "${bench_args[@]}" 2>&1 \
         | grep -v -i warn | tail -n 25
+    exit 0
+fi
+
+if [ "$run_gpu_tests" = 1 ]; then
+    echo "== tests/gpu"
+    timeout "$GPU_TESTS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 15
+    echo "== the suites that run on CUDA where it is present"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ops tests/index tests/modules/test_row_dtype.py \
+        tests/modules/test_read_ahead.py tests/storage/test_host_tier.py 2>&1 | tail -n 8
     exit 0
 fi
 

@@ -33,8 +33,9 @@ def pairs(keys: torch.Tensor, tables: torch.Tensor) -> list[tuple[int, int]]:
 
 
 # where the pairs are wanted: None (where the batch is), or a CUDA device for a CPU batch (copied)
-WANTED = [None] + [pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))]
+WANTED = [pytest.param(None, id="where-it-is"),
+          pytest.param(torch.device("cuda"), id="cuda",
+                       marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 @pytest.mark.parametrize("device", WANTED)
