@@ -134,7 +134,7 @@ class OnDeviceInsertion:
         last = self._last_insert
         if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
             return
-        if self._rows_below.lacking_reads:  # over a host tier: the read may send the batch to the host
+        if self.below_reads:  # over a host tier: the read may send the batch to the host
             return  # path (``_needs_below``), and an arm is never followed by that path
         pairs, bound = last
         pool, hpool = self._lend(bound)
@@ -322,7 +322,7 @@ class OnDeviceInsertion:
         runs on the host, the store read before anything changes (a failed read changes nothing).
         Not where the staged read (``below``: the tier's ``lacking``, erasures and count) counted
         none the tier lacks and no pair left the tier since."""
-        if self._rows_below is None or not self._rows_below.lacking_reads:
+        if not self.below_reads:
             return False
         return not below or below[1] > 0 or below[0] != self._rows_below.erasures()
 

@@ -227,8 +227,8 @@ class DeviceTier(DeviceInsertion):
         pairs, padded, ``count`` of them; ``tables`` numbered across the groups, this group's from
         ``first_table``): this group's pairs probed, their slots and values written into ``out`` at
         their positions. Returns int64 (3R,): misses, pairs and contested pairs per region (the host
-        reads them with the index's sizes, for ``finish_prefetch``)."""
-        self.place_overflow()
+        reads them with the index's sizes, for ``finish_prefetch``). Device work only, captured in a
+        CUDA graph: the caller ran ``before_staging`` first."""
         return self.index.find_touch(keys, tables, step, counts, count, guard, first_table, out,
                                      contest=self._contest)[2]
 
