@@ -27,6 +27,15 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsyn
                "aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::_unique2")
 
 
+_DEVICE = [torch.device("cuda")]  # the device of the run (main sets it)
+
+
+def sync() -> None:
+    """Wait for the device's queued work (on the CPU there is none)."""
+    if _DEVICE[0].type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--scale", type=float, default=1.0)
@@ -64,25 +73,28 @@ def main() -> None:
     p.add_argument("--pipeline", action="store_true",
                    help="each step is te.TrainPipeline's progress (no dense model; batches pinned on the "
                         "host as a loader yields them; --lookahead: TrainPipeline(lookahead=k))")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: the same steps on the CPU (the host's work without a GPU's launches)")
     p.add_argument("--autograd-threads", action="store_true",
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
     if args.sharded:
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
     torch.autograd.set_multithreading_enabled(args.autograd_threads)
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    _DEVICE[0] = dev
     ebc, shape, batches = build(args, dev)
     grad = upstream_grad(shape, dev, 0)
 
     kjts, step = make_step(args, ebc, grad, batches, dev)
     for i in range(args.warmup):
         step(i)
-    torch.cuda.synchronize()
+    sync()
     if args.time:
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
             step(i)
-        torch.cuda.synchronize()
+        sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         print(f"{ms:.2f} ms a step ({args.steps} steps, no profiler)")
     elif args.sample:
@@ -100,10 +112,10 @@ def make_step(args, ebc, grad, batches, dev: torch.device):
     them) and the step of the loop asked for: step(i) trains batch i."""
     kjts = [batches.batch(i).kjt for i in range(args.warmup + args.steps + 3 + args.lookahead)]
     ahead = [k.to(torch.device("cpu")) for k in kjts] if args.lookahead else None
-    torch.cuda.synchronize()
+    sync()
     if args.pipeline:
         pipe = te.TrainPipeline(_Loss(ebc, grad), None, device=dev, lookahead=args.lookahead)
-        data = iter([{"kjt": k.to(torch.device("cpu")).pin_memory()} for k in kjts])
+        data = iter([{"kjt": _pinned(k.to(torch.device("cpu")), dev)} for k in kjts])
         return kjts, lambda i: pipe.progress(data)
     if args.overlap:
         overlapped = Overlapped(ebc, grad, kjts[0], args.overlap)
@@ -119,6 +131,10 @@ def make_step(args, ebc, grad, batches, dev: torch.device):
     return kjts, step
 
 
+def _pinned(kjt, dev: torch.device):
+    return kjt.pin_memory() if dev.type == "cuda" else kjt
+
+
 def build(args, dev: torch.device):
     """The collection of the workload, its shape and its batches."""
     if args.workload == "hbm":
@@ -127,7 +143,7 @@ def build(args, dev: torch.device):
                                         device=dev, process_group=dist.group.WORLD if args.sharded else None)
         t0 = time.perf_counter()
         preinsert_rows(ebc, shape, dev, 0)
-        torch.cuda.synchronize()
+        sync()
         print(f"preinsert {shape.num_tables} x {shape.rows} rows: {time.perf_counter() - t0:.1f} s")
         batches = HbmBatches(shape, dev, 0)
     elif args.workload == "ssd":  # 1% of the footprint on the device over RocksDB, a host tier between
@@ -165,7 +181,7 @@ def torch_profile(step, args) -> None:
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
             step(i)
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
     avg = prof.key_averages()
     out = os.environ.get("OUT", ".")
@@ -343,7 +359,7 @@ def sampled(step, args, interval: float = 1e-3, top: int = 12) -> None:
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         step(i)
-    torch.cuda.synchronize()
+    sync()
     done.set()
     thread.join()
     print(f"{(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step while sampled")
@@ -366,7 +382,7 @@ def python_profile(step, args) -> None:
     prof.enable()
     for i in range(args.warmup, args.warmup + args.steps):
         step(i)
-    torch.cuda.synchronize()
+    sync()
     prof.disable()
     print(f"{args.optimizer}: {(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms a step under cProfile")
     prof.dump_stats(os.path.join(os.environ.get("OUT", "."), f"pyprof-{args.workload}.pstats"))
@@ -433,7 +449,7 @@ def host_times(ebc, kjts, grad, args) -> None:
     timed(ebc._layout, "finish", "  layout.finish")
     timed(torch.Tensor, "tolist", "  tolist (host read)")
     extra_timers(ebc, args, timed, timer)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     per_step: list[dict[str, float]] = []  # each step's own times: the median step leaves out rare ones
     for i in range(args.warmup, args.warmup + args.steps):
@@ -462,7 +478,7 @@ def host_times(ebc, kjts, grad, args) -> None:
         per_step.append({k: v - before.get(k, 0.0) for k, v in spent.items()})
         per_step[-1]["step (host)"] = time.perf_counter() - t_step
     with timer("final sync"):
-        torch.cuda.synchronize()
+        sync()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
     print(f"{args.optimizer}: {wall:.2f} ms a step (wall, {args.steps} steps, timers only)")
     print("host ms a step: mean, median over the steps (labels nest inside prefetch/forward/backward), "

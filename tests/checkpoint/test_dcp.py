@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tieredemb as te
 from tests.checkpoint.test_distributed_checkpoint import STEPS, Holder, assert_equals_one_process
 from tests.conftest import ATOL, RTOL, random_batch, sorted_export
 from tests.distributed.test_sharded import _free_port, build, local_batch, step_losses
+from tests.ranks import spawn_ranks
 from tieredemb.checkpoint import dcp as te_dcp
 from tieredemb.modules.state import TableSlice
 
@@ -210,8 +210,8 @@ def _dcp_phase(rank: int, world: int, port: int, tmp: str, mode: str, first: boo
 
 @pytest.mark.parametrize("after", [2, 1])
 def test_two_gloo_ranks_resume_through_dcp_like_one_process(after, tmp_path):
-    mp.spawn(_dcp_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
-    mp.spawn(_dcp_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
+    spawn_ranks(_dcp_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
+    spawn_ranks(_dcp_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
     assert_equals_one_process(tmp_path, 2, after)
 
 

@@ -10,13 +10,13 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 import tieredemb as te
 from tests.checkpoint.test_checkpoint_safety import chunks_of, read_manifest, replace_file
 from tests.distributed.test_sharded import _free_port, build, concat, local_batch, step_losses, upstream
+from tests.ranks import spawn_ranks
 from tieredemb.checkpoint.paths import read_latest
 
 STEPS = 4  # per phase
@@ -76,14 +76,14 @@ def _state_dict_phase(rank: int, world: int, port: int, tmp: str) -> None:
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 1)])
 @pytest.mark.slow
 def test_resume_on_another_world_size(before: int, after: int, tmp_path) -> None:
-    mp.spawn(_phase, args=(before, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=before)
-    mp.spawn(_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
+    spawn_ranks(_phase, args=(before, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=before)
+    spawn_ranks(_phase, args=(after, _free_port(), str(tmp_path), "cache", False), nprocs=after)
     assert_equals_one_process(tmp_path, before, after)
 
 
 @pytest.mark.slow
 def test_sharded_state_dict_into_another_layout(tmp_path) -> None:
-    mp.spawn(_state_dict_phase, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_state_dict_phase, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     assert_equals_one_process(tmp_path, 2, 2)
 
 
@@ -133,6 +133,7 @@ def _refusals(rank: int, world: int, port: int, tmp: str) -> None:
         seen["good"] = {"error": error, "step": model.ebc.step, "rows": rows}
         with open(os.path.join(tmp, f"refusals-{rank}.json"), "w") as f:
             json.dump(seen, f)
+        model.ebc.close()
         dist.barrier()  # both ranks done before either tears its process group down
     finally:
         dist.destroy_process_group()
@@ -144,7 +145,7 @@ def test_a_refusal_on_one_rank_is_every_ranks_and_changes_nothing(tmp_path) -> N
     rank 1 reads is corrupted; a key is in a file rank 0 reads and in one rank 1 reads (only the
     rank that stores the key sees it twice). Every rank refuses, no rank changed anything, and the
     good checkpoint loads after."""
-    mp.spawn(_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
+    spawn_ranks(_phase, args=(2, _free_port(), str(tmp_path), "hbm_direct", True), nprocs=2)
     for case in ("corrupted on one rank", "key on two ranks"):
         shutil.copytree(tmp_path / "ckpt", tmp_path / case)
     name = read_latest(tmp_path / "ckpt").name
@@ -159,7 +160,7 @@ def test_a_refusal_on_one_rank_is_every_ranks_and_changes_nothing(tmp_path) -> N
     tensors["keys"][-1] = key
     replace_file(version, second, save_bytes(tensors))
 
-    mp.spawn(_refusals, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_refusals, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     seen = [json.loads((tmp_path / f"refusals-{r}.json").read_text()) for r in range(2)]
     for rank in range(2):
         for case, problem in (("corrupted on one rank", corrupted.name), ("key on two ranks", f"key {key}")):

@@ -8,10 +8,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
 from tests.distributed.test_sharded import _free_port
+from tests.ranks import spawn_ranks
 
 WORLD = 2
 TABLES = [te.TableConfig("t", 4, ["f"])]
@@ -42,7 +42,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 
 def test_the_same_state_on_every_rank_stores_each_key_once(tmp_path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     want = saved_state()
     saved = {int(k): (w, s) for k, w, s in zip(want["t.keys"], want["t.weights"], want["t.optimizer_state"])}
     got = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -10,9 +10,9 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
+from tests.ranks import spawn_ranks
 
 STEPS, WORLD = 3, 2
 TABLES = {"t0": ["a"], "t1": ["b", "c"]}  # t1: two features read one table
@@ -56,7 +56,7 @@ def test_all_ranks_stats_count_each_ranks_load(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, args=(port, str(tmp_path)), nprocs=WORLD)
     got = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(WORLD)]
     owner = {(t, k): r for r in range(WORLD) for t, keys in got[r]["owned"].items() for k in keys}
     lookups, received, unique = Counter(), Counter(), Counter()

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
 from tests.distributed.test_sharded import OPTIMIZERS, _free_port, concat
+from tests.ranks import spawn_ranks
 
 STEPS = 6
 POOL = [3, 0, 1, 2, 5, 8, 13, 21, 34, 49, -7, 2**40, -(2**62), 11, 12, 17]  # the first ones the hottest
@@ -133,8 +133,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], v
 
 
 def run_ranks(world: int, tmp, optimizers, variants, dtype=torch.float32, device="cpu") -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), optimizers, variants, dtype, device), nprocs=world,
-             join=True)
+    spawn_ranks(_worker, args=(world, _free_port(), str(tmp), optimizers, variants, dtype, device),
+                nprocs=world)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
 from tests.distributed.test_sharded import _free_port
+from tests.ranks import spawn_ranks
 
 WORLD = 2
 HOT = {"t0": torch.tensor([3, 0, 1])}
@@ -108,7 +108,7 @@ def same_rows(a: list[dict], b: list[dict], exact: bool = False) -> None:
 
 @pytest.mark.slow
 def test_hot_rows_by_key_and_checkpoints(tmp_path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     got = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in range(WORLD):
         weights, found = got[r]["read"]
@@ -147,7 +147,7 @@ def _load_worker(rank: int, port: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_replication_takes_the_hot_load_off_its_owner(tmp_path) -> None:
-    mp.spawn(_load_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_load_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     got = [torch.load(tmp_path / f"load{r}.pt", weights_only=False) for r in range(WORLD)]
     owner = {(t, k): r for r in range(WORLD) for t, keys in got[r]["plain"][1].items() for k in keys}
     hot = {("t0", k) for k in HOT["t0"].tolist()}
@@ -222,7 +222,7 @@ def _refusal_worker(rank: int, port: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_sharded_bad_options_are_refused(tmp_path) -> None:
-    mp.spawn(_refusal_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_refusal_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     errors = torch.load(tmp_path / "errors0.pt")
     expected = ["unknown table 'nope'", r"keys out of \[0, 10\)", "'t0' has max_capacity",
                 "'t0' has admission", "needs storage mode hbm_direct or hybrid", "differ between ranks"]

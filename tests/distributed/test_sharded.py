@@ -14,9 +14,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
+from tests.ranks import spawn_ranks
 
 STEPS = 10
 POOL = [0, 1, 2, 3, 5, 8, 13, 21, 34, 49, -7, 2**40, -(2**62)]
@@ -203,7 +203,7 @@ DEVICES = [("cpu", w) for w in (2, 3)] + [("cuda", w) for w in (2, 4) if torch.c
 @pytest.mark.parametrize("device, world", DEVICES)
 @pytest.mark.slow
 def test_sharded_training_equals_one_process_on_the_concatenated_batch(device, world, module_name, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), module_name, str(tmp_path), device), nprocs=world, join=True)
+    spawn_ranks(_worker, args=(world, _free_port(), module_name, str(tmp_path), device), nprocs=world)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     module = getattr(te, module_name)
     # the reference runs on the ranks' kind of device: what is compared is sharding, not CPU vs GPU

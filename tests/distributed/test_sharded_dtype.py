@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
 from tests.distributed.test_sharded import _free_port
+from tests.ranks import spawn_ranks
 
 STEPS, WORLD = 6, 2
 MODES = ("hbm_direct", "cache")
@@ -82,7 +82,7 @@ def concat(batches: list[te.KeyedJaggedTensor]) -> te.KeyedJaggedTensor:
 
 @pytest.mark.slow
 def test_sharded_16bit_rows_equal_one_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     ref = build("hbm_direct")
     for step in range(STEPS):

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tieredemb as te
 from tests.distributed.test_sharded import _free_port, _sorted
+from tests.ranks import spawn_ranks
 
 torchrec = pytest.importorskip("torchrec")
 tt = pytest.importorskip("tieredemb.torchrec")
@@ -271,7 +271,7 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _spawn(tmp_path, how: str, backend: str = "gloo") -> list:
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(tmp_path), how, backend), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, args=(WORLD, _free_port(), str(tmp_path), how, backend), nprocs=WORLD)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
