@@ -19,6 +19,28 @@ def test_rows_round_trip_across_segments() -> None:
     assert torch.equal(got[0], torch.zeros(5)) and torch.equal(got[1], rows[3])
 
 
+def test_many_segments_against_a_dense_table() -> None:
+    """Scattered and gathered in random order over 40 segments, with misses (-1) among the reads
+    and segments no address of a call falls in: what a dense tensor of the same rows holds."""
+    g = torch.Generator().manual_seed(0)
+    store = RowStore(width=4, segment_rows=7, device=torch.device("cpu"))
+    addr = store.allocate(280)
+    dense = torch.zeros(280, 4)
+    for _ in range(5):
+        some = addr[torch.randperm(280, generator=g)[:90]]
+        rows = torch.randn(90, 4, generator=g)
+        store.scatter(some, rows, col_start=0)
+        dense[some] = rows
+        half = torch.randn(90, 2, generator=g)
+        store.scatter(some, half, col_start=2)
+        dense[some, 2:] = half
+        asked = torch.cat([addr[torch.randint(0, 280, (60,), generator=g)], torch.full((5,), -1)])
+        asked = asked[torch.randperm(65, generator=g)]
+        want = torch.where((asked >= 0)[:, None], dense[asked.clamp(min=0)], torch.zeros(()))
+        assert torch.equal(store.gather(asked), want)
+        assert torch.equal(store.gather(asked[:10], cols=3), want[:10, :3])
+
+
 def test_free_rows_are_reused_before_growth() -> None:
     store = RowStore(width=2, segment_rows=4, device=torch.device("cpu"))
     a = store.allocate(4)

@@ -226,10 +226,18 @@ class RowStore:
             pos = (addresses >= 0).nonzero().squeeze(1)
             yield 0, self.segments[0], offset[pos], pos
             return
-        for s, seg in enumerate(self.segments):
-            pos = (seg_of == s).nonzero().squeeze(1)
-            if pos.numel():
-                yield s, seg, offset[pos], pos
+        # grouped by one sort and one read of the counts, not a search per segment (a host tier of
+        # gigabytes has hundreds of segments, and each search on the device is a read)
+        valid = (addresses >= 0).nonzero().squeeze(1)
+        seg_sorted, order = torch.sort(seg_of[valid], stable=True)
+        counts = torch.bincount(seg_sorted, minlength=len(self.segments)).tolist()
+        by_segment = valid[order]
+        start = 0
+        for s, n in enumerate(counts):
+            if n:
+                pos = by_segment[start : start + n]
+                yield s, self.segments[s], offset[pos], pos
+                start += n
 
     # ------------------------------------------------------------------------------ stashing
     @property
