@@ -49,6 +49,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -f .peers/fbgemm/setup.sh ] && ! python3 -c "import fbgemm_gpu" 2>/dev/null; then
     PYTHONPATH="$(bash .peers/fbgemm/setup.sh /tmp/fbgemm):$PYTHONPATH"
 fi
+# the stores' Python packages where the machine lacks them and their wheels travelled along (.whl:
+# rocksdict, redis; carry [".whl"])
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import rocksdict, redis" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
 
