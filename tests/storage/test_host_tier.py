@@ -352,6 +352,31 @@ def test_reads_ahead_are_served_from_host_memory() -> None:
     tier.close()
 
 
+def test_rows_a_read_ahead_finds_held_are_evicted_last() -> None:
+    """LRU: rows 0-3 are the least recently used of the 16 held when a read ahead asks for them;
+    it marks them used, so the eviction that follows takes others, and their batch finds them in
+    host memory without reading the store (before, they left first and the batch read them back
+    from the store on its own path)."""
+    store = CountingStore()
+    store.set(torch.arange(100, 104), torch.zeros(4, W))  # the store holds rows: reads ahead run
+    tier = _tier(GroupStore([store]), 16)
+    table = tier.table(0)
+    rows = torch.arange(20 * W, dtype=torch.float32).reshape(20, W)
+    table.set(torch.arange(16), rows[:16])
+    table.get(torch.arange(4, 16))  # 0-3 now the least recently used
+    table.read_ahead(torch.arange(4))
+    tier.maintain()  # located: all held, nothing to read
+    tier.finish_reads()
+    table.set(torch.arange(16, 20), rows[16:])  # 20 held: the next call keeps 15
+    tier.maintain()
+    tier.flush()
+    assert len(_held(tier)) == 15 and all(k in _held(tier) for k in range(4)), _held(tier)
+    gets = store.gets
+    got = table.get(torch.arange(4))
+    assert store.gets == gets and torch.equal(got.rows, rows[:4])
+    tier.close()
+
+
 def test_a_tier_that_holds_every_row_of_its_store_reads_nothing_ahead(monkeypatch) -> None:
     """Over a store empty at open, every row the store gets (a flush) stays in host memory: a read
     ahead has nothing to bring (``reads_ahead`` False): its pairs are not even located, nor a
@@ -359,7 +384,8 @@ def test_a_tier_that_holds_every_row_of_its_store_reads_nothing_ahead(monkeypatc
     bring it back. A store that held rows at open is read ahead from the start."""
     located = []
     lacking = HostTierGroup._lacking
-    monkeypatch.setattr(HostTierGroup, "_lacking", lambda self, *a: located.append(1) or lacking(self, *a))
+    monkeypatch.setattr(HostTierGroup, "_lacking",
+                        lambda self, *a, **k: located.append(1) or lacking(self, *a, **k))
     store = CountingStore()
     tier = _tier(GroupStore([store]), 4)
     table = tier.table(0)

@@ -443,17 +443,21 @@ class HostTierGroup(GroupStore, DeviceRows):
             for row, x in zip(pairs, zip(*queued)):
                 torch.cat(x, out=row)
             keys, tables = pairs.to(self.device, non_blocking=True)
-            lack, ready = to_host_later(self._lacking(keys, tables), [])
+            lack, ready = to_host_later(self._lacking(keys, tables, ahead=True), [])
         else:
             keys, tables = (torch.cat([t.to(self.device, non_blocking=True) for t in x])
                             for x in zip(*queued))
-            both, ready = to_host_later(torch.stack([keys, tables, self._lacking(keys, tables).long()]), [])
+            lack = self._lacking(keys, tables, ahead=True)
+            both, ready = to_host_later(torch.stack([keys, tables, lack.long()]), [])
             pairs, lack = both[:2], both[2]
         self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, lack, ready)))
 
-    def _lacking(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """bool: which pairs host memory lacks and the store may hold (device work only)."""
-        return (keys != RESERVED_KEY) & ~self.rows.held(keys, tables) & self.filter.may_hold(keys, tables)
+    def _lacking(self, keys: torch.Tensor, tables: torch.Tensor, ahead: bool = False) -> torch.Tensor:
+        """bool: which pairs host memory lacks and the store may hold (device work only). ``ahead``:
+        for a read ahead, whose pairs held are marked used now (``TieredRows.wanted``): evicted in
+        the steps before their batch, they would be read from the store again on its critical path."""
+        held = self.rows.wanted(keys, tables) if ahead else self.rows.held(keys, tables)
+        return (keys != RESERVED_KEY) & ~held & self.filter.may_hold(keys, tables)
 
     def _read(self, pairs: torch.Tensor, lack: torch.Tensor, ready: torch.cuda.Event | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,9 +2,10 @@
 
 Per row address, on the rows' device (the GPU under CUDA, beside the index): ``version`` (one more at
 each write), ``clean`` (the version the store below holds), ``used`` (the tick of the last read or
-write, or the uses under LFU) and ``ahead`` (read ahead, not used since). The device verbs a cache's
-insertion graph replays (``upsert_keys``, ``locate``) keep them, so a tier over a store
-(``HostTierGroup``) knows which rows are dirty and which are least used without a host read per row.
+write, or of a read ahead that wants the row; the uses under LFU) and ``ahead`` (read ahead, not
+used since). The device verbs a cache's insertion graph replays (``upsert_keys``, ``locate``) keep
+them, so a tier over a store (``HostTierGroup``) knows which rows are dirty and which are least used
+without a host read per row.
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ class TieredRows(HostMemoryBackend):
         """bool (n,): which pairs are held, in the device's order of work and without a host read
         (a pair an upsert left out reads as absent until ``settle`` puts it in)."""
         return self._addresses(keys, tables)[1]
+
+    def wanted(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """bool (n,): which pairs are held, as ``held``; under LRU those held are marked used now (a
+        batch read ahead will ask for them: evicted last), without a host read. Under LFU nothing
+        moves (a use is counted when it happens)."""
+        addresses, found = self._addresses(keys, tables)
+        at = self._at(addresses)
+        self.tick.add_(1)
+        self.used[at] = torch.where(self._lfu[tables], self.used[at], self.tick)
+        return found
 
     def insert_absent(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The distinct pairs absent here put in with ``rows`` (pinned, or anywhere), clean and read
