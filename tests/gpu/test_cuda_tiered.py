@@ -71,7 +71,13 @@ def rows(ebc) -> torch.Tensor:
 @pytest.mark.parametrize("in_thread", [False, True])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["cache", "hybrid"])
-def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread) -> None:
+def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread, monkeypatch) -> None:
+    """A device budget of 8 rows under TrainPipeline: in cache mode the two batches in flight lock
+    every way, so misses are conflict misses in scratch rows that later batches share, on the
+    device (``_shared_pads``: in the insertion's CUDA graph with Triton's kernels)."""
+    from tests.modules.test_tiered_modes import shared_pads
+
+    pads = shared_pads(monkeypatch)
     row_bytes = (DIM + 2 * DIM) * 4
     storage = te.StorageConfig(hbm_budget=8 * row_bytes, caching=mode == "cache", bucket_width=4,
                                segment_rows=8)
@@ -81,6 +87,8 @@ def test_tiny_tiers_through_the_pipeline_match_cpu(kernels, mode, in_thread) -> 
     pipe = te.TrainPipeline(Model(gpu), None, device=torch.device("cuda"), prefetch_in_thread=in_thread)
     cpu = train_both(pipe, data)
     torch.testing.assert_close(rows(gpu), rows(cpu), rtol=1e-4, atol=1e-5)
+    if mode == "cache":
+        assert sum(pads) > 0 and gpu.stats()["t"].conflict_misses > 0, pads
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])

@@ -280,12 +280,30 @@ def test_bounded_tables_in_cache_mode_match_hbm_direct(backing, eviction, admiss
     cached.close()
 
 
+def shared_pads(monkeypatch) -> list[int]:
+    """How many pairs each device insertion found in an earlier batch's scratch pad (appended as
+    the insertions run)."""
+    from tieredemb.storage.tiers.cache import CacheTier
+
+    found = []
+    shared = CacheTier._shared_pads
+
+    def spy(self, *args):
+        pads = shared(self, *args)
+        found.append(int(pads[0].sum()))
+        return pads
+
+    monkeypatch.setattr(CacheTier, "_shared_pads", spy)
+    return found
+
+
 @pytest.mark.parametrize("backing", ["dict", "host"])
 def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
     """One bucket of two ways and batches of many keys: most keys are conflict misses, trained in
     scratch rows; with prefetch(i+1) before backward(i) a key in both batches shares its row. Over
-    host memory the first batch is inserted on the device, and its conflict misses are found owed
-    only when the host reads its counts (at the next prefetch)."""
+    host memory every batch is inserted on the device, its conflict misses found owed only when the
+    host reads its counts (at the next prefetch), and a later batch's keys in those rows share them
+    there too."""
     from tieredemb.storage.tiers.cache import CacheTier
 
     on_device = []
@@ -297,6 +315,7 @@ def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
         return pf
 
     monkeypatch.setattr(CacheTier, "_insert_on_device", spy)
+    pads = shared_pads(monkeypatch)
     optimizer = te.optim.SGD(lr=0.5)
     row_bytes = DIM * 4
     store = DictStore() if backing == "dict" else te.storage.HostMemory(segment_rows=8)
@@ -310,7 +329,8 @@ def test_conflict_misses_and_shared_scratch_rows(backing, monkeypatch) -> None:
         torch.testing.assert_close(g, w)
     assert cached.stats()["t"].conflict_misses > 0
     if backing == "host":  # the device insertion's conflict misses were owed, then shared
-        assert on_device and on_device[0].write_back.numel() == 3
+        assert len(on_device) == len(batches) and on_device[0].write_back.numel() == 3
+        assert sum(pads) > 0, pads
     else:
         assert not on_device
     torch.testing.assert_close(sorted_rows(cached.export("t"))[1], sorted_rows(plain.export("t"))[1])
@@ -390,8 +410,11 @@ def test_cache_insertion_as_its_graph_replays_it(pipelined, monkeypatch) -> None
     group.may_capture, group._insert_graphs = (lambda: True), PaddedEagerly()
     plain = make(None, "lru", None, te.optim.SGD(lr=0.5))
     batches = zipf_batches(6, 4, seed=5)  # ~10 misses a batch: padded to 16 rows of the pool
+    pads = shared_pads(monkeypatch)
     got, want = train(cached, batches, pipelined), train(plain, batches, pipelined)
     assert group._insert_graphs.calls > 0 and cached.stats()["t"].conflict_misses > 0
+    if pipelined:  # keys of the batch before in its scratch rows, shared by the replayed insertion
+        assert sum(pads) > 0, pads
     if not pipelined:  # insertions armed before their read, run as armed or given back (sizes changed)
         assert group.arms[0] > 0 and group.arms[1] > 0, group.arms
     for g, w in zip(got, want):

@@ -1,11 +1,12 @@
 """``CacheTier``'s insertion of a batch's misses on the device, over host memory.
 
-Over host memory (no admission, no bounded table, no scratch row owed) the cache's prefetch happens
-on the device without a host read, in another order than ``CacheTier._place``'s (``_insert_on_device``,
-replayed from a CUDA graph): the misses are inserted first (victims' rows reused, a scratch row from a
-lent pool for a pair without a way), the victims written down while the misses' rows are fetched into
-their new rows; the host learns the counts (conflict misses, rows taken) at the next prefetch
-(``_owe_conflicts``). ``arm`` does the insertion's host work before the staged prefetch's read.
+Over host memory (no admission, no bounded table) the cache's prefetch happens on the device without
+a host read, in another order than ``CacheTier._place``'s (``_insert_on_device``, replayed from a CUDA
+graph): the misses are inserted first (victims' rows reused, a scratch row from a lent pool for a pair
+without a way; a miss in a scratch row an earlier batch still owes shares that row), the victims
+written down while the misses' rows are fetched into their new rows; the host learns the counts
+(conflict misses, rows taken, pads shared) at the next prefetch (``_owe_conflicts``). ``arm`` does the
+insertion's host work before the staged prefetch's read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.config import RESERVED_KEY
+from tieredemb.ops import to_host_later
 from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.profiling import label
 from tieredemb.storage.tiers.parts import (
@@ -117,6 +119,7 @@ class OnDeviceInsertion:
         self._inserting: list[CachePrefetch] = []
         self._last_insert: tuple[int, int] | None = None  # the last graph's padded pairs and misses
         self._armed: Armed | None = None  # the next insertion's host work, done (``arm``)
+        self._pad_counts: list[torch.Tensor] = []  # pinned buffers of read pad counts, reused
         self.arms = [0, 0]  # arms replayed, arms given back (other sizes, no free slot, a bad batch)
         self._streams = SideStreams(self.device)  # side streams by priority and use
         # the backing store's rows as this device moves them (host memory's), else None
@@ -134,6 +137,8 @@ class OnDeviceInsertion:
         last = self._last_insert
         if last is None or not self._inserts_on_device() or not self._device_graphs_for(staged.step):
             return
+        if self._owing:  # the pairs in pads are found after the read, and the graph's inputs
+            return  # loaded now would miss them
         if self.below_reads:  # over a host tier: the read may send the batch to the host
             return  # path (``_needs_below``), and an arm is never followed by that path
         pairs, bound = last
@@ -177,12 +182,11 @@ class OnDeviceInsertion:
 
     def _inserts_on_device(self) -> bool:
         """Whether this batch's insertion runs on the device without a host read: every pair gets a
-        cache row or a scratch row (no bounded table, no admission), no scratch row of an earlier
-        batch is still owed (``in_flight``), the backing store takes padded write-downs on this
-        device (``GroupStore.device_rows``: host memory's), and no write-down that failed is kept
-        (``writes.unwritten``: the device's victims would go down before it, and it after them)."""
-        return (self.can_stage() and not self._owing and self._rows_below is not None
-                and not self.writes.unwritten)
+        cache row or a scratch row (no bounded table, no admission), the backing store takes padded
+        write-downs on this device (``GroupStore.device_rows``: host memory's), and no write-down
+        that failed is kept (``writes.unwritten``: the device's victims would go down before it,
+        and it after them). Scratch rows owed by earlier batches are shared on the device too."""
+        return self.can_stage() and self._rows_below is not None and not self.writes.unwritten
 
     def _insert_on_device(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor,
                           counts: torch.Tensor, step: int, slots: torch.Tensor, values: torch.Tensor,
@@ -198,20 +202,24 @@ class OnDeviceInsertion:
         many of the pool's rows were taken, and which pairs got none (conflict misses, owed to the
         store at release), the host learns later (``_owe_conflicts``)."""
         regions = len(self.configs)
-        misses = sum(info[:regions])
+        misses = sum(info[:regions])  # (counting the pairs in pads: a bound of the insertion's)
         graphs = self._device_graphs_for(step)
         u = unique.numel()
         pairs = padded_size(u) if graphs else u
         bound = min(pairs, 1 << (misses - 1).bit_length()) if graphs and misses else misses
+        probed = slots
+        pads = self._shared_pads(unique, utab, slots) if self._owing else None
+        if pads is not None:  # no miss for the insertion (slot -2: claims no way; given back as -1)
+            slots = torch.where(pads[0], -2, slots)
         armed, self._armed = self._armed, None
-        if armed is not None and armed.key != self._insert_key(pairs, bound):
-            self._give_back(armed)  # armed for other sizes (or segment tables, or a rehash since)
-            armed = None
+        if armed is not None and (pads is not None or armed.key != self._insert_key(pairs, bound)):
+            self._give_back(armed)  # armed for other sizes (or segment tables, or a rehash since),
+            armed = None  # or loaded before a pad was owed
         if armed is None:
             try:
                 pool, hpool = self._lend(bound)
             except BaseException:  # nothing changed but the probe's locks
-                self.index.unlock_slots(slots, self.index.generation)
+                self.index.unlock_slots(probed, self.index.generation)
                 raise
         else:  # lent before the read (``arm``), the slot loaded
             pool, hpool = armed.pool, armed.hpool
@@ -234,6 +242,8 @@ class OnDeviceInsertion:
             self._last_insert = None if slot is None else (pairs, bound)
             write = self._streams.write_stream()
             if slot is None:  # eagerly, with the misses' exact count (the pools sized for a graph: cut)
+                if pads is not None:  # (a host read: the eager path only, free on the CPU)
+                    misses -= int(pads[0].sum())
                 self.store.free(pool[misses:])
                 pool = pool[:misses]
                 pairs_of = (unique, utab, counts, slots, values)
@@ -245,19 +255,45 @@ class OnDeviceInsertion:
             slots, values, kinds, written, (down_at, down_order) = out
             if slot is not None:  # the batch's own copies: the slot serves the next batch
                 slots, values, kinds = slots[:u].clone(), values[:u].clone(), kinds.clone()
+            if pads is not None:  # the pairs in pads: no slot, the pad's row
+                slots = torch.where(pads[0], -1, slots)
+                values = torch.where(pads[0], pads[1], values)
             self._rows_below.upserted(*written, hpool, settled)
             # the victims' rows go down to the host store beside the rest of the step: nothing of this
             # batch waits for them, what reads the store next does (a graph's slot: kept by ``settled``)
             self._rows_below.scatter_beside(down_at, written[2], down_order, write, keep=slot is None)
+        return self._inserted(unique, utab, inverse, slots, values, per_region, kinds, pool,
+                              None if pads is None else pads[0])
+
+    def _inserted(self, unique: torch.Tensor, utab: torch.Tensor, inverse: torch.Tensor, slots: torch.Tensor,
+                  values: torch.Tensor, per_region: torch.Tensor, kinds: torch.Tensor, pool: torch.Tensor,
+                  pads: torch.Tensor | None) -> CachePrefetch:
+        """The batch ``_insert_on_device`` inserted, counted (a pair in a pad is a hit, as on the
+        host path), its counts on their way to the host (``_owe_conflicts`` reads them)."""
+        regions = len(self.configs)
         pairs_in, missed = per_region[regions : 2 * regions], per_region[:regions]
+        shared = None
+        if pads is not None:
+            missed = missed - per_table(utab, pads, regions)
+            # (copied before the counts: read once their event has passed)
+            shared = to_host_later(pads.sum().view(1), self._pad_counts)[0]
         self._counts[:, UNIQUE : MISSES + 1] += torch.stack([pairs_in, pairs_in - missed, missed], dim=1)
         self._counts[:, CONFLICTS : EVICTIONS + 1] += kinds[1:].T  # left without a way, victims
         empty = unique[:0]
         pf = CachePrefetch(unique, utab, inverse, values, unique, utab, slots, self.index.generation, empty,
                            write_back=empty, write_back_tables=empty,
-                           lent=LentRows(pool, *self._to_host(kinds)))
+                           lent=LentRows(pool, *self._to_host(kinds)), shared_pads=shared)
         self._inserting.append(pf)
         return pf
+
+    def _shared_pads(self, keys: torch.Tensor, tables: torch.Tensor,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The misses in a scratch pad an earlier batch owes (``in_flight``): they share its row, as
+        on the host path (``_split_pads``). (bool (u,) which, int64 (u,) the pad's row there), on
+        the device; the pads' locks go up when the host reads the batch's counts
+        (``_owe_conflicts``, before any release can write a pad down)."""
+        found = self.in_flight.find(keys, tables)
+        return (slots == -1) & (found >= 0), self.in_flight.values[found.clamp(min=0)]
 
     def _device_graphs_for(self, step: int) -> bool:
         """Whether the device insertion may replay a CUDA graph (as ``DeviceTier._insert_graph``: on
@@ -351,7 +387,11 @@ class OnDeviceInsertion:
             if lent.ready is not None:  # its pinned buffer serves a later batch
                 self._count_buffers.append(lent.counts)
             self.store.free(unused)
-            lacking = scratch.numel()
+            # slot -1: the conflict misses (a scratch row each) and the pairs in an earlier pad
+            lacking = scratch.numel() + (0 if pf.shared_pads is None else int(pf.shared_pads[0]))
+            if pf.shared_pads is not None and pf.shared_pads.is_pinned():
+                self._pad_counts.append(pf.shared_pads)
+            pf.shared_pads = None
             if lacking:
                 conflict = torch.nonzero_static(pf.locked_slots < 0, size=lacking).squeeze(1)
                 keys, tables = pf.unique_keys[conflict], pf.unique_tables[conflict]

@@ -224,3 +224,6 @@ class CachePrefetch(GroupPrefetch):
     write_back: torch.Tensor | None = None
     write_back_tables: torch.Tensor | None = None
     bound: GroupPrefetch | None = None  # bounded tables: the pairs locked in the capacity index
+    # inserted on the device: how many of its pairs share an earlier batch's scratch pad (int64
+    # (1,), on the host once its counts are: ``LentRows.ready``); None: none could
+    shared_pads: torch.Tensor | None = None
