@@ -374,7 +374,9 @@ class OnDeviceInsertion:
         """Read the counts of the batches inserted on the device, oldest first (waiting for them; by
         the next prefetch they are long done): the pool rows a batch did not take go back to the
         store; its conflict misses' scratch rows become owed to the backing store as an earlier
-        path's are (``in_flight``: shared by later batches, written down at the last release)."""
+        path's are (``in_flight``: shared by later batches, written down at the last release), and
+        the pads of earlier batches it shares take one more lock each (one release more before
+        they go down)."""
         regions = len(self.configs)
         if self._inserting:
             self._rows_below.settle()  # the host store's upserts first: they may hold a graph's slot
