@@ -34,7 +34,9 @@
 #
 # --ssd-fit: only the host tier with the tables in its reach: `bench ssd` at scale 0.1 with a 6 GiB
 # tier (against the same cache over HostMemory, in turns), then tools/profile_step.py --time of the
-# two alone, in turns (2 rounds): the cache over HostMemory and the device cache over the tier.
+# two alone, in turns (2 rounds): the cache over HostMemory and the device cache over the tier. With
+# --ab OLD_DIR (carry it): no bench; the two profile_step runs, plain and under TrainPipeline, each
+# with this checkout's package and OLD_DIR's in turns.
 #
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
@@ -142,16 +144,28 @@ if [ "$run_gpu_tests" = 1 ]; then
 fi
 
 if [ "$run_ssd_fit" = 1 ]; then
+    common=(--scale 0.1 --budget-fraction 0.01 --lookahead 2 --warmup 60 --steps 40 --time)
+    tier="--workload ssd --store-rows 0.2 --store-process --host-budget 6442450944"
+    fit() {  # tag, package root, profile_step arguments: its ms a step, tagged
+        # shellcheck disable=SC2068 (the arguments are words)
+        echo "$1 ${*:3}: $(PYTHONPATH="$2:$PYTHONPATH" timeout 90 python3 tools/profile_step.py \
+            "${common[@]}" ${@:3} 2>&1 | tail -n 1)"
+    }
+    if [ -n "$ab_old" ]; then  # with --ab OLD_DIR: this checkout and OLD_DIR's package in turns, plain
+        old_root="$(cd "$ab_old" && pwd)"  # loop and TrainPipeline, no bench
+        for args in "--workload cache" "$tier" "--workload cache --pipeline" "$tier --pipeline"; do
+            fit new "$PWD" "$args"
+            fit old "$old_root" "$args"
+        done
+        exit 0
+    fi
     echo "== bench ssd, a host tier that holds the tables"
     timeout 240 python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 \
         --host-budget 6GiB --store-rows 0.2 --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 \
         --out "$OUT" 2>&1 | grep -E "ms/step|ratio|host_tier:|passed|equal|rows of"
-    common=(--scale 0.1 --budget-fraction 0.01 --lookahead 2 --warmup 60 --steps 40 --time)
     for round in 1 2; do
-        echo "round $round, HostMemory: $(timeout 90 python3 tools/profile_step.py --workload cache \
-            "${common[@]}" 2>&1 | tail -n 1)"
-        echo "round $round, host tier: $(timeout 90 python3 tools/profile_step.py --workload ssd \
-            --store-rows 0.2 --store-process --host-budget 6442450944 "${common[@]}" 2>&1 | tail -n 1)"
+        fit "round $round, HostMemory:" "$PWD" --workload cache
+        fit "round $round, host tier:" "$PWD" "$tier"
     done
     exit 0
 fi
