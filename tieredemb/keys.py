@@ -43,10 +43,11 @@ def bucket_of(keys: torch.Tensor, num_buckets: int | torch.Tensor) -> torch.Tens
 def keep_where(mask: torch.Tensor, keys: torch.Tensor,
                tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (key, table) pairs where ``mask`` holds: selected on the CPU; on a device, every pair
-    kept and the others' keys made ``RESERVED_KEY`` (a selection there would read its count back)."""
+    kept and the others made (``RESERVED_KEY``, table 0) (a selection there would read its count
+    back; the others' table numbers may be another group's, past this one's tables)."""
     if keys.device.type == "cpu":
         return keys[mask], tables[mask]
-    return torch.where(mask, keys, RESERVED_KEY), tables
+    return torch.where(mask, keys, RESERVED_KEY), torch.where(mask, tables, 0)
 
 
 def stable_name_hash(name: str) -> int:

@@ -249,18 +249,34 @@ def test_the_training_thread_never_waits_for_the_device_under_the_prefetch_threa
 
 
 def test_a_read_ahead_of_a_batch_on_the_device_reads_nothing_back(tmp_path):
-    """``read_ahead`` of a KJT on the GPU (two groups: the other group's pairs padded, not selected)
-    hands the host tier its pairs without a host read; the reader thread gets them behind the
-    device's work."""
-    tables = [te.TableConfig("t0", 16, ["f0"]), te.TableConfig("t1", 32, ["f1"])]
-    storage = te.StorageConfig(hbm_budget=64 * 16 * 4, backing=te.storage.RocksDB(str(tmp_path / "db")),
-                               host_budget=1 << 20)
-    ebc = te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1), storage=storage, device=DEV)
-    kjt = te.KeyedJaggedTensor(["f0", "f1"], torch.arange(40), lengths=torch.full((8,), 5)).to(DEV)
+    """``read_ahead`` of a KJT on the GPU (two groups, one of three tables: the other group's pairs
+    padded, not selected, with table numbers past this group's) hands the host tier its pairs
+    without a host read, over a store that holds rows at open (a tier over an empty store reads
+    nothing ahead); the reader thread gets them behind the device's work, and the tier marks the
+    pairs it holds used (``TieredRows.wanted``) without reading out of range."""
+    tables = [te.TableConfig("t0", 16, ["f0"])] + [te.TableConfig(f"t{i}", 32, [f"f{i}"]) for i in (1, 2, 3)]
+    features = [f"f{i}" for i in range(4)]
+
+    def build(existing):
+        storage = te.StorageConfig(hbm_budget=64 * 16 * 4, host_budget=1 << 20,
+                                   backing=te.storage.RocksDB(str(tmp_path / "db"), existing=existing))
+        return te.EmbeddingBagCollection(tables, optimizer=te.optim.SGD(lr=0.1), storage=storage, device=DEV)
+
+    kjt = te.KeyedJaggedTensor(features, torch.arange(80), lengths=torch.full((16,), 5)).to(DEV)
+    first = build("error")  # rows in the store, then reopened over them
+    first.prefetch(kjt)
+    first(kjt).values().sum().backward()
+    first.close()
+    ebc = build("reuse")
     ebc.read_ahead(kjt)  # (the features' map to the groups made once)
     assert host_reads(lambda: ebc.read_ahead(kjt)) == []
+    for group in ebc.tiers:  # the reads ahead located, started and landed
+        group.below.maintain()
+        group.below.finish_reads()
     ebc.prefetch(kjt)
     ebc(kjt).values().sum().backward()
+    torch.cuda.synchronize()  # (a read out of range would raise here at the latest)
+    assert sum(ebc.stats()[t.name].host_tier.read_ahead_rows for t in tables) > 0
     ebc.close()
 
 
