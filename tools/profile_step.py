@@ -96,7 +96,11 @@ def main() -> None:
             step(i)
         sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
-        print(f"{ms:.2f} ms a step ({args.steps} steps, no profiler)")
+        paths = [getattr(t, "insertions", None) for t in ebc.tiers]  # (a cache's; an older package: none)
+        paths = [sum(x) for x in zip(*[p for p in paths if p is not None])]
+        where = f"; insertions on the device / host path from the start: {paths[0]} / {paths[1]}" \
+            if paths else ""
+        print(f"{ms:.2f} ms a step ({args.steps} steps, no profiler){where}")
     elif args.sample:
         sampled(step, args)
     elif args.python:
