@@ -2,7 +2,10 @@
 how many host syncs a step makes. Writes the full table to $OUT/profile.txt; prints a summary.
 
     python3 tools/profile_step.py [--scale S] [--optimizer adam|sgd] [--steps N] [--python | --host]
-                                    [--autograd-threads]
+                                    [--autograd-threads] [--device cpu]
+
+``--device cpu`` runs the same steps on the CPU: no GPU's timings, but the paths a step takes, its
+Python calls (``--python``) and a cache tier's insertions (``--time``) as on the GPU.
 """
 
 from __future__ import annotations

@@ -355,8 +355,8 @@ def test_reads_ahead_are_served_from_host_memory() -> None:
 def test_rows_a_read_ahead_finds_held_are_evicted_last() -> None:
     """LRU: rows 0-3 are the least recently used of the 16 held when a read ahead asks for them;
     it marks them used, so the eviction that follows takes others, and their batch finds them in
-    host memory without reading the store (before, they left first and the batch read them back
-    from the store on its own path)."""
+    host memory without reading the store (unmarked, they would leave first and the batch read them
+    back from the store on its own path)."""
     store = CountingStore()
     store.set(torch.arange(100, 104), torch.zeros(4, W))  # the store holds rows: reads ahead run
     tier = _tier(GroupStore([store]), 16)
