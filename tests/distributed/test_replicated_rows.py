@@ -229,3 +229,20 @@ def test_sharded_bad_options_are_refused(tmp_path) -> None:
     assert len(errors) == len(expected)
     for message, want in zip(errors, expected):
         assert message is not None and re.search(want, message), (message, want)
+
+
+def test_a_hot_sets_positions_match_a_dict() -> None:
+    """``HotSet.position`` against a dict of (table, key) -> index: keys of 64 bits, a key hot in one
+    table asked in another, a table with no hot key, keys past every hot key of their table."""
+    from tieredemb.distributed.replicated import HotSet
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.randint(-(2**62), 2**62, (40,), generator=gen), torch.tensor([5, 7])])
+    tables = torch.cat([torch.randint(0, 3, (40,), generator=gen), torch.tensor([0, 2])])  # none in 3
+    hot = HotSet(keys, tables, 4, torch.arange(4), world=1)
+    index = {(int(t), int(k)): i for i, (k, t) in enumerate(zip(hot.keys.tolist(), hot.tables.tolist()))}
+    asked_keys = torch.cat([keys, torch.tensor([5, 7, 2**62 + 3, -(2**62) - 3, 6])])
+    asked_tables = torch.cat([tables, torch.tensor([1, 3, 0, 2, 0])])
+    got = hot.position(asked_keys, asked_tables).tolist()
+    want = [index.get((int(t), int(k)), -1) for k, t in zip(asked_keys.tolist(), asked_tables.tolist())]
+    assert got == want and sum(w >= 0 for w in want) == 42

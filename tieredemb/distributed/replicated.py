@@ -83,15 +83,16 @@ class HotSet:
         return self.keys.numel()
 
     def position(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """int64 (n,): the index of each (table, key) pair in the set, -1 where it is not hot."""
+        """int64 (n,): the index of each (table, key) pair in the set, -1 where it is not hot. Every
+        pair searched in each table's keys and kept where its table is that one: no selection, so
+        no host read (a table's pairs picked out first would read each count back)."""
         pos = torch.full_like(keys, -1)
         for i, count in enumerate(self.per_table):
             if not count:
                 continue
-            mine = (tables == i).nonzero().squeeze(1)
             hot = self.keys[self.starts[i] : self.starts[i] + count]
-            at = torch.searchsorted(hot, keys[mine]).clamp(max=count - 1)
-            pos[mine] = torch.where(hot[at] == keys[mine], self.starts[i] + at, -1)
+            at = torch.searchsorted(hot, keys).clamp(max=count - 1)
+            pos = torch.where((tables == i) & (hot[at] == keys), self.starts[i] + at, pos)
         return pos
 
     def of_table(self, i: int) -> torch.Tensor:
