@@ -253,6 +253,66 @@ def test_pipeline_over_tiered_storage(caching):
         assert sum(s.memory_bytes["host"] for s in model.collections[0].stats().values()) > 0
 
 
+@pytest.mark.parametrize("seed", range(7))
+def test_tiny_caches_over_host_memory_through_the_pipeline_equal_hbm_direct(seed, monkeypatch):
+    """Random small device caches over HostMemory (2-16 rows, buckets of 2 or 4 ways), one or two
+    tables, each optimizer, with or without the prefetch thread: two batches in flight lock most
+    ways, so misses train in scratch rows that later batches share, inserted on the device. The
+    losses and every row equal hbm_direct's, and no row of the cache's store is lost or freed
+    twice."""
+    import random
+
+    from tests.modules.test_tiered_modes import shared_pads
+
+    pads = shared_pads(monkeypatch)
+    rnd = random.Random(seed)
+    optimizer = OPTIMIZERS[rnd.choice(sorted(OPTIMIZERS))]()
+    width = DIM + optimizer.state_width(DIM)
+    storage = te.StorageConfig(hbm_budget=rnd.choice([2, 4, 8, 16]) * width * 4, segment_rows=8,
+                               bucket_width=rnd.choice([2, 4]), backing=te.storage.HostMemory(segment_rows=8))
+    features = [f"f{i}" for i in range(rnd.choice([1, 2]))]
+    tables = [te.TableConfig(f"t{i}", DIM, [f], num_embeddings=60) for i, f in enumerate(features)]
+    gen = torch.Generator().manual_seed(seed)
+    batch = rnd.choice([2, 4, 8])
+
+    class Loss(nn.Module):
+        def __init__(self, ebc) -> None:
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, b: dict) -> torch.Tensor:
+            return (self.ebc(b["kjt"]).values() * b["grad"]).sum()
+
+    data = []
+    for _ in range(12):
+        lengths = torch.randint(0, 5, (len(features) * batch,), generator=gen)
+        ids = torch.randint(0, rnd.choice([10, 30, 60]), (int(lengths.sum()),), generator=gen)
+        data.append({"kjt": te.KeyedJaggedTensor(features, ids, lengths=lengths),
+                     "grad": torch.randn(batch, len(features) * DIM, generator=gen)})
+    cached = te.EmbeddingBagCollection(tables, optimizer=optimizer, storage=storage, seed=1)
+    plain = te.EmbeddingBagCollection(tables, optimizer=optimizer, seed=1)
+    in_thread = rnd.random() < 0.3
+    got = pipelined(TrainPipeline(Loss(cached), None, prefetch_in_thread=in_thread), data)
+    want = []
+    for b in data:
+        loss = Loss(plain)(b)
+        loss.backward()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-4)
+    for t in tables:
+        a, b = cached.export(t.name), plain.export(t.name)
+        oa, ob = torch.argsort(a.keys), torch.argsort(b.keys)
+        assert torch.equal(a.keys[oa], b.keys[ob])
+        torch.testing.assert_close(torch.cat([a.weights, a.optimizer_state], 1)[oa],
+                                   torch.cat([b.weights, b.optimizer_state], 1)[ob], rtol=1e-4, atol=1e-5)
+    (group,) = cached.tiers
+    free = group.store.peek(group.store.rows_allocated() - group.store.rows_in_use())
+    assert free.unique().numel() == free.numel() and group.store.rows_in_use() == group.index.size()
+    assert group.insertions[1] == 0, group.insertions  # every insertion on the device
+    if not in_thread:  # (these seeds' draws share pads; with the thread, when is not fixed)
+        assert sum(pads) > 0, pads
+
+
 @pytest.mark.parametrize("admission", [True, False])  # without: the prefetch is staged
 def test_bounded_table_whose_buckets_fill_with_locked_rows(monkeypatch, admission):
     """prefetch(i+1) meets buckets holding rows batch i still has locked: the misses there are
