@@ -11,6 +11,7 @@ import torch
 
 from tieredemb.config import TableConfig
 from tieredemb.keys import keep_where
+from tieredemb.ops import to_device_at_once
 
 
 class BatchKeys:
@@ -52,7 +53,7 @@ class BatchKeys:
         if not groups:
             return {}
         if device is not None and device.type == "cuda" and values.device.type == "cpu":
-            values, lengths = _to_device(values, lengths, device)
+            values, lengths = to_device_at_once([[values], [lengths]], device)[1]
         group, position = self._map(features, values.device)
         per_feature = lengths.reshape(len(features), -1).sum(1)
         if values.device.type == "cpu":  # (its lengths checked above: each feature's values repeated)
@@ -76,14 +77,3 @@ class BatchKeys:
                                torch.tensor(i, dtype=torch.int64, device=device))
         return self._maps[key]
 
-
-def _to_device(values: torch.Tensor, lengths: torch.Tensor,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``values`` and ``lengths`` on the CPU, copied to ``device`` in one copy from pinned
-    memory (from pageable memory the copy would wait for the device's work)."""
-    n = values.numel()
-    both = torch.empty(n + lengths.numel(), dtype=torch.int64, pin_memory=True)
-    both[:n].copy_(values)
-    both[n:].copy_(lengths)
-    both = both.to(device, non_blocking=True)
-    return both[:n], both[n:]

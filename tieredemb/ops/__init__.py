@@ -36,6 +36,21 @@ def to_host_later(values: torch.Tensor,
     return host, ready
 
 
+def to_device_at_once(parts: list[list[torch.Tensor]],
+                      device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each part (CPU tensors, concatenated) as int64 on ``device``, all in one copy from pinned
+    memory (from pageable memory the copy would wait for the device's work): (the parts in that
+    pinned memory, the parts on the device)."""
+    sizes = [sum(t.numel() for t in part) for part in parts]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    at = 0
+    for part in parts:
+        for t in part:
+            host[at : at + t.numel()].copy_(t.reshape(-1))
+            at += t.numel()
+    return list(host.split(sizes)), list(host.to(device, non_blocking=True).split(sizes))
+
+
 @functools.cache
 def triton_hashing():
     """``tieredemb.ops.triton.hashing`` (the key hashes in one kernel each), or None without triton."""

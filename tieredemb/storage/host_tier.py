@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredemb.keys import RESERVED_KEY
-from tieredemb.ops import to_host_later
+from tieredemb.ops import to_device_at_once, to_host_later
 from tieredemb.storage.backend import Backend, DeviceRows, Fetched, GroupStore, add_bytes
 from tieredemb.storage.errors import BackendError
 from tieredemb.storage.host import last_of_duplicates
@@ -438,11 +438,8 @@ class HostTierGroup(GroupStore, DeviceRows):
             return
         queued, self._queued = self._queued, []  # (``read_ahead`` may append from another thread)
         if self.device.type == "cuda" and all(k.device.type == "cpu" for k, _ in queued):
-            n = sum(k.numel() for k, _ in queued)
-            pairs = torch.empty(2, n, dtype=torch.int64, pin_memory=True)
-            for row, x in zip(pairs, zip(*queued)):
-                torch.cat(x, out=row)
-            keys, tables = pairs.to(self.device, non_blocking=True)
+            on_host, (keys, tables) = to_device_at_once([list(x) for x in zip(*queued)], self.device)
+            pairs = torch.stack(on_host)  # (the reader's, on the host)
             lack, ready = to_host_later(self._lacking(keys, tables, ahead=True), [])
         else:
             keys, tables = (torch.cat([t.to(self.device, non_blocking=True) for t in x])

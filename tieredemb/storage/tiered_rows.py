@@ -52,12 +52,14 @@ class TieredRows(HostMemoryBackend):
     def _at(self, addresses: torch.Tensor) -> torch.Tensor:
         return torch.where(addresses >= 0, addresses, self.version.numel() - 1)
 
-    def _mark(self, addresses: torch.Tensor, tables: torch.Tensor | None, write: bool) -> torch.Tensor:
-        """Rows read (``write``: written) at ``addresses`` (-1: none): used now, and a version more."""
+    def _mark(self, addresses: torch.Tensor, tables: torch.Tensor | None, write: bool,
+              uses: int = 1) -> torch.Tensor:
+        """Rows read (``write``: written) at ``addresses`` (-1: none): used now (under LFU ``uses``
+        more), and a version more."""
         at = self._at(addresses)
         self.tick.add_(1)
         lfu = self._lfu[0] if tables is None else self._lfu[tables]
-        self.used[at] = torch.where(lfu, self.used[at] + 1, self.tick)
+        self.used[at] = torch.where(lfu, self.used[at] + uses, self.tick)
         if write:
             self.version.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
         return at
@@ -117,9 +119,7 @@ class TieredRows(HostMemoryBackend):
         batch read ahead will ask for them: evicted last), without a host read. Under LFU nothing
         moves (a use is counted when it happens)."""
         addresses, found = self._addresses(keys, tables)
-        at = self._at(addresses)
-        self.tick.add_(1)
-        self.used[at] = torch.where(self._lfu[tables], self.used[at], self.tick)
+        self._mark(addresses, tables, write=False, uses=0)
         return found
 
     def insert_absent(self, keys: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
