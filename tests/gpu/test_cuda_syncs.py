@@ -8,6 +8,7 @@ prototype that does not see every synchronizing operation; the profiler's count 
 from __future__ import annotations
 
 import threading
+import traceback
 import warnings
 
 import pytest
@@ -22,16 +23,26 @@ DEV = torch.device("cuda")
 
 
 def host_reads(fn) -> list[str]:
-    """The synchronizing operations ``fn`` runs (torch.cuda.set_sync_debug_mode's warnings)."""
+    """The synchronizing operations ``fn`` runs (torch.cuda.set_sync_debug_mode's warnings), each
+    named by the innermost tieredemb lines that ran it (a failing count says where the reads are)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    reads: list[str] = []
+
+    def show(message, *args, **kwargs):
+        if "called a synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/tieredemb/" in f.filename]
+            reads.append(" < ".join(f"{f.filename.rsplit('/tieredemb/', 1)[1]}:{f.lineno} {f.name}"
+                                    for f in reversed(frames[-3:])) or "outside tieredemb")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    return reads
 
 
 @pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "bounded"])

@@ -87,10 +87,10 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
           group, count: torch.Tensor | None = None) -> Route:
     """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
     with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
-    count matrix and one host read (histograms, no atomics on a few hot bins). ``count``: int64 (1,)
-    on the device where only the first ``count`` pairs are the batch's (a padded dedup's, the rest
-    unspecified): the rest is routed nowhere, and ``count`` is read with the rest (the route's
-    ``order`` then has that many pairs)."""
+    count matrix and one host read (the bins summed by ``index_add_``: a bincount on the device reads
+    their range first). ``count``: int64 (1,) on the device where only the first ``count`` pairs are
+    the batch's (a padded dedup's, the rest unspecified): the rest is routed nowhere, and ``count``
+    is read with the rest (the route's ``order`` then has that many pairs)."""
     if count is not None:
         real = torch.arange(owner.numel(), device=owner.device) < count
         owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
@@ -98,9 +98,10 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
     order = torch.argsort(owner, stable=True)
     cell = owner * num_tables + tables
     cells = world * num_tables
-    pairs = torch.bincount(cell, minlength=cells + num_tables)[:cells].view(world, num_tables)
-    ids = torch.bincount(cell, weights=counts.to(torch.float64), minlength=cells + num_tables)[:cells]
-    ids = ids.round().to(torch.int64).view(world, num_tables)
+    bins = torch.zeros(2, cells + num_tables, dtype=torch.int64, device=owner.device)
+    bins[0].index_add_(0, cell, torch.ones_like(cell))  # (integer sums: exact in any order)
+    bins[1].index_add_(0, cell, counts)
+    pairs, ids = (b[:cells].view(world, num_tables) for b in bins)
     send = torch.cat([pairs.sum(1, keepdim=True), pairs, ids], 1)
     recv = torch.empty_like(send)
     if world == 1:

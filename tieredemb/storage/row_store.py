@@ -230,7 +230,8 @@ class RowStore:
         # gigabytes has hundreds of segments, and each search on the device is a read)
         valid = (addresses >= 0).nonzero().squeeze(1)
         seg_sorted, order = torch.sort(seg_of[valid], stable=True)
-        counts = torch.bincount(seg_sorted, minlength=len(self.segments)).tolist()
+        edges = torch.searchsorted(seg_sorted, torch.arange(len(self.segments) + 1, device=seg_sorted.device))
+        counts = torch.diff(edges).tolist()  # (bincount would read its range first)
         by_segment = valid[order]
         start = 0
         for s, n in enumerate(counts):

@@ -244,6 +244,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         """``_place``'s insertion after the probe: the pairs the cache stores (``p.keep``: every pair
         not in a pad, or, with bounded tables or admission, those ``_stored`` keeps) inserted where
         the probe missed them (victims chosen, not yet written down)."""
+        regions = len(self.configs)
         if self.can_stage():  # no bounded table, no admission: every pair not in a pad is stored
             p.keep = p.rest
             info = p.info
@@ -254,14 +255,13 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
                                                                    p.miss, fetched, p.row_of)
             # a pair found is stored (its lock from the probe is its batch's); one host read: the
             # misses kept per region, and the index's sizes (whether to grow first)
-            regions = len(self.configs)
             kept_misses = torch.zeros(regions, dtype=torch.int64, device=self.device).index_add_(
                 0, utab[p.keep], (slots[p.keep] == -1).long())
             info = torch.cat([kept_misses, self.index.sizes_on_device]).tolist()
         if p.keep is not None:
             unique, utab, counts, slots, values = (t[p.keep] for t in (unique, utab, counts, slots, values))
-            per_region = torch.cat([per_region[: len(self.configs)],
-                                    torch.bincount(utab, minlength=len(self.configs))])
+            kept = torch.zeros(regions, dtype=torch.int64, device=self.device)  # (a bincount reads)
+            per_region = torch.cat([per_region[:regions], kept.index_add_(0, utab, torch.ones_like(utab))])
         return self.index.complete(unique, utab, step, counts, True, slots, values, per_region, info,
                                    given_order=True)
 
