@@ -94,11 +94,16 @@ def main() -> None:
         step(i)
     sync()
     if args.time:
+        tier_before = _tier_counters(ebc)
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
             step(i)
         sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
+        tier = {k: (v - tier_before.get(k, 0)) / args.steps for k, v in _tier_counters(ebc).items()
+                if k in ("hits", "misses", "read_ahead_rows", "written_down")}
+        if tier:
+            print("host tier a step: " + ", ".join(f"{k} {v:.1f}" for k, v in tier.items()))
         paths = [getattr(t, "insertions", None) for t in ebc.tiers]  # (a cache's; an older package: none)
         paths = [sum(x) for x in zip(*[p for p in paths if p is not None])]
         where = f"; insertions on the device / host path from the start: {paths[0]} / {paths[1]}" \
@@ -140,6 +145,15 @@ def make_step(args, ebc, grad, batches, dev: torch.device):
 
 def _pinned(kjt, dev: torch.device):
     return kjt.pin_memory() if dev.type == "cuda" else kjt
+
+
+def _tier_counters(ebc) -> dict[str, int]:
+    """The host tiers' counters summed over tables ({} without one, or from an older package)."""
+    try:
+        from tieredemb.bench.host_tier import host_counters
+    except ImportError:
+        return {}
+    return host_counters(ebc)
 
 
 def build(args, dev: torch.device):

@@ -426,6 +426,78 @@ class CountingStore(DictBackend):
         return super().get(keys)
 
 
+class GatedWrites(CountingStore):
+    """A counting dict backend whose ``set`` waits for ``gate`` while ``gated`` (a write-down held
+    on its way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gated = False
+
+    def set(self, keys, rows) -> None:
+        if self.gated:
+            self.gate.wait(10)
+        super().set(keys, rows)
+
+
+def test_a_row_on_its_way_down_that_a_read_ahead_wants_stays() -> None:
+    """LRU, 64 rows a table: 68 dirty rows held, 0-3 the least recently used; the eviction takes 8,
+    0-3 among them, and while their write-down is on its way a read ahead asks for 0-3. Once
+    written, 0-3 stay in host memory (clean) and the others go: their batch reads no store (before,
+    every row of the write-down left once written, and the batch read 0-3 back from the store)."""
+    store = GatedWrites()
+    store.set(torch.arange(100, 104), torch.zeros(4, W))  # the store holds rows: reads ahead run
+    tier = _tier(GroupStore([store]), 64)
+    table = tier.table(0)
+    rows = torch.arange(68 * W, dtype=torch.float32).reshape(68, W)
+    table.set(torch.arange(64), rows[:64])
+    table.get(torch.arange(4, 64))  # 0-3 now the least recently used
+    store.gated = True
+    table.set(torch.arange(64, 68), rows[64:])
+    tier.maintain()  # 68 held: 8 evicted (dirty: on their way down, the writer held at the gate)
+    assert len(_held(tier)) == 68
+    table.read_ahead(torch.arange(4))
+    tier.maintain()  # located: all held (marked used), nothing to read
+    store.gated = False
+    store.gate.set()
+    tier.flush()
+    held = _held(tier)
+    assert len(held) == 64 and all(k in held for k in range(4)), held
+    assert torch.equal(store.get(torch.arange(4)).rows, rows[:4])  # written down all the same
+    gets = store.gets
+    got = table.get(torch.arange(4))
+    assert store.gets == gets and torch.equal(got.rows, rows[:4])
+    _check_scan(table, dict(zip(range(68), rows)) | {k: torch.zeros(W) for k in range(100, 104)})
+    tier.close()
+
+
+def test_a_batch_before_its_read_ahead_has_landed_waits_for_it() -> None:
+    """A read ahead of 0-3 is still in flight when their batch asks for them: the batch waits for it
+    and takes its rows, rather than asking the store for the same rows again (a store as slow as a
+    disk reads the same rows twice, and the reads ahead fall further behind)."""
+    store = GatedStore()
+    rows = torch.arange(8 * W, dtype=torch.float32).reshape(8, W)
+    store.set(torch.arange(8), rows)
+    tier = _tier(GroupStore([store]), 16)
+    table = tier.table(0)
+    asked = []
+    get = store.get
+    store.get = lambda keys: asked.append(keys.tolist()) or get(keys)  # the keys of each store read
+    store.gated = True
+    table.read_ahead(torch.arange(4))
+    tier.maintain()  # the read starts, held at the gate
+    assert store.entered.wait(10)
+    store.gated = False
+    threading.Timer(0.2, store.gate.set).start()
+    got = table.get(torch.tensor([2, 0, 6]))  # 6 was not read ahead: the store's
+    assert torch.equal(got.rows, rows[[2, 0, 6]]) and bool(got.found.all())
+    assert sorted(map(sorted, asked)) == [[0, 1, 2, 3], [6]], asked
+    s = table.tier_stats()
+    assert (s.misses, s.read_ahead_rows, s.read_ahead_hits) == (1, 4, 2), s
+    tier.close()
+
+
 class FailingStore(DictBackend):
     """A dict backend whose calls raise while ``down``."""
 

@@ -74,13 +74,14 @@ _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # a pair's table mixed into its key (``_p
 @dataclass(eq=False)
 class _Eviction:
     """Dirty rows on their way down (one ``store.set``): the pairs and addresses on the rows'
-    device, their versions when read, the pairs and rows on the host (the rows copied there behind
-    the device's work: complete once ``ready`` has passed), the writer's handle."""
+    device, their versions and use marks when read, the pairs and rows on the host (the rows copied
+    there behind the device's work: complete once ``ready`` has passed), the writer's handle."""
 
     keys: torch.Tensor
     tables: torch.Tensor
     addresses: torch.Tensor
     versions: torch.Tensor
+    used: torch.Tensor
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ready: torch.cuda.Event | None
     handle: IOHandle | None
@@ -88,11 +89,23 @@ class _Eviction:
 
 @dataclass(eq=False)
 class _Read:
-    """A read ahead on a reader thread: the erasures it must respect (from round ``since`` on) and
-    the reader's future (``HostTierGroup._read``: the pairs read and the store's rows of them)."""
+    """A read ahead on a reader thread: the erasures it must respect (from round ``since`` on), the
+    reader's future (``HostTierGroup._read``: the pairs read and the store's rows of them), and what
+    it was given (the pairs, int64 (2, n) on the host, and which of them it reads, complete once
+    ``ready`` has passed)."""
 
     since: int
     future: Future
+    pairs: torch.Tensor
+    lack: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def reads_any(self, ids: torch.Tensor) -> bool:
+        """Whether it reads any of the pairs ``ids`` (``_pair_ids``, on the host)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        asked = self.pairs[:, self.lack.bool()]
+        return bool(torch.isin(ids, _pair_ids(asked[0], asked[1])).any())
 
 
 _SLACK = 16  # a table over its capacity keeps it less 1/_SLACK of it (``_evict``)
@@ -294,15 +307,33 @@ class HostTierGroup(GroupStore, DeviceRows):
         if need.numel() == 0:
             return None
         hkeys, htables = torch.stack([keys[need], tables[need]]).cpu()  # (one copy)
-        try:
-            got = self.below.get(hkeys, htables)
-        except Exception as e:
-            raise BackendError(f"host tier: reading {hkeys.numel()} rows from the store failed") from e
-        self._counts[_COUNTS.index("misses")].index_add_(0, htables, torch.ones_like(htables))
-        hit = got.found.cpu().nonzero().squeeze(1)
-        if hit.numel() == 0:
+        pos, rows = [], []
+        if self._land_reads_of(_pair_ids(hkeys, htables)):  # those reads' rows answer from here now
+            addresses, here = self.rows.locate(keys[need], tables[need])
+            here = here.cpu()
+            pos.append(need[here.to(need.device)])
+            rows.append(self.rows.read_rows(addresses[here.to(addresses.device)]))
+            need, hkeys, htables = need[~here.to(need.device)], hkeys[~here], htables[~here]
+        if need.numel():
+            try:
+                got = self.below.get(hkeys, htables)
+            except Exception as e:
+                raise BackendError(f"host tier: reading {hkeys.numel()} rows from the store failed") from e
+            self._counts[_COUNTS.index("misses")].index_add_(0, htables, torch.ones_like(htables))
+            hit = got.found.cpu().nonzero().squeeze(1)
+            pos.append(need[hit.to(need.device)])
+            rows.append(got.rows[hit].to(self.device, self.dtype))
+        if sum(p.numel() for p in pos) == 0:
             return None
-        return need[hit.to(need.device)], got.rows[hit].to(self.device, self.dtype)
+        return torch.cat(pos), torch.cat(rows)
+
+    def _land_reads_of(self, ids: torch.Tensor) -> bool:
+        """The reads ahead in flight that read any of the pairs ``ids`` waited for and put in (with
+        those started before them): a batch that comes before its read ahead has landed waits for it
+        rather than asking the store for the same rows again. Returns whether there were any."""
+        last = max((i for i, r in enumerate(self._reading) if r.reads_any(ids)), default=-1)
+        self._land_reads(wait=True, count=last + 1)
+        return last >= 0
 
     lacking_reads = 2
 
@@ -354,10 +385,11 @@ class HostTierGroup(GroupStore, DeviceRows):
         down = dirty.nonzero().squeeze(1)
         if down.numel():
             keys, tables, addresses = keys[down], tables[down], addresses[down]
-            versions = self.rows.version[addresses].clone()
+            versions, used = self.rows.version[addresses].clone(), self.rows.used[addresses].clone()
             self.filter.add(keys, tables)
             rows, ready = to_host_later(self.rows.read_rows(addresses), [])  # (the writer waits for it)
-            ev = _Eviction(keys, tables, addresses, versions, (keys.cpu(), tables.cpu(), rows), ready, None)
+            ev = _Eviction(keys, tables, addresses, versions, used, (keys.cpu(), tables.cpu(), rows), ready,
+                           None)
             self._evicting.append(ev)
             if not any(e.handle is None for e in self._evicting[:-1]):  # none waits for a retry
                 ev.handle = self._submit(ev)
@@ -405,12 +437,15 @@ class HostTierGroup(GroupStore, DeviceRows):
                     later.handle = self._submit(later)
 
     def _dropped(self, ev: _Eviction) -> None:
-        """An eviction the store has taken: the rows not written since leave host memory."""
+        """An eviction the store has taken: the rows not written since are clean, and those not used
+        since either leave host memory. (A row used since, by a batch or a read ahead that found it
+        here, stays: its batch would otherwise read it back from the store on its critical path.)"""
         addresses, found = self.rows.where(ev.keys, ev.tables)
         at = addresses.clamp(min=0)
         same = found & (addresses == ev.addresses) & (self.rows.version[at] == ev.versions)
-        go = same.nonzero().squeeze(1)
-        self.rows.clean[ev.addresses[go]] = ev.versions[go]
+        written = same.nonzero().squeeze(1)
+        self.rows.clean[ev.addresses[written]] = ev.versions[written]
+        go = (same & (self.rows.used[at] == ev.used)).nonzero().squeeze(1)
         self._counts[_COUNTS.index("written_down")].index_add_(0, ev.host[1], torch.ones_like(ev.host[1]))
         if go.numel():
             self._holds_below = False
@@ -447,7 +482,8 @@ class HostTierGroup(GroupStore, DeviceRows):
             lack = self._lacking(keys, tables, ahead=True)
             both, ready = to_host_later(torch.stack([keys, tables, lack.long()]), [])
             pairs, lack = both[:2], both[2]
-        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, lack, ready)))
+        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, lack, ready), pairs, lack,
+                                   ready))
 
     def _lacking(self, keys: torch.Tensor, tables: torch.Tensor, ahead: bool = False) -> torch.Tensor:
         """bool: which pairs host memory lacks and the store may hold (device work only). ``ahead``:
@@ -474,10 +510,13 @@ class HostTierGroup(GroupStore, DeviceRows):
         rows = got.rows[hit].cpu()
         return keys[hit], tables[hit], rows.pin_memory() if self.device.type == "cuda" else rows
 
-    def _land_reads(self, wait: bool) -> None:
-        """The reads ahead done (``wait``: all), oldest first: their rows put in where the pair is
-        absent and was not dropped since the read began (on the device, no host read)."""
-        while self._reading and (wait or self._reading[0].future.done()):
+    def _land_reads(self, wait: bool, count: int | None = None) -> None:
+        """The reads ahead done (``wait``: all, or the oldest ``count``), oldest first: their rows put
+        in where the pair is absent and was not dropped since the read began (on the device, no host
+        read)."""
+        landed = 0
+        while self._reading and (wait or self._reading[0].future.done()) and landed != count:
+            landed += 1
             read = self._reading.pop(0)
             try:
                 keys, tables, rows = read.future.result()
