@@ -482,8 +482,8 @@ class HostTierGroup(GroupStore, DeviceRows):
             lack = self._lacking(keys, tables, ahead=True)
             both, ready = to_host_later(torch.stack([keys, tables, lack.long()]), [])
             pairs, lack = both[:2], both[2]
-        self._reading.append(_Read(self._round, self._readers.submit(self._read, pairs, lack, ready), pairs, lack,
-                                   ready))
+        future = self._readers.submit(self._read, pairs, lack, ready)
+        self._reading.append(_Read(self._round, future, pairs, lack, ready))
 
     def _lacking(self, keys: torch.Tensor, tables: torch.Tensor, ahead: bool = False) -> torch.Tensor:
         """bool: which pairs host memory lacks and the store may hold (device work only). ``ahead``:
