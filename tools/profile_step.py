@@ -73,6 +73,9 @@ def main() -> None:
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
                         "backward (Overlapped)")
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="--pipeline: a dense MLP of this many layers in the model (the bench's DLRM: 16)")
+    p.add_argument("--dense-width", type=int, default=1024, help="--dense-layers' width (the bench's: 8192)")
     p.add_argument("--pipeline", action="store_true",
                    help="each step is te.TrainPipeline's progress (no dense model; batches pinned on the "
                         "host as a loader yields them; --lookahead: TrainPipeline(lookahead=k))")
@@ -126,7 +129,8 @@ def make_step(args, ebc, grad, batches, dev: torch.device):
     ahead = [k.to(torch.device("cpu")) for k in kjts] if args.lookahead else None
     sync()
     if args.pipeline:
-        pipe = te.TrainPipeline(_Loss(ebc, grad), None, device=dev, lookahead=args.lookahead)
+        model = _Loss(ebc, grad, args.dense_layers, args.dense_width)
+        pipe = te.TrainPipeline(model, None, device=dev, lookahead=args.lookahead)
         data = iter([{"kjt": _pinned(k.to(torch.device("cpu")), dev)} for k in kjts])
         return kjts, lambda i: pipe.progress(data)
     if args.overlap:
@@ -242,14 +246,21 @@ def print_top_gpu(avg, steps: int, title: str = "top GPU time per step (ms):", t
 
 
 class _Loss(torch.nn.Module):
-    """The collection's output against a fixed upstream gradient: TrainPipeline's model."""
+    """The collection's output against a fixed upstream gradient: TrainPipeline's model; with
+    ``layers``, a dense MLP of that many ``width`` x ``width`` layers over a fixed input of the
+    batch's rows as well (the GPU's work a step, which the pipeline hides the prefetch behind)."""
 
-    def __init__(self, ebc, grad) -> None:
+    def __init__(self, ebc, grad, layers: int = 0, width: int = 1024) -> None:
         super().__init__()
         self.ebc, self.grad = ebc, grad
+        dev = grad.device
+        self.mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                                         for _ in range(layers)]).to(dev)
+        self.x = torch.randn(grad.shape[0], width, device=dev) if layers else None
 
     def forward(self, batch: dict) -> torch.Tensor:
-        return (self.ebc(batch["kjt"]).values() * self.grad).sum()
+        loss = (self.ebc(batch["kjt"]).values() * self.grad).sum()
+        return loss if self.x is None else loss + self.mlp(self.x).square().mean()
 
 
 class Overlapped:
