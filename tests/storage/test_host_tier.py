@@ -352,18 +352,26 @@ def test_reads_ahead_are_served_from_host_memory() -> None:
     tier.close()
 
 
+def _full_with_0_to_3_oldest(store: DictBackend, capacity: int):
+    """An LRU tier of ``capacity`` rows over ``store`` (given rows of its own first: reads ahead run),
+    holding keys 0..capacity-1 dirty, 0-3 the least recently used. Returns the tier, its table and
+    ``capacity + 4`` distinct rows (the first ``capacity`` held)."""
+    store.set(torch.arange(100, 104), torch.zeros(4, W))
+    tier = _tier(GroupStore([store]), capacity)
+    table = tier.table(0)
+    rows = torch.arange((capacity + 4) * W, dtype=torch.float32).reshape(capacity + 4, W)
+    table.set(torch.arange(capacity), rows[:capacity])
+    table.get(torch.arange(4, capacity))
+    return tier, table, rows
+
+
 def test_rows_a_read_ahead_finds_held_are_evicted_last() -> None:
     """LRU: rows 0-3 are the least recently used of the 16 held when a read ahead asks for them;
     it marks them used, so the eviction that follows takes others, and their batch finds them in
     host memory without reading the store (unmarked, they would leave first and the batch read them
     back from the store on its own path)."""
     store = CountingStore()
-    store.set(torch.arange(100, 104), torch.zeros(4, W))  # the store holds rows: reads ahead run
-    tier = _tier(GroupStore([store]), 16)
-    table = tier.table(0)
-    rows = torch.arange(20 * W, dtype=torch.float32).reshape(20, W)
-    table.set(torch.arange(16), rows[:16])
-    table.get(torch.arange(4, 16))  # 0-3 now the least recently used
+    tier, table, rows = _full_with_0_to_3_oldest(store, 16)
     table.read_ahead(torch.arange(4))
     tier.maintain()  # located: all held, nothing to read
     tier.finish_reads()
@@ -447,12 +455,7 @@ def test_a_row_on_its_way_down_that_a_read_ahead_wants_stays() -> None:
     written, 0-3 stay in host memory (clean) and the others go: their batch reads no store (before,
     every row of the write-down left once written, and the batch read 0-3 back from the store)."""
     store = GatedWrites()
-    store.set(torch.arange(100, 104), torch.zeros(4, W))  # the store holds rows: reads ahead run
-    tier = _tier(GroupStore([store]), 64)
-    table = tier.table(0)
-    rows = torch.arange(68 * W, dtype=torch.float32).reshape(68, W)
-    table.set(torch.arange(64), rows[:64])
-    table.get(torch.arange(4, 64))  # 0-3 now the least recently used
+    tier, table, rows = _full_with_0_to_3_oldest(store, 64)
     store.gated = True
     table.set(torch.arange(64, 68), rows[64:])
     tier.maintain()  # 68 held: 8 evicted (dirty: on their way down, the writer held at the gate)
