@@ -104,12 +104,13 @@ def main() -> None:
         sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         tier = {k: (v - tier_before.get(k, 0)) / args.steps for k, v in _tier_counters(ebc).items()
-                if k in ("hits", "misses", "read_ahead_rows", "written_down")}
+                if k in ("hits", "misses", "read_ahead_rows", "read_ahead_late", "written_down")}
         if tier:
             print("host tier a step: " + ", ".join(f"{k} {v:.1f}" for k, v in tier.items()))
         paths = [getattr(t, "insertions", None) for t in ebc.tiers]  # (a cache's; an older package: none)
         paths = [sum(x) for x in zip(*[p for p in paths if p is not None])]
-        where = f"; insertions on the device / host path from the start: {paths[0]} / {paths[1]}" \
+        where = f"; insertions from the start: on the device {paths[0]}, on the host path " \
+            f"{sum(paths[1:])}" + (f" ({paths[1]} for the store's rows)" if len(paths) > 2 else "") \
             if paths else ""
         print(f"{ms:.2f} ms a step ({args.steps} steps, no profiler){where}")
     elif args.sample:

@@ -497,7 +497,7 @@ def test_a_batch_before_its_read_ahead_has_landed_waits_for_it() -> None:
     assert torch.equal(got.rows, rows[[2, 0, 6]]) and bool(got.found.all())
     assert sorted(map(sorted, asked)) == [[0, 1, 2, 3], [6]], asked
     s = table.tier_stats()
-    assert (s.misses, s.read_ahead_rows, s.read_ahead_hits) == (1, 4, 2), s
+    assert (s.misses, s.read_ahead_rows, s.read_ahead_hits, s.read_ahead_late) == (1, 4, 2, 2), s
     tier.close()
 
 

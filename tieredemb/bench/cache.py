@@ -535,7 +535,8 @@ class CacheBench:
                 h = r.extra["host_tier"]
                 lines.append(f"{r.configuration}: host tier hits {h.get('hits', 0):.0f}, misses "
                              f"{h.get('misses', 0):.0f}, read ahead {h.get('read_ahead_rows', 0):.0f} "
-                             f"(used {h.get('read_ahead_hits', 0):.0f}), written down "
+                             f"(used {h.get('read_ahead_hits', 0):.0f}, waited for "
+                             f"{h.get('read_ahead_late', 0):.0f}), written down "
                              f"{h.get('written_down', 0):.0f}"
                              + (" a step" if r.configuration == "host_tier" else " in all"))
                 if (floor := self._host_tier_floor(r)) is not None:

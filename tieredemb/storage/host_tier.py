@@ -109,7 +109,7 @@ class _Read:
 
 
 _SLACK = 16  # a table over its capacity keeps it less 1/_SLACK of it (``_evict``)
-_COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped")
+_COUNTS = ("misses", "evictions", "written_down", "read_ahead_rows", "read_ahead_dropped", "read_ahead_late")
 
 
 def _pair_ids(keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -311,6 +311,7 @@ class HostTierGroup(GroupStore, DeviceRows):
         if self._land_reads_of(_pair_ids(hkeys, htables)):  # those reads' rows answer from here now
             addresses, here = self.rows.locate(keys[need], tables[need])
             here = here.cpu()
+            self._counts[_COUNTS.index("read_ahead_late")].index_add_(0, htables, here.to(torch.int64))
             pos.append(need[here.to(need.device)])
             rows.append(self.rows.read_rows(addresses[here.to(addresses.device)]))
             need, hkeys, htables = need[~here.to(need.device)], hkeys[~here], htables[~here]

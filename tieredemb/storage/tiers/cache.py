@@ -176,8 +176,9 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
         index's sizes; ``below``: ``stage_below``'s, where staged): pads, fetch, insert, write-down.
         A fetch that raises unlocks the pairs found and changes nothing else but their scores (which
         rows stay in the cache, not what they hold)."""
-        on_device = self._inserts_on_device() and not self._needs_below(below)
-        self.insertions[not on_device] += 1
+        can = self._inserts_on_device()
+        on_device = can and not self._needs_below(below)
+        self.insertions[0 if on_device else 1 if can else 2] += 1
         if on_device:
             return self._insert_on_device(unique, utab, inverse, counts, step, slots, values, per_region,
                                           info)

@@ -121,7 +121,9 @@ class OnDeviceInsertion:
         self._armed: Armed | None = None  # the next insertion's host work, done (``arm``)
         self._pad_counts: list[torch.Tensor] = []  # pinned buffers of read pad counts, reused
         self.arms = [0, 0]  # arms replayed, arms given back (other sizes, no free slot, a bad batch)
-        self.insertions = [0, 0]  # training batches inserted on the device, on the host path
+        # training batches inserted: on the device; on the host path for rows of the store below (a
+        # host tier's count of the misses it lacks); on the host path for another reason
+        self.insertions = [0, 0, 0]
         self._streams = SideStreams(self.device)  # side streams by priority and use
         # the backing store's rows as this device moves them (host memory's), else None
         self._rows_below = self.below.device_rows if self.backend_device == self.device else None

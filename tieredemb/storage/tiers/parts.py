@@ -34,7 +34,8 @@ class HostTierStats:
     store; ``evictions``: rows pushed out of host memory; ``written_down``: rows written to the store
     (evicted dirty rows and ``flush``); ``read_ahead_rows``: rows brought in by reads ahead;
     ``read_ahead_hits``: of those, the ones a fetch then used; ``read_ahead_dropped``: rows a read
-    ahead dropped because the key changed while it was in flight.
+    ahead dropped because the key changed while it was in flight; ``read_ahead_late``: rows a fetch
+    waited for, their read ahead still in flight when their batch came.
     """
 
     rows: int
@@ -47,6 +48,7 @@ class HostTierStats:
     read_ahead_rows: int = 0
     read_ahead_hits: int = 0
     read_ahead_dropped: int = 0
+    read_ahead_late: int = 0
 
 
 @dataclass
