@@ -4,7 +4,11 @@ A host tier asks its store below for the rows it lacks. Most of those misses are
 store holds (a table's ids seen for the first time), and asking RocksDB for them costs as much as
 reading a row (the per-key work of the call, not the disk). The tier adds every pair it writes down
 to this filter and asks the store only for pairs the filter may hold: never a false "absent", about
-``(1 - exp(-hashes / bits_per_key)) ** hashes`` false "may hold" (3 hashes at 16 bits a key: 0.6%).
+``(1 - exp(-hashes / bits_per_key)) ** hashes`` false "may hold" (8 hashes at 16 bits a key: 0.06%;
+at the 50 bits a key of a store that holds a third of the keys the filter was sized for, 2e-7). A
+false "may hold" costs more than its store read: the batch's insertion takes the host path, which
+waits for the device (under ``TrainPipeline``, for the dense model's backward), so the filter is
+tuned for the keys seen for the first time each step (thousands) to almost never pass.
 
 Bits are int64 words of 63 bits each (bit 63 unused, so ``1 << b`` stays positive); a batch sets its
 bits with one ``index_add_`` of distinct bits not yet set, which is an OR.
@@ -30,7 +34,7 @@ class KeyFilter:
         f.may_hold(torch.tensor([7, 8]), torch.tensor([0, 0]))   # tensor([True, False]) (likely)
     """
 
-    def __init__(self, bits: int, device: torch.device, hashes: int = 3) -> None:
+    def __init__(self, bits: int, device: torch.device, hashes: int = 8) -> None:
         if bits < 1 or hashes < 1:
             raise ValueError(f"KeyFilter needs bits >= 1 and hashes >= 1, got {bits}, {hashes}")
         self.words = torch.zeros(-(-bits // _BITS), dtype=torch.int64, device=device)
