@@ -310,11 +310,11 @@ class HostTierGroup(GroupStore, DeviceRows):
         pos, rows = [], []
         if self._land_reads_of(_pair_ids(hkeys, htables)):  # those reads' rows answer from here now
             addresses, here = self.rows.locate(keys[need], tables[need])
-            here = here.cpu()
-            self._counts[_COUNTS.index("read_ahead_late")].index_add_(0, htables, here.to(torch.int64))
-            pos.append(need[here.to(need.device)])
-            rows.append(self.rows.read_rows(addresses[here.to(addresses.device)]))
-            need, hkeys, htables = need[~here.to(need.device)], hkeys[~here], htables[~here]
+            on_host = here.cpu()
+            self._counts[_COUNTS.index("read_ahead_late")].index_add_(0, htables, on_host.to(torch.int64))
+            pos.append(need[here])
+            rows.append(self.rows.read_rows(addresses[here]))
+            need, hkeys, htables = need[~here], hkeys[~on_host], htables[~on_host]
         if need.numel():
             try:
                 got = self.below.get(hkeys, htables)
