@@ -299,8 +299,10 @@ class HostTierGroup(GroupStore, DeviceRows):
     def from_below(self, keys: torch.Tensor, tables: torch.Tensor,
                    found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The store's rows of the pairs host memory lacked (``found`` False; ``keys``
-        ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none. A
-        failed read raises ``BackendError`` chained to the store's error and changes nothing."""
+        ``RESERVED_KEY`` where no pair): their positions and rows, on the device; None if none. Pairs
+        a read ahead in flight is reading take its rows once it has landed (``_land_reads_of``). A
+        failed read raises ``BackendError`` chained to the store's error and changes nothing a step
+        sees (a read ahead landed meanwhile stays)."""
         if self._holds_below:  # the store lacks what host memory lacks
             return None
         need = ((~found) & (keys != RESERVED_KEY) & self.filter.may_hold(keys, tables)).nonzero().squeeze(1)
