@@ -7,7 +7,7 @@
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--gpu-tests] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
+#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--ssd-tier] [--gpu-tests] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
@@ -38,6 +38,10 @@
 # --ab OLD_DIR (carry it): no bench; the two profile_step runs, plain and under TrainPipeline, each
 # with this checkout's package and OLD_DIR's in turns.
 #
+# --ssd-tier: only the host tier of 10% of the tables: `bench ssd` as benchmarks/results/ssd.md's
+# command (plain loop, TrainPipeline with the 16 x 8192 dense model, the disk measured), then
+# tools/profile_step.py --time of the TrainPipeline run (insertions by path, the tier's counters).
+#
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
 #
@@ -59,6 +63,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import rocksdict, redis" 2>/de
 fi
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # (absolute: some runs start from /tmp)
 
 run_tests=1
 run_dist=0
@@ -66,6 +71,7 @@ run_stash=0
 run_tbe=0
 run_check_launch=0
 run_ssd_fit=0
+run_ssd_tier=0
 run_gpu_tests=0
 ab_old=""
 variants=()
@@ -89,6 +95,7 @@ while [ $# -gt 0 ]; do
         --tbe) run_tbe=1 ;;
         --check-launch) run_check_launch=1 ;;
         --ssd-fit) run_ssd_fit=1 ;;
+        --ssd-tier) run_ssd_tier=1 ;;
         --gpu-tests) run_gpu_tests=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
@@ -140,6 +147,19 @@ if [ "$run_gpu_tests" = 1 ]; then
     echo "== the suites that run on CUDA where it is present"
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ops tests/index tests/modules/test_row_dtype.py \
         tests/modules/test_read_ahead.py tests/storage/test_host_tier.py 2>&1 | tail -n 8
+    exit 0
+fi
+
+if [ "$run_ssd_tier" = 1 ]; then
+    echo "== bench ssd, a host tier of 10% of the tables"
+    (cd /tmp && timeout 380 python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 \
+        --host-budget 0.1 --store-rows 0.2 --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 \
+        --dense-width 8192 --dense-layers 16 --out "$OUT") 2>&1 | tee "$OUT/ssd-tier.log" | \
+        grep -E "ms/step|ratio|host_tier|floor|counters|disk \(|check"
+    echo "== profile_step --time, TrainPipeline with the dense model"
+    timeout 150 python3 tools/profile_step.py --workload ssd --scale 0.1 --budget-fraction 0.01 --host-budget 0.1 \
+        --store-rows 0.2 --store-process --lookahead 2 --warmup 40 --steps 20 --pipeline --dense-layers 16 \
+        --dense-width 8192 --time 2>&1 | tail -n 2
     exit 0
 fi
 
