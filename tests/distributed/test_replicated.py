@@ -124,6 +124,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, optimizers: list[str], v
                 result[(optimizer, variant)] = {
                     "outs": outs, "copies": copies(ebc, hot),
                     "replicated": {t: s.replicated for t, s in ebc.stats().items()},
+                    "lookups": {t: s.lookups for t, s in ebc.stats().items()},
                     "rows": {t: (r.keys.cpu(), torch.cat([r.weights, r.optimizer_state], 1).cpu())
                              for t, r in rows.items()}}
                 ebc.close()
@@ -171,6 +172,8 @@ def check_run(results: list[dict], optimizer: str, variant: str, ref_outs, ref, 
         want = ref.export(t)
         want_keys, want_rows = rows_of([(want.keys, torch.cat([want.weights, want.optimizer_state], 1))])
         assert torch.equal(keys, want_keys), f"{msg} {t}: each row exported once, by its owner"
+        # each id counted once, by the rank that served it (a hot row's: the rank that asked)
+        assert sum(g["lookups"][t] for g in got) == ref.stats()[t].lookups, f"{msg} {t}: lookups"
         torch.testing.assert_close(rows.float(), want_rows.float(), **tol, msg=f"{msg} {t}")
     if variant != "plain":
         for t in HOT:  # every rank's copy of every hot row the same, bit for bit

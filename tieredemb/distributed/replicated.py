@@ -181,13 +181,15 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
         lookups = way.ids_per_table
         part = None
         if served_locally:
-            mine = (pos >= 0).nonzero().squeeze(1)
-            own = torch.bincount(tables[mine], weights=counts[mine].to(torch.float64), minlength=len(lookups))
-            lookups = [a + b for a, b in zip(lookups, own.round().to(torch.int64).tolist())]  # served here
+            mine = torch.nonzero_static(pos >= 0, size=keys.numel() - cold.numel()).squeeze(1)  # (no read)
+            own = torch.zeros(len(lookups), dtype=torch.int64, device=self.device)
+            own.index_add_(0, tables[mine], counts[mine])  # the ids served here, per table
             touched = torch.zeros(len(hot), dtype=torch.int64, device=self.device)
             touched.index_add_(0, pos[mine], counts[mine])
             dist.all_reduce(touched, group=self.input_group)  # every rank's occurrences of each hot pair
-            now = touched.nonzero().squeeze(1)
+            *own, n_now = torch.cat([own, (touched > 0).sum().view(1)]).tolist()  # one host read
+            lookups = [a + b for a, b in zip(lookups, own)]
+            now = torch.nonzero_static(touched > 0, size=n_now).squeeze(1)
             place = torch.full_like(touched, -1)
             place[now] = torch.arange(now.numel(), device=self.device)
             part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
