@@ -150,12 +150,13 @@ if [ "$run_gpu_tests" = 1 ]; then
     exit 0
 fi
 
+# the ssd workload of benchmarks/results/ssd.md (its host budget and dense model added per run)
+ssd_bench=(python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 --store-rows 0.2
+           --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 --out "$OUT")
 if [ "$run_ssd_tier" = 1 ]; then
     echo "== bench ssd, a host tier of 10% of the tables"
-    (cd /tmp && timeout 380 python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 \
-        --host-budget 0.1 --store-rows 0.2 --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 \
-        --dense-width 8192 --dense-layers 16 --out "$OUT") 2>&1 | tee "$OUT/ssd-tier.log" | \
-        grep -E "ms/step|ratio|host_tier|floor|counters|disk \(|check"
+    (cd /tmp && timeout 380 "${ssd_bench[@]}" --host-budget 0.1 --dense-width 8192 --dense-layers 16) 2>&1 | \
+        tee "$OUT/ssd-tier.log" | grep -E "ms/step|ratio|host_tier|floor|counters|disk \(|check"
     echo "== profile_step --time, TrainPipeline with the dense model"
     timeout 150 python3 tools/profile_step.py --workload ssd --scale 0.1 --budget-fraction 0.01 --host-budget 0.1 \
         --store-rows 0.2 --store-process --lookahead 2 --warmup 40 --steps 20 --pipeline --dense-layers 16 \
@@ -180,9 +181,7 @@ if [ "$run_ssd_fit" = 1 ]; then
         exit 0
     fi
     echo "== bench ssd, a host tier that holds the tables"
-    timeout 240 python3 -m tieredemb.cli bench ssd --device cuda --scale 0.1 --budget-fraction 0.01 \
-        --host-budget 6GiB --store-rows 0.2 --block-cache 64MiB --lookahead 2 --warmup 60 --steps 40 \
-        --out "$OUT" 2>&1 | grep -E "ms/step|ratio|host_tier:|passed|equal|rows of"
+    timeout 240 "${ssd_bench[@]}" --host-budget 6GiB 2>&1 | grep -E "ms/step|ratio|host_tier:|passed|equal|rows of"
     for round in 1 2; do
         fit "round $round, HostMemory:" "$PWD" --workload cache
         fit "round $round, host tier:" "$PWD" "$tier"

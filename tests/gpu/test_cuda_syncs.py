@@ -22,17 +22,14 @@ if not torch.cuda.is_available():
 DEV = torch.device("cuda")
 
 
-def host_reads(fn) -> list[str]:
-    """The synchronizing operations ``fn`` runs (torch.cuda.set_sync_debug_mode's warnings), each
-    named by the innermost tieredemb lines that ran it (a failing count says where the reads are)."""
+def _watch_reads(fn, seen) -> None:
+    """Run ``fn`` with torch's sync debug mode warning; ``seen()`` is called at each synchronizing
+    operation, on the thread that ran it."""
     torch.cuda.synchronize()
-    reads: list[str] = []
 
     def show(message, *args, **kwargs):
         if "called a synchronizing" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/tieredemb/" in f.filename]
-            reads.append(" < ".join(f"{f.filename.rsplit('/tieredemb/', 1)[1]}:{f.lineno} {f.name}"
-                                    for f in reversed(frames[-3:])) or "outside tieredemb")
+            seen()
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -42,6 +39,19 @@ def host_reads(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def host_reads(fn) -> list[str]:
+    """The synchronizing operations ``fn`` runs (torch.cuda.set_sync_debug_mode's warnings), each
+    named by the innermost tieredemb lines that ran it (a failing count says where the reads are)."""
+    reads: list[str] = []
+
+    def seen():
+        frames = [f for f in traceback.extract_stack()[:-2] if "/tieredemb/" in f.filename]
+        reads.append(" < ".join(f"{f.filename.rsplit('/tieredemb/', 1)[1]}:{f.lineno} {f.name}"
+                                for f in reversed(frames[-3:])) or "outside tieredemb")
+
+    _watch_reads(fn, seen)
     return reads
 
 
@@ -184,22 +194,13 @@ def test_a_step_that_grows_the_row_store_reads_the_device_once():
 
 def host_reads_by_thread(fn) -> dict[str, int]:
     """The synchronizing operations ``fn`` runs, counted per thread (the pipeline's worker too)."""
-    torch.cuda.synchronize()
     counts: dict[str, int] = {}
 
-    def show(message, *args, **kwargs):
-        if "called a synchronizing" in str(message):
-            name = threading.current_thread().name
-            counts[name] = counts.get(name, 0) + 1
+    def seen():
+        name = threading.current_thread().name
+        counts[name] = counts.get(name, 0) + 1
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    _watch_reads(fn, seen)
     return counts
 
 

@@ -34,7 +34,7 @@ from tieredemb.ops.reference import TorchKernels
 from tieredemb.optim import EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.backend import Fetched, GroupStore, add_bytes
-from tieredemb.storage.tiers.cache_on_device import OnDeviceInsertion
+from tieredemb.storage.tiers.cache_on_device import OnDeviceInsertion, per_table
 from tieredemb.storage.tiers.device import DeviceTier
 from tieredemb.storage.tiers.parts import (
     CONFLICTS,
@@ -256,13 +256,12 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
                                                                    p.miss, fetched, p.row_of)
             # a pair found is stored (its lock from the probe is its batch's); one host read: the
             # misses kept per region, and the index's sizes (whether to grow first)
-            kept_misses = torch.zeros(regions, dtype=torch.int64, device=self.device).index_add_(
-                0, utab[p.keep], (slots[p.keep] == -1).long())
+            kept_misses = per_table(utab[p.keep], slots[p.keep] == -1, regions)
             info = torch.cat([kept_misses, self.index.sizes_on_device]).tolist()
         if p.keep is not None:
             unique, utab, counts, slots, values = (t[p.keep] for t in (unique, utab, counts, slots, values))
-            kept = torch.zeros(regions, dtype=torch.int64, device=self.device)  # (a bincount reads)
-            per_region = torch.cat([per_region[:regions], kept.index_add_(0, utab, torch.ones_like(utab))])
+            every = torch.ones_like(utab, dtype=torch.bool)
+            per_region = torch.cat([per_region[:regions], per_table(utab, every, regions)])
         return self.index.complete(unique, utab, step, counts, True, slots, values, per_region, info,
                                    given_order=True)
 
