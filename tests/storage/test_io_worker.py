@@ -163,3 +163,40 @@ def test_error_raised_in_submit_chains_to_the_worker_traceback(worker):
         names.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     assert "deep" in names
+
+
+_EXIT_WHILE_BUSY = """
+import pathlib, sys, time, torch
+from tieredemb.storage.io_worker import IOWorker
+
+out = pathlib.Path(sys.argv[1])
+started = __import__("threading").Event()
+
+def torch_work():  # inside torch calls (the GIL released) when the main thread returns
+    started.set()
+    a = torch.randn(1000, 1000)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        a @ a
+    (out / "running_task_finished").touch()
+
+worker = IOWorker(name="exit-test")
+worker.submit(torch_work)
+worker.submit((out / "queued_task_ran").touch)
+started.wait()
+"""
+
+
+def test_the_process_exits_cleanly_while_a_worker_is_inside_torch(tmp_path):
+    """A program that leaves without closing, its worker busy in torch: exit code 0, not an abort
+    (a daemon thread returning from torch into a finalizing interpreter calls std::terminate); the
+    running task finishes, the queued one is not started."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUSY, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "terminate" not in done.stderr
+    assert (tmp_path / "running_task_finished").exists()
+    assert not (tmp_path / "queued_task_ran").exists()

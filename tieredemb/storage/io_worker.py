@@ -14,6 +14,11 @@ Errors cross threads. When a task raises, the worker
 Once the caller has seen the error (through any of those), new work runs again: a failed ``set``
 can be resubmitted with the same rows, which the caller still holds (nothing is dropped).
 
+At interpreter exit every open worker stops: the task it is running finishes, those queued behind it
+are not started (what a program did not ``flush`` is not kept, queued or not). A daemon thread still
+inside a torch call when Python finalizes would abort the process ("terminate called without an
+active exception") as the call returns.
+
 Example::
 
     worker = IOWorker(name="user/rocksdb")
@@ -24,9 +29,11 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +42,7 @@ from tieredemb.storage.errors import BackendError
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_EXIT_JOIN_S = 30.0  # how long exit waits for a worker's running task
 
 
 class IOHandle:
@@ -92,8 +100,10 @@ class IOWorker:
         self._unseen: BaseException | None = None  # the failure no call has reported yet
         self._last_error: BaseException | None = None  # what refused tasks are chained to
         self._closed = False
+        self._exiting = False  # the interpreter exits: queued tasks are not started
         self._thread = threading.Thread(target=self._run, name=f"tieredemb-io-{name}", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     # ---------------------------------------------------------------------- training thread
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> IOHandle:
@@ -131,6 +141,18 @@ class IOWorker:
         self._thread.join()
         self._raise_unseen()
 
+    def _stop_at_exit(self) -> None:
+        """Let the running task finish, start no queued one, stop the thread (the exit hook's)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._exiting = True
+            self._queue.put(_STOP)
+        self._thread.join(_EXIT_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("%s: a task still running %.0f s into the interpreter's exit", self.name,
+                        _EXIT_JOIN_S)
+
     def _raise_unseen(self) -> None:
         with self._lock:
             error, self._unseen = self._unseen, None
@@ -156,6 +178,9 @@ class IOWorker:
             with self._lock:
                 refused = handle._epoch != -1 and handle._epoch <= self._failed_epoch
                 cause = self._last_error
+            if self._exiting:
+                handle._finish(error=BackendError(f"{self.name}: not run: the interpreter is exiting"))
+                continue
             if refused:
                 handle._finish(error=cause, refused=True)
                 continue
@@ -173,3 +198,13 @@ class IOWorker:
 
 def _noop() -> None:
     return None
+
+
+_OPEN: weakref.WeakSet[IOWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_open_workers() -> None:
+    """Run at interpreter exit, before daemon threads are frozen: every open worker stopped."""
+    for worker in list(_OPEN):
+        worker._stop_at_exit()
