@@ -69,7 +69,8 @@ def main() -> None:
                    help="with --host: also each Triton kernel's launch and a few torch calls, by name")
     p.add_argument("--reserve", action="store_true", help="cache: page-lock the host store up front")
     p.add_argument("--sharded", action="store_true",
-                   help="hbm: through the sharded path, on a process group of one rank (NCCL)")
+                   help="hbm: through the sharded path, on a process group of one rank (NCCL; gloo with "
+                        "--device cpu)")
     p.add_argument("--overlap", choices=["forward", "backward", "deferred", "deferred-side"], default=None,
                    help="each step prefetches the next batch on a side stream after its forward or "
                         "backward (Overlapped)")
@@ -85,7 +86,7 @@ def main() -> None:
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
     if args.sharded:
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
     torch.autograd.set_multithreading_enabled(args.autograd_threads)
     dev = torch.device(args.device)
     _DEVICE[0] = dev

@@ -93,11 +93,9 @@ class AheadRun(ConfigRun):
 def host_counters(ebc: te.EmbeddingBagCollection) -> dict[str, int]:
     """The host tiers' counters summed over tables (``TableStats.host_tier``; none: {})."""
     out: dict[str, int] = {}
-    for group in ebc.tiers:
-        for t in range(len(group.configs)):
-            s = group.below.table(t).tier_stats()
-            for k, v in vars(s).items() if s is not None else ():
-                out[k] = out.get(k, 0) + v
+    for table in ebc.stats().values():
+        for k, v in vars(table.host_tier).items() if table.host_tier is not None else ():
+            out[k] = out.get(k, 0) + v
     return out
 
 
