@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tieredemb.keys import shr, splitmix64, stable_name_hash
+from tieredemb.ops import triton_hashing
 
 
 def table_salts(names: list[str], device: torch.device) -> torch.Tensor:
@@ -34,6 +35,8 @@ def table_salts(names: list[str], device: torch.device) -> torch.Tensor:
 def owner_of(keys: torch.Tensor, salts: torch.Tensor, world: int) -> torch.Tensor:
     """int64 (n,) rank owning each key, ``salts`` int64 (n,) its table's salt: a multiply-shift of
     the low half of splitmix64(key ^ salt), independent of the index's buckets (the high half)."""
+    if keys.is_cuda and triton_hashing() is not None:  # the same ranks in one kernel
+        return triton_hashing().owner_of(keys, salts, world)
     low = splitmix64(keys ^ salts) & 0xFFFFFFFF
     return shr(low * world, 32)
 
@@ -74,23 +77,30 @@ def plan(owner: torch.Tensor, world: int, group) -> tuple[torch.Tensor, list[int
 class Route:
     """How a batch's distinct pairs go to their owners: ``order`` (u,) the pairs in owner order, how
     many this rank sends each rank and receives from each, and, per table, the pairs and the ids
-    (their counts summed) this rank receives."""
+    (their counts summed) this rank receives; ``verdicts`` every rank's verdict and ``extra`` the
+    values read along (``route``'s)."""
 
     order: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     pairs_per_table: list[int]
     ids_per_table: list[int]
+    verdicts: list[int] = dataclasses.field(default_factory=list)
+    extra: list[int] = dataclasses.field(default_factory=list)
 
 
 def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
-          group, count: torch.Tensor | None = None) -> Route:
+          group, count: torch.Tensor | None = None, verdict: torch.Tensor | None = None,
+          extra: torch.Tensor | None = None) -> Route:
     """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
     with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
     count matrix and one host read (the bins summed by ``index_add_``: a bincount on the device reads
     their range first). ``count``: int64 (1,) on the device where only the first ``count`` pairs are
     the batch's (a padded dedup's, the rest unspecified): the rest is routed nowhere, and ``count``
-    is read with the rest (the route's ``order`` then has that many pairs)."""
+    is read with the rest (the route's ``order`` then has that many pairs). ``verdict``: int64 ()
+    this rank's (0: its batch passed its checks), sent to every rank in the same exchange (a column
+    of the matrix): ``Route.verdicts`` has every rank's. ``extra``: int64 (k,) on the device, read
+    with the rest (``Route.extra``)."""
     if count is not None:
         real = torch.arange(owner.numel(), device=owner.device) < count
         owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
@@ -102,18 +112,28 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
     bins[0].index_add_(0, cell, torch.ones_like(cell))  # (integer sums: exact in any order)
     bins[1].index_add_(0, cell, counts)
     pairs, ids = (b[:cells].view(world, num_tables) for b in bins)
-    send = torch.cat([pairs.sum(1, keepdim=True), pairs, ids], 1)
+    columns = [pairs.sum(1, keepdim=True), pairs, ids]
+    if verdict is not None:
+        columns.append(verdict.reshape(1, 1).expand(world, 1))
+    send = torch.cat(columns, 1)
     recv = torch.empty_like(send)
     if world == 1:
         recv.copy_(send)
     else:
         dist.all_to_all_single(recv, send, group=group)
-    read = [send[:, 0], recv.sum(0)[1:], recv[:, 0]] + ([count.reshape(1)] if count is not None else [])
-    both = torch.cat(read).tolist()
+    read = [send[:, 0], recv[:, 1 : 1 + 2 * num_tables].sum(0), recv[:, 0]]
+    read += [recv[:, -1]] if verdict is not None else []
+    read += [count.reshape(1)] if count is not None else []
+    read += [extra] if extra is not None else []
+    host = torch.cat(read).tolist()  # the one host read
+    send_splits, per_table, recv_splits, rest = (host[:world], host[world : world + 2 * num_tables],
+                                                 host[world + 2 * num_tables : 2 * world + 2 * num_tables],
+                                                 host[2 * world + 2 * num_tables :])
+    verdicts, rest = (rest[:world], rest[world:]) if verdict is not None else ([], rest)
     if count is not None:
-        order = order[: both.pop()]
-    return Route(order, both[:world], both[world + 2 * num_tables :], both[world : world + num_tables],
-                 both[world + num_tables : world + 2 * num_tables])
+        order = order[: rest.pop(0)]
+    return Route(order, send_splits, recv_splits, per_table[:num_tables], per_table[num_tables:], verdicts,
+                 rest)
 
 
 def per_rank_backing(backing, rank: int):

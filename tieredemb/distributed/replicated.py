@@ -35,7 +35,8 @@ import torch.distributed as dist
 from tieredemb.config import HotRows, TableConfig
 from tieredemb.distributed import exchange, exchange_splits, owner_of
 from tieredemb.distributed.sharding import RowWiseSharding, ShardedPrefetch
-from tieredemb.modules.batch import GroupBatch
+from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
+from tieredemb.modules.placement import resolve_eagerly
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
@@ -163,6 +164,10 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             self.hot[g] = self._hot_set(g, keys.to(self.device), tables.to(self.device))
 
     # ------------------------------------------------------------------------------- the step
+    def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
+        """The batch checked first (its own read), then each group's ``input_dist``."""
+        return resolve_eagerly(self, layout, given, clock, training)
+
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ReplicatedPrefetch:
         """Group g's cold pairs to their owners, the touched hot pairs agreed on; this rank resolves
         the cold pairs it received and every touched hot pair."""

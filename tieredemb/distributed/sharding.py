@@ -20,17 +20,31 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
 from tieredemb.keys import keep_where
-from tieredemb.modules.batch import GroupBatch
+from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
+from tieredemb.modules.placement import resolve_eagerly
+from tieredemb.profiling import label
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
 from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableRows, TableStats, unique_pairs
+
+
+class DistinctPairs(NamedTuple):
+    """A group's distinct (key, table) pairs of a batch: keys, tables, ``inverse`` (n,) id -> pair,
+    ``counts`` the ids of each, the ids' order (``unique_pairs``' tuple)."""
+
+    keys: torch.Tensor
+    tables: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    sorted_ids: IdOrder | None
 
 
 @dataclass
@@ -72,27 +86,66 @@ class RowWiseSharding:
         self.input_group = dist.new_group(dist.get_process_group_ranks(process_group))
 
     # ------------------------------------------------------------------------------- the step
+    def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
+        """A batch of one group whose features are the batch's: its checks' verdict is read with the
+        route (one host read for both, where ``resolve_eagerly`` reads it first) and travels in the
+        route's exchange, so a bad batch on any rank raises on every rank before any of them changes
+        anything or waits in a collective the bad rank left. Other batches: ``resolve_eagerly``."""
+        if len(self.tiers) != 1 or not given.order.identity[0] or given.values.numel() == 0:
+            return resolve_eagerly(self, layout, given, clock, training)
+        with label("## check_batch ##"):
+            staged = layout.put(given)
+        with label("## group.prefetch ##"):
+            failed = (staged.guard() != 0).any().to(torch.int64)
+            way, pairs = self._routed(0, staged.values, staged.tables, verdict=failed, extra=staged.summary)
+        batch = layout.finish(staged, way.extra)  # this rank's bad batch raises here
+        bad = [r for r, v in enumerate(way.verdicts) if v]
+        if bad:
+            raise ValueError(f"the batch of rank {bad[0]} failed its checks (that rank raised the reason): "
+                             f"this step's batch is refused on every rank, nothing changed")
+        with label("## group.prefetch ##"):
+            return batch, [self._served_part(0, way, pairs, clock, training)]
+
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ShardedPrefetch:
         """Group g's ids to their owners; this rank resolves the pairs it received. The batch's
         distinct pairs are counted on the device and read with the route's split sizes (one host
         read for both)."""
-        tier = self.tiers[g]
         if gb.ids.numel() == 0:
-            keys, tables, inverse, counts, sorted_ids = unique_pairs(gb.ids, gb.tables, len(tier.configs),
-                                                                      self.kernels)
-            way, got = self.send_pairs(g, keys, tables, counts)
+            pairs = DistinctPairs(*unique_pairs(gb.ids, gb.tables, len(self.tiers[g].configs), self.kernels))
+            way = self._route_pairs(g, pairs.keys, pairs.tables, pairs.counts)
         else:
-            order, skeys, stables = self.kernels.id_order(gb.ids, gb.tables, len(tier.configs))
-            keys, tables, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, stables, order)
-            real = torch.arange(keys.numel(), device=keys.device) < count
-            tables = torch.where(real, tables, 0)  # (past the count unspecified: no table out of range)
-            way, got = self.send_pairs(g, keys, tables, counts, count)
-            u = way.order.numel()
-            keys, counts = keys[:u], counts[:u]
-            sorted_ids = IdOrder(order, counts)
+            way, pairs = self._routed(g, gb.ids, gb.tables)
+        return self._served_part(g, way, pairs, clock, training)
+
+    def _routed(self, g: int, ids: torch.Tensor, tables: torch.Tensor,
+                **along) -> tuple[Route, DistinctPairs]:
+        """Group g's distinct pairs of a batch's n > 0 ids (a padded dedup) and their route, one host
+        read for both (``along``: ``route``'s ``verdict`` and ``extra``)."""
+        order, skeys, stables = self.kernels.id_order(ids, tables, len(self.tiers[g].configs))
+        keys, tables, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, stables, order)
+        real = torch.arange(keys.numel(), device=keys.device) < count
+        tables = torch.where(real, tables, 0)  # (past the count unspecified: no table out of range)
+        way = self._route_pairs(g, keys, tables, counts, count, **along)
+        u = way.order.numel()  # (the real pairs come first, and the route's order takes only them)
+        keys, tables, counts = keys[:u], tables[:u], counts[:u]
+        return way, DistinctPairs(keys, tables, inverse, counts, IdOrder(order, counts))
+
+    def _route_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                     count: torch.Tensor | None = None, **along) -> Route:
+        """The route of group g's distinct pairs to their owners (``route``; ``along``: its
+        ``verdict`` and ``extra``)."""
+        owner = owner_of(keys, self.salts[g][tables], self.world)
+        return route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group, count,
+                     **along)
+
+    def _served_part(self, g: int, way: Route, pairs: DistinctPairs, clock: int,
+                     training: bool) -> ShardedPrefetch:
+        """The routed pairs sent; this rank resolves those it received."""
+        got = self.send_routed(g, way, pairs.keys, pairs.tables, pairs.counts)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        served = self._serve(tier, rkeys, rtables, rcounts, way.ids_per_table, clock, training)
-        return ShardedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served, sorted_ids)
+        served = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
+        return ShardedPrefetch(pairs.keys, pairs.inverse, way.order, way.send_splits, way.recv_splits, served,
+                               pairs.sorted_ids)
 
     def _serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                ids_per_table: list[int], clock: int, training: bool) -> GroupPrefetch:
@@ -108,17 +161,21 @@ class RowWiseSharding:
         info = torch.cat([r.reshape(-1) for r in reads]).tolist()  # the one host read
         return tier.finish_prefetch(staged, info, ids_per_table)
 
-    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                   count: torch.Tensor | None = None) -> tuple[Route, torch.Tensor]:
+    def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
+                   counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
         """Distinct pairs of group g (keys, tables, counts: int64 (u,)) to their owners, counted in
-        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received).
-        ``count``: only the first ``count`` pairs are real (``route``'s)."""
-        owner = owner_of(keys, self.salts[g][tables], self.world)
-        way = route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group, count)
+        this rank's load: (their route, int64 (r, 3) the (key, table, count) triples received)."""
+        way = self._route_pairs(g, keys, tables, counts)
+        return way, self.send_routed(g, way, keys, tables, counts)
+
+    def send_routed(self, g: int, way: Route, keys: torch.Tensor, tables: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+        """Group g's pairs sent as ``way`` routes them, counted in this rank's load: int64 (r, 3) the
+        (key, table, count) triples received."""
         pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
         got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
         self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
-        return way, got
+        return got
 
     def served(self, part: ShardedPrefetch) -> GroupPrefetch:
         return part.served

@@ -244,16 +244,10 @@ class CollectionBase(nn.Module):
             group = self.tiers[0] if len(self.tiers) == 1 and given.order.identity[0] else None
             staged = self._stager.stage(given, group, self._clock + 1, stream, defer and self.stash is None)
             return staged if staged.deferred else self._stager.finish(staged)
-        with label("## check_batch ##"):
-            staged = self._layout.put(given)
-        batch = self._layout.finish(staged, staged.summary.tolist())
         training = self.training
-        if training:
-            self._clock += 1
-        groups = []
-        for g, gb in enumerate(batch.groups):
-            with label("## group.prefetch ##"):
-                groups.append(self.placement.input_dist(g, gb, self._clock, training))
+        clock = self._clock + 1 if training else self._clock
+        batch, groups = self.placement.resolve(self._layout, given, clock, training)
+        self._clock = clock
         return InFlightBatch(batch, groups, training, stream=stream)
 
     def _settle(self) -> None:

@@ -2,6 +2,8 @@
 over the ranks of a process group (``tieredemb.distributed.sharding.RowWiseSharding``). The
 collection picks one at construction and runs every step through it; both have the same verbs:
 
+    resolve(layout, given, clock, training)      a checked batch's device half, its checks' verdict
+        -> (batch, parts)                        read, each group's ids resolved (input_dist)
     input_dist(g, gb, clock, training) -> part   resolve group g's ids of a batch (sharded: their
                                                  owners resolve them)
     output(g, part) -> (store, addresses)        where each id's row is, for the lookup
@@ -19,10 +21,25 @@ from __future__ import annotations
 
 import torch
 
-from tieredemb.modules.batch import GroupBatch
+from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
+from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
 from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows, TableStats
+
+
+def resolve_eagerly(placement, layout: Layout, given: BatchInput, clock: int,
+                    training: bool) -> tuple[Batch, list]:
+    """``given`` on the device and checked (one host read: a bad batch raises, nothing changed), cut
+    into its groups, each group's ids resolved by ``placement.input_dist`` at ``clock``."""
+    with label("## check_batch ##"):
+        staged = layout.put(given)
+    batch = layout.finish(staged, staged.summary.tolist())
+    parts = []
+    for g, gb in enumerate(batch.groups):
+        with label("## group.prefetch ##"):
+            parts.append(placement.input_dist(g, gb, clock, training))
+    return batch, parts
 
 
 class LocalPlacement:
@@ -30,6 +47,9 @@ class LocalPlacement:
 
     def __init__(self, tiers: list[DeviceTier]) -> None:
         self.tiers = tiers
+
+    def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
+        return resolve_eagerly(self, layout, given, clock, training)
 
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> GroupPrefetch:
         return self.tiers[g].prefetch(gb.ids, gb.tables, gb.ids_per_table, clock, training)
