@@ -839,3 +839,33 @@ def test_the_filters_kernel_answers_as_its_torch_version(gen, bits, hashes):
     got = hashing.bloom_may_hold(f.words.to(DEVICE), keys.to(DEVICE), tables.to(DEVICE), f.bits, hashes)
     assert torch.equal(got.cpu(), want)
     assert bool(want[::7].all()) and not bool(want.all())  # (both answers occur)
+
+
+def _owner_in_python(key: int, salt: int, world: int) -> int:
+    """The owner rank by the routing's definition, in Python integers mod 2**64 (no torch)."""
+    m = (1 << 64) - 1
+    x = ((key ^ salt) + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    x ^= x >> 31
+    return ((x & 0xFFFFFFFF) * world) >> 32
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_owners_kernel_routes_as_its_torch_version(gen, world):
+    """``owner_of`` in one kernel: every key's rank as the torch version gives it (int64 extremes,
+    several tables' salts), and both as the definition in Python integers."""
+    from tieredemb.distributed import owner_of, table_salts
+    from tieredemb.ops.triton import hashing
+
+    keys = torch.cat([torch.tensor([0, -1, 2**63 - 1, -(2**63) + 1, 12345]),
+                      torch.randint(-(2**62), 2**62, (3000,), generator=gen)])
+    tables = torch.randint(0, 3, (keys.numel(),), generator=gen)
+    salts = table_salts(["a", "b", "c"], torch.device("cpu"))[tables]
+    want = owner_of(keys, salts, world)  # (on the CPU: the torch version)
+    got = hashing.owner_of(keys.to(DEVICE), salts.to(DEVICE), world).cpu()
+    assert torch.equal(got, want)
+    mask = (1 << 64) - 1
+    pairs = zip(keys[:200].tolist(), salts[:200].tolist())
+    assert [_owner_in_python(k & mask, s & mask, world) for k, s in pairs] == want[:200].tolist()
+    assert set(want.tolist()) == set(range(world))  # every rank owns some

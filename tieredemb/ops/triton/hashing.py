@@ -149,6 +149,30 @@ def buckets(keys: torch.Tensor, tables: torch.Tensor | None, region_start: torch
 
 
 @fast_launch
+@triton.jit(do_not_specialize=["n"])
+def _owner_kernel(keys, salts, out, n, world, BLOCK: tl.constexpr):
+    # out int64 (n,): each key's rank, a multiply-shift of the low half of splitmix64(key ^ salt)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    k = tl.load(keys + i, mask=m, other=0)
+    s = tl.load(salts + i, mask=m, other=0)
+    low = splitmix64((k ^ s).to(tl.uint64, bitcast=True)) & 0xFFFFFFFF
+    # (zeros + world): a uint64 tensor even when world arrives specialized as constant 1
+    tl.store(out + i, ((low * (tl.zeros_like(low) + world)) >> 32).to(tl.int64), mask=m)
+
+
+def owner_of(keys: torch.Tensor, salts: torch.Tensor, world: int) -> torch.Tensor:
+    """``tieredemb.distributed.owner_of`` in one kernel (the torch version: ~18 elementwise ops):
+    int64 (n,) the rank of each key, ``salts`` int64 (n,) its table's salt."""
+    n = keys.numel()
+    out = torch.empty(n, dtype=torch.int64, device=keys.device)
+    if n:
+        _owner_kernel[(triton.cdiv(n, 1024),)](keys.to(torch.int64).contiguous(),
+                                               salts.to(torch.int64).contiguous(), out, n, world, BLOCK=1024)
+    return out
+
+
+@fast_launch
 @triton.jit(do_not_specialize=["n", "bits"])
 def _bloom_kernel(words, keys, tables, out, n, bits, HASHES: tl.constexpr, BLOCK: tl.constexpr):
     # out bool (n,): every one of the pair's HASHES bits set in words (int64, 63 bits a word)
