@@ -37,6 +37,8 @@ def test_a_route_counts_each_owners_pairs_and_ids() -> None:
     assert way.send_splits == send == way.recv_splits
     assert way.pairs_per_table == pairs and way.ids_per_table == ids
     assert sorted(way.order.tolist()) == list(range(200))
+    in_order = [(owner[i], tables[i]) for i in way.order.tolist()]
+    assert in_order == sorted(in_order)  # owner by owner, table by table
 
 
 def test_padding_past_the_count_is_routed_nowhere() -> None:
@@ -47,6 +49,7 @@ def test_padding_past_the_count_is_routed_nowhere() -> None:
     tables[150:], counts[150:] = -5, 10**6
     padded = route(torch.zeros(200, dtype=torch.int64), tables, counts, TABLES, 1, None,
                    count=torch.tensor([150]))
-    assert padded.order.tolist() == real.order.tolist() == list(range(150))
+    assert padded.order.tolist() == real.order.tolist()
+    assert sorted(real.order.tolist()) == list(range(150))
     for field in ("send_splits", "recv_splits", "pairs_per_table", "ids_per_table"):
         assert getattr(padded, field) == getattr(real, field), field

@@ -94,24 +94,25 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
           extra: torch.Tensor | None = None) -> Route:
     """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
     with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
-    count matrix and one host read (the bins summed by ``index_add_``: a bincount on the device reads
-    their range first). ``count``: int64 (1,) on the device where only the first ``count`` pairs are
-    the batch's (a padded dedup's, the rest unspecified): the rest is routed nowhere, and ``count``
-    is read with the rest (the route's ``order`` then has that many pairs). ``verdict``: int64 ()
-    this rank's (0: its batch passed its checks), sent to every rank in the same exchange (a column
-    of the matrix): ``Route.verdicts`` has every rank's. ``extra``: int64 (k,) on the device, read
-    with the rest (``Route.extra``)."""
+    count matrix and one host read. The route's ``order`` sorts the pairs by owner, then table.
+    ``count``: int64 (1,) on the device where only the first ``count`` pairs are the batch's (a
+    padded dedup's, the rest unspecified): the rest is routed nowhere, and ``count`` is read with the
+    rest (the route's ``order`` then has that many pairs). ``verdict``: int64 () this rank's (0: its
+    batch passed its checks), sent to every rank in the same exchange (a column of the matrix):
+    ``Route.verdicts`` has every rank's. ``extra``: int64 (k,) on the device, read with the rest
+    (``Route.extra``)."""
     if count is not None:
         real = torch.arange(owner.numel(), device=owner.device) < count
         owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
         tables, counts = torch.where(real, tables, 0), torch.where(real, counts, 0)
-    order = torch.argsort(owner, stable=True)
+    # the pairs sorted by (owner, table), each cell's pairs and ids found at its edges: no atomics of
+    # 10^5 pairs on a few cells (index_add_ there took 0.77 ms a call on an H200), no host read
     cell = owner * num_tables + tables
     cells = world * num_tables
-    bins = torch.zeros(2, cells + num_tables, dtype=torch.int64, device=owner.device)
-    bins[0].index_add_(0, cell, torch.ones_like(cell))  # (integer sums: exact in any order)
-    bins[1].index_add_(0, cell, counts)
-    pairs, ids = (b[:cells].view(world, num_tables) for b in bins)
+    order = torch.argsort(cell.to(torch.int32), stable=True)
+    edges = torch.searchsorted(cell[order], torch.arange(cells + 1, device=owner.device))
+    ids_before = torch.cat([counts.new_zeros(1), counts[order].cumsum(0)])
+    pairs, ids = edges.diff().view(world, num_tables), ids_before[edges].diff().view(world, num_tables)
     columns = [pairs.sum(1, keepdim=True), pairs, ids]
     if verdict is not None:
         columns.append(verdict.reshape(1, 1).expand(world, 1))
