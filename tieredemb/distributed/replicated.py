@@ -165,8 +165,12 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
 
     # ------------------------------------------------------------------------------- the step
     def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
-        """The batch checked first (its own read), then each group's ``input_dist``."""
+        """The batch checked first (its own read), then each group's ``input_dist`` (whose routes
+        carry no verdict: a bad batch raises on its rank alone)."""
         return resolve_eagerly(self, layout, given, clock, training)
+
+    def refuse(self) -> None:
+        """Nothing sent: the other ranks' routes expect no verdict."""
 
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ReplicatedPrefetch:
         """Group g's cold pairs to their owners, the touched hot pairs agreed on; this rank resolves

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
 from tieredemb.keys import keep_where
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
+from tieredemb.modules.placement import resolve_eagerly
 from tieredemb.profiling import label
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -89,10 +90,11 @@ class RowWiseSharding:
         """Every rank's checks' verdict travels in the step's first route (group 0's count exchange),
         so a bad batch on any rank raises on every rank before any of them changes anything or waits
         in an exchange the bad rank left. A batch of one group whose features are the batch's reads
-        its verdict with that route (one host read for both); others read it first."""
-        with label("## check_batch ##"):
-            staged = layout.put(given)
+        its verdict with that route (one host read for both); others read it first
+        (``resolve_eagerly``; a bad one is ``refuse``d)."""
         if len(self.tiers) == 1 and given.order.identity[0] and given.values.numel() > 0:
+            with label("## check_batch ##"):
+                staged = layout.put(given)
             with label("## group.prefetch ##"):
                 failed = (staged.guard() != 0).any().to(torch.int64)
                 way, pairs = self._routed(0, staged.values, staged.tables, verdict=failed,
@@ -101,26 +103,20 @@ class RowWiseSharding:
             self._check_peers(way)
             with label("## group.prefetch ##"):
                 return batch, [self._served_part(0, way, pairs, clock, training)]
-        try:
-            batch = layout.finish(staged, staged.summary.tolist())
-        except Exception:
-            none = torch.zeros(0, dtype=torch.int64, device=self.device)
-            failed = torch.ones(1, dtype=torch.int64, device=self.device)
-            self._route_pairs(0, none, none, none, verdict=failed)  # the others learn of it, then raise
-            raise
-        parts = []
-        for g, gb in enumerate(batch.groups):
-            with label("## group.prefetch ##"):
-                parts.append(self.input_dist(g, gb, clock, training, checked=g == 0))
-        return batch, parts
+        return resolve_eagerly(self, layout, given, clock, training)
 
-    def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool,
-                   checked: bool = False) -> ShardedPrefetch:
+    def refuse(self) -> None:
+        """This rank's batch failed its checks: an empty route of group 0 carries its verdict, so the
+        other ranks raise at their step's first route too."""
+        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._route_pairs(0, none, none, none, verdict=torch.ones(1, dtype=torch.int64, device=self.device))
+
+    def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> ShardedPrefetch:
         """Group g's ids to their owners; this rank resolves the pairs it received. The batch's
         distinct pairs are counted on the device and read with the route's split sizes (one host
-        read for both). ``checked``: this rank's batch passed its checks, and its route carries
-        every rank's verdict (a bad batch elsewhere raises here, before anything changes)."""
-        along = {"verdict": torch.zeros(1, dtype=torch.int64, device=self.device)} if checked else {}
+        read for both). Group 0's route carries every rank's verdict of its checks (this rank's
+        passed): a bad batch elsewhere raises here, before anything changes."""
+        along = {"verdict": torch.zeros(1, dtype=torch.int64, device=self.device)} if g == 0 else {}
         if gb.ids.numel() == 0:
             pairs = DistinctPairs(*unique_pairs(gb.ids, gb.tables, len(self.tiers[g].configs), self.kernels))
             way = self._route_pairs(g, pairs.keys, pairs.tables, pairs.counts, **along)

@@ -4,6 +4,8 @@ collection picks one at construction and runs every step through it; both have t
 
     resolve(layout, given, clock, training)      a checked batch's device half, its checks' verdict
         -> (batch, parts)                        read, each group's ids resolved (input_dist)
+    refuse()                                     this process's batch failed its checks (sharded:
+                                                 the other ranks learn of it, and raise too)
     input_dist(g, gb, clock, training) -> part   resolve group g's ids of a batch (sharded: their
                                                  owners resolve them)
     output(g, part) -> (store, addresses)        where each id's row is, for the lookup
@@ -30,11 +32,16 @@ from tieredemb.storage.tiers.parts import GroupPrefetch, TableRows, TableStats
 
 def resolve_eagerly(placement, layout: Layout, given: BatchInput, clock: int,
                     training: bool) -> tuple[Batch, list]:
-    """``given`` on the device and checked (one host read: a bad batch raises, nothing changed), cut
-    into its groups, each group's ids resolved by ``placement.input_dist`` at ``clock``."""
+    """``given`` on the device and checked (one host read: a bad batch raises, nothing changed, after
+    ``placement.refuse()``), cut into its groups, each group's ids resolved by
+    ``placement.input_dist`` at ``clock``."""
     with label("## check_batch ##"):
         staged = layout.put(given)
-    batch = layout.finish(staged, staged.summary.tolist())
+    try:
+        batch = layout.finish(staged, staged.summary.tolist())
+    except Exception:
+        placement.refuse()
+        raise
     parts = []
     for g, gb in enumerate(batch.groups):
         with label("## group.prefetch ##"):
@@ -50,6 +57,9 @@ class LocalPlacement:
 
     def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
         return resolve_eagerly(self, layout, given, clock, training)
+
+    def refuse(self) -> None:
+        """This process's batch failed its checks: no other process waits for it."""
 
     def input_dist(self, g: int, gb: GroupBatch, clock: int, training: bool) -> GroupPrefetch:
         return self.tiers[g].prefetch(gb.ids, gb.tables, gb.ids_per_table, clock, training)
