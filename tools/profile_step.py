@@ -86,7 +86,8 @@ def main() -> None:
                    help="backward on autograd's device threads (default: the calling thread, as the bench)")
     args = p.parse_args()
     if args.sharded:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method="tcp://127.0.0.1:29511",
+                                rank=0, world_size=1)
     torch.autograd.set_multithreading_enabled(args.autograd_threads)
     dev = torch.device(args.device)
     _DEVICE[0] = dev

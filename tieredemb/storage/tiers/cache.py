@@ -229,7 +229,7 @@ class CacheTier(OnDeviceInsertion, DeviceTier):
             shared = self.in_flight.find(unique, utab)
             pad = shared >= 0
             missing = missing & ~pad
-            misses = torch.zeros(regions, dtype=torch.int64, device=dev).index_add_(0, utab, missing.long())
+            misses = per_table(utab, missing, regions)
             n_pad, *pad_info = torch.cat([pad.sum().view(1), misses]).tolist()
             info = pad_info + info[regions:]
         miss = torch.nonzero_static(missing, size=sum(info[:regions])).squeeze(1)
