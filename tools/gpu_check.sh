@@ -7,7 +7,7 @@
 # --capacity (bounded tables, 400k rows a table at scale 1).
 #
 #   tools/gpu_check.sh [--bench-only] [--tests-only] [--cache-only] [--no-cache] [--profile]
-#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--ssd-tier] [--gpu-tests] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
+#                        [--dist] [--stash] [--tbe] [--check-launch] [--ssd-fit] [--ssd-tier] [--sharded-one] [--gpu-tests] [--ab OLD_DIR [--variant ARGS]... [--ab-args ARGS]]
 #                        [--scale S] [--steps N]
 #                        [--cache-scale S] [--cache-steps N] [-- MORE HBM BENCH ARGS]
 #
@@ -42,6 +42,10 @@
 # command (plain loop, TrainPipeline with the 16 x 8192 dense model, the disk measured), then
 # tools/profile_step.py --time of the TrainPipeline run (insertions by path, the tier's counters).
 #
+# --sharded-one: only the sharded step at world size one (NCCL, one GPU): its GPU sync test, then
+# tools/profile_step.py --sharded --time (hbm, Adam), with --ab OLD_DIR (carry it) in turns with
+# OLD_DIR's package (3 rounds), the unsharded step, and the torch profile of the sharded step.
+#
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
 #
@@ -72,6 +76,7 @@ run_tbe=0
 run_check_launch=0
 run_ssd_fit=0
 run_ssd_tier=0
+run_sharded_one=0
 run_gpu_tests=0
 ab_old=""
 variants=()
@@ -96,6 +101,7 @@ while [ $# -gt 0 ]; do
         --check-launch) run_check_launch=1 ;;
         --ssd-fit) run_ssd_fit=1 ;;
         --ssd-tier) run_ssd_tier=1 ;;
+        --sharded-one) run_sharded_one=1 ;;
         --gpu-tests) run_gpu_tests=1 ;;
         --ab) ab_old="$2"; shift ;;
         --variant) variants+=("$2"); shift ;;
@@ -161,6 +167,24 @@ if [ "$run_ssd_tier" = 1 ]; then
     timeout 150 python3 tools/profile_step.py --workload ssd --scale 0.1 --budget-fraction 0.01 --host-budget 0.1 \
         --store-rows 0.2 --store-process --lookahead 2 --warmup 40 --steps 20 --pipeline --dense-layers 16 \
         --dense-width 8192 --time 2>&1 | tail -n 2
+    exit 0
+fi
+
+if [ "$run_sharded_one" = 1 ]; then
+    echo "== the sharded step's GPU sync test"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_syncs.py -k sharded 2>&1 | tail -n 1
+    one() {  # package root, more profile_step arguments: its ms a step
+        PYTHONPATH="$1:$PYTHONPATH" timeout 90 python3 tools/profile_step.py --steps 40 --warmup 8 --time "${@:2}" \
+            2>&1 | grep "ms a step"
+    }
+    echo "== profile_step --sharded --time${ab_old:+ (this checkout, then $ab_old, in turns)}"
+    for round in 1 2 3; do
+        echo "round $round: $(one "$PWD" --sharded)${ab_old:+ | old: $(one "$(cd "$ab_old" && pwd)" --sharded)}"
+    done
+    echo "unsharded: $(one "$PWD")"
+    echo "== torch profile of the sharded step"
+    (mkdir -p "$OUT/sharded" && OUT="$OUT/sharded" timeout 120 python3 tools/profile_step.py --sharded --steps 5 \
+        2>&1 | grep -v -i warn | head -n 45)
     exit 0
 fi
 
