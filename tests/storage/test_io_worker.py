@@ -166,31 +166,33 @@ def test_error_raised_in_submit_chains_to_the_worker_traceback(worker):
 
 
 _EXIT_WHILE_BUSY = """
-import pathlib, sys, time, torch
+import pathlib, sys, threading, time, torch
 from tieredemb.storage.io_worker import IOWorker
 
 out = pathlib.Path(sys.argv[1])
-started = __import__("threading").Event()
+started = [threading.Event(), threading.Event()]
 
-def torch_work():  # inside torch calls (the GIL released) when the main thread returns
-    started.set()
+def torch_work(i):  # inside torch calls (the GIL released) when the main thread returns
+    started[i].set()
     a = torch.randn(1000, 1000)
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
         a @ a
-    (out / "running_task_finished").touch()
+    (out / f"running_task_{i}_finished").touch()
 
-worker = IOWorker(name="exit-test")
-worker.submit(torch_work)
-worker.submit((out / "queued_task_ran").touch)
-started.wait()
+for i in range(2):
+    worker = IOWorker(name=f"exit-test-{i}")
+    worker.submit(torch_work, i)
+    worker.submit((out / f"queued_task_{i}_ran").touch)
+for event in started:
+    event.wait()
 """
 
 
 def test_the_process_exits_cleanly_while_a_worker_is_inside_torch(tmp_path):
-    """A program that leaves without closing, its worker busy in torch: exit code 0, not an abort
-    (a daemon thread returning from torch into a finalizing interpreter calls std::terminate); the
-    running task finishes, the queued one is not started."""
+    """A program that leaves without closing, two workers busy in torch: exit code 0, not an abort
+    (a daemon thread returning from torch into a finalizing interpreter calls std::terminate); each
+    running task finishes, the queued ones are not started."""
     import subprocess
     import sys
 
@@ -198,5 +200,6 @@ def test_the_process_exits_cleanly_while_a_worker_is_inside_torch(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "terminate" not in done.stderr
-    assert (tmp_path / "running_task_finished").exists()
-    assert not (tmp_path / "queued_task_ran").exists()
+    for i in range(2):
+        assert (tmp_path / f"running_task_{i}_finished").exists()
+        assert not (tmp_path / f"queued_task_{i}_ran").exists()

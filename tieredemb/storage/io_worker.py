@@ -33,6 +33,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ from tieredemb.storage.errors import BackendError
 log = logging.getLogger(__name__)
 
 _STOP = object()
-_EXIT_JOIN_S = 30.0  # how long exit waits for a worker's running task
+_EXIT_JOIN_S = 30.0  # how long exit waits for the workers' running tasks, all together
 
 
 class IOHandle:
@@ -142,13 +143,15 @@ class IOWorker:
         self._raise_unseen()
 
     def _stop_at_exit(self) -> None:
-        """Let the running task finish, start no queued one, stop the thread (the exit hook's)."""
+        """Let the running task finish, start no queued one (the exit hook's; ``_join_at_exit`` waits)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = self._exiting = True
             self._queue.put(_STOP)
-        self._thread.join(_EXIT_JOIN_S)
+
+    def _join_at_exit(self, deadline: float) -> None:
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("%s: a task still running %.0f s into the interpreter's exit", self.name,
                         _EXIT_JOIN_S)
@@ -205,6 +208,11 @@ _OPEN: weakref.WeakSet[IOWorker] = weakref.WeakSet()
 
 @atexit.register
 def _stop_open_workers() -> None:
-    """Run at interpreter exit, before daemon threads are frozen: every open worker stopped."""
-    for worker in list(_OPEN):
+    """Run at interpreter exit, before daemon threads are frozen: every open worker stopped, all of
+    them waited for ``_EXIT_JOIN_S`` at most."""
+    workers = list(_OPEN)
+    for worker in workers:
         worker._stop_at_exit()
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for worker in workers:
+        worker._join_at_exit(deadline)
