@@ -75,12 +75,12 @@ def plan(owner: torch.Tensor, world: int, group) -> tuple[torch.Tensor, list[int
 
 @dataclasses.dataclass
 class Route:
-    """How a batch's distinct pairs go to their owners: ``order`` (u,) the pairs in owner order, how
-    many this rank sends each rank and receives from each, and, per table, the pairs and the ids
-    (their counts summed) this rank receives; ``verdicts`` every rank's verdict and ``extra`` the
-    values read along (``route``'s)."""
+    """How a batch's distinct pairs go to their owners: ``order`` (u,) the pairs in owner order (None:
+    they are in that order already), how many this rank sends each rank and receives from each,
+    and, per table, the pairs and the ids (their counts summed) this rank receives; ``verdicts``
+    every rank's verdict and ``extra`` the values read along (``route``'s)."""
 
-    order: torch.Tensor
+    order: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
     pairs_per_table: list[int]
@@ -91,16 +91,18 @@ class Route:
 
 def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
           group, count: torch.Tensor | None = None, verdict: torch.Tensor | None = None,
-          extra: torch.Tensor | None = None) -> Route:
+          extra: torch.Tensor | None = None, in_order: bool = False) -> Route:
     """``plan`` for a batch's pairs (``tables`` int64 (u,) each pair's table, ``counts`` its ids),
     with each receiver's load per table in the same exchange: one all-to-all of a (world, 1 + 2t)
     count matrix and one host read. The route's ``order`` sorts the pairs by owner, then table.
     ``count``: int64 (1,) on the device where only the first ``count`` pairs are the batch's (a
-    padded dedup's, the rest unspecified): the rest is routed nowhere, and ``count`` is read with the
-    rest (the route's ``order`` then has that many pairs). ``verdict``: int64 () this rank's (0: its
-    batch passed its checks), sent to every rank in the same exchange (a column of the matrix):
+    padded dedup's, the rest unspecified): the rest is routed nowhere (the route's ``order`` then
+    has ``count`` pairs: it is read with the rest). ``verdict``: int64 () this rank's (0: its batch
+    passed its checks), sent to every rank in the same exchange (a column of the matrix):
     ``Route.verdicts`` has every rank's. ``extra``: int64 (k,) on the device, read with the rest
-    (``Route.extra``)."""
+    (``Route.extra``). ``in_order``: the pairs come sorted by (owner, table) already (a dedup whose
+    sort key had them on top: ``RowWiseSharding._routed``), so nothing is reordered and the route's
+    ``order`` is None (its first ``sum(send_splits)`` pairs are routed)."""
     if count is not None:
         real = torch.arange(owner.numel(), device=owner.device) < count
         owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
@@ -109,9 +111,11 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
     # 10^5 pairs on a few cells (index_add_ there took 0.77 ms a call on an H200), no host read
     cell = owner * num_tables + tables
     cells = world * num_tables
-    order = torch.argsort(cell.to(torch.int32), stable=True)
-    edges = torch.searchsorted(cell[order], torch.arange(cells + 1, device=owner.device))
-    ids_before = torch.cat([counts.new_zeros(1), counts[order].cumsum(0)])
+    order = None if in_order else torch.argsort(cell.to(torch.int32), stable=True)
+    if order is not None:
+        cell, counts = cell[order], counts[order]
+    edges = torch.searchsorted(cell, torch.arange(cells + 1, device=owner.device))
+    ids_before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     pairs, ids = edges.diff().view(world, num_tables), ids_before[edges].diff().view(world, num_tables)
     columns = [pairs.sum(1, keepdim=True), pairs, ids]
     if verdict is not None:
@@ -124,14 +128,15 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
         dist.all_to_all_single(recv, send, group=group)
     read = [send[:, 0], recv[:, 1 : 1 + 2 * num_tables].sum(0), recv[:, 0]]
     read += [recv[:, -1]] if verdict is not None else []
-    read += [count.reshape(1)] if count is not None else []
+    trim = count is not None and order is not None  # (its real pairs: the first count of the order)
+    read += [count.reshape(1)] if trim else []
     read += [extra] if extra is not None else []
     host = torch.cat(read).tolist()  # the one host read
     send_splits, per_table, recv_splits, rest = (host[:world], host[world : world + 2 * num_tables],
                                                  host[world + 2 * num_tables : 2 * world + 2 * num_tables],
                                                  host[2 * world + 2 * num_tables :])
     verdicts, rest = (rest[:world], rest[world:]) if verdict is not None else ([], rest)
-    if count is not None:
+    if trim:
         order = order[: rest.pop(0)]
     return Route(order, send_splits, recv_splits, per_table[:num_tables], per_table[num_tables:], verdicts,
                  rest)

@@ -29,6 +29,7 @@ from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_
 from tieredemb.keys import keep_where
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
 from tieredemb.modules.placement import resolve_eagerly
+from tieredemb.ops.reference import orders_by_table
 from tieredemb.profiling import label
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
@@ -51,12 +52,13 @@ class DistinctPairs(NamedTuple):
 class ShardedPrefetch:
     """A group of a batch after input dist. Requester side: this rank's distinct pairs
     (``unique_keys`` (u,)), ``inverse`` (n,) id -> pair, ``send_order`` (u,) the pairs in owner
-    order, the split sizes of the exchange; owner side: ``served``, what this rank resolved for the
-    pairs it received (its ``inverse`` maps each received pair to the owner's distinct pairs)."""
+    order (None: they are in it), the split sizes of the exchange; owner side: ``served``, what
+    this rank resolved for the pairs it received (its ``inverse`` maps each received pair to the
+    owner's distinct pairs)."""
 
     unique_keys: torch.Tensor
     inverse: torch.Tensor
-    send_order: torch.Tensor
+    send_order: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
     served: GroupPrefetch
@@ -80,6 +82,8 @@ class RowWiseSharding:
         self.rank = dist.get_rank(process_group)
         self.salts = [table_salts(t.names, device) for t in tiers]
         self.received = [[0] * len(t.configs) for t in tiers]  # pairs received to serve, per table
+        # per group: whether the dedup can sort a batch's ids by (owner, table) (``_routed``)
+        self.cells_in_order = [orders_by_table(self.world * len(t.configs)) for t in tiers]
         # the input dist gets a group of its own: a prefetch on the pipeline's thread then never
         # races the forward's and backward's exchanges on one group (each group's collectives keep
         # one order on every rank). Every process of the default group takes part here.
@@ -136,13 +140,29 @@ class RowWiseSharding:
     def _routed(self, g: int, ids: torch.Tensor, tables: torch.Tensor,
                 **along) -> tuple[Route, DistinctPairs]:
         """Group g's distinct pairs of a batch's n > 0 ids (a padded dedup) and their route, one host
-        read for both (``along``: ``route``'s ``verdict`` and ``extra``)."""
-        order, skeys, stables = self.kernels.id_order(ids, tables, len(self.tiers[g].configs))
-        keys, tables, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, stables, order)
+        read for both (``along``: ``route``'s ``verdict`` and ``extra``). The dedup sorts the ids by
+        (owner, table) on top of its own key (each id's table given as its cell ``owner * t +
+        table``), so its pairs come in the order the exchanges send them: neither they, the rows
+        coming back nor the gradients going out are reordered."""
+        t = len(self.tiers[g].configs)
+        cells = self.world * t
+        if not self.cells_in_order[g]:  # (over 2**16 cells: the route reorders the pairs)
+            cells, t = t, None
+        elif self.world > 1:
+            tables = owner_of(ids, self.salts[g][tables], self.world) * t + tables
+        order, skeys, scells = self.kernels.id_order(ids, tables, cells)
+        keys, ucells, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, scells, order)
         real = torch.arange(keys.numel(), device=keys.device) < count
-        tables = torch.where(real, tables, 0)  # (past the count unspecified: no table out of range)
-        way = self._route_pairs(g, keys, tables, counts, count, **along)
-        u = way.order.numel()  # (the real pairs come first, and the route's order takes only them)
+        ucells = torch.where(real, ucells, 0)  # (past the count unspecified: no table out of range)
+        if t is None:
+            way = self._route_pairs(g, keys, ucells, counts, count, **along)
+            u = way.order.numel()  # (the real pairs come first, and the route's order takes only them)
+            tables = ucells
+        else:
+            tables = ucells % t
+            way = route(ucells // t, tables, counts, t, self.world, self.input_group, count, in_order=True,
+                        **along)
+            u = sum(way.send_splits)
         keys, tables, counts = keys[:u], tables[:u], counts[:u]
         return way, DistinctPairs(keys, tables, inverse, counts, IdOrder(order, counts))
 
@@ -188,7 +208,7 @@ class RowWiseSharding:
                     counts: torch.Tensor) -> torch.Tensor:
         """Group g's pairs sent as ``way`` routes them, counted in this rank's load: int64 (r, 3) the
         (key, table, count) triples received."""
-        pairs = torch.stack([keys, tables, counts], dim=1)[way.order]
+        pairs = _in_order(torch.stack([keys, tables, counts], dim=1), way.order)
         got = exchange(pairs, way.send_splits, way.recv_splits, self.input_group)
         self.received[g] = [a + b for a, b in zip(self.received[g], way.pairs_per_table)]
         return got
@@ -206,6 +226,8 @@ class RowWiseSharding:
         """The rows back to the ranks that asked: this rank's distinct pairs' rows (a row store over
         them) and int64 (n,) the row of each of its ids."""
         back = exchange(rows, part.recv_splits, part.send_splits, self.group)
+        if part.send_order is None:  # (the pairs were sent in their own order)
+            return RowStore.over(back), part.inverse
         mine = torch.empty_like(back)
         mine[part.send_order] = back
         return RowStore.over(mine), part.inverse
@@ -223,7 +245,7 @@ class RowWiseSharding:
         rank received, one per received pair, their sources, no scale, the part it serves)."""
         reduced = self.kernels.reduce_grads(grad.contiguous(), src, scale, part.inverse,
                                             part.unique_keys.numel(), part.sorted_ids)
-        got = exchange(reduced[part.send_order], part.send_splits, part.recv_splits, self.group)
+        got = exchange(_in_order(reduced, part.send_order), part.send_splits, part.recv_splits, self.group)
         return got, torch.arange(got.shape[0], device=self.device), None, part.served
 
     # ------------------------------------------------------------------------ rows by key
@@ -298,3 +320,8 @@ class RowWiseSharding:
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
+
+
+def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` in a route's ``order`` (None: they are in it already)."""
+    return rows if order is None else rows[order]

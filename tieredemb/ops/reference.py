@@ -34,6 +34,12 @@ def dedup_key_bits(num_tables: int) -> tuple[int, int]:
     return table_bits, max(DEDUP_HASH_BITS - table_bits, 0)
 
 
+def orders_by_table(num_tables: int) -> bool:
+    """Whether ``id_order`` sorts the pairs of ``num_tables`` tables table by table (the table on top
+    of the sort key; past 2**16 tables it is only inside the hash)."""
+    return num_tables == 1 or dedup_key_bits(num_tables)[0] > 0
+
+
 def dedup_hash(ids: torch.Tensor, tables: torch.Tensor, num_tables: int) -> torch.Tensor:
     """int32 (n,) the dedup's sort key of each (id, table) pair (int64 (n,) each; ``num_tables``
     tables): ``table << hash_bits | the top hash_bits bits of splitmix64(id)`` (``dedup_key_bits``;
