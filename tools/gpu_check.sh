@@ -42,9 +42,10 @@
 # command (plain loop, TrainPipeline with the 16 x 8192 dense model, the disk measured), then
 # tools/profile_step.py --time of the TrainPipeline run (insertions by path, the tier's counters).
 #
-# --sharded-one: only the sharded step at world size one (NCCL, one GPU): its GPU sync test, then
+# --sharded-one: only the sharded step at world size one (NCCL, one GPU): its GPU tests, then
 # tools/profile_step.py --sharded --time (hbm, Adam), with --ab OLD_DIR (carry it) in turns with
-# OLD_DIR's package (3 rounds), the unsharded step, and the torch profile of the sharded step.
+# OLD_DIR's package (3 rounds), the unsharded step, its host time by stage (--host), and the torch
+# profile of the sharded step.
 #
 # --dist (a machine with 2 or more GPUs): only the sharded tests on NCCL (tests/distributed -k "cuda or nccl",
 # and the distributed checkpoint tests) and `bench dist` over 1, 2 (and 4) GPUs.
@@ -171,8 +172,9 @@ if [ "$run_ssd_tier" = 1 ]; then
 fi
 
 if [ "$run_sharded_one" = 1 ]; then
-    echo "== the sharded step's GPU sync test"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_syncs.py -k sharded 2>&1 | tail -n 1
+    echo "== the sharded step's GPU tests (its host reads, the owners' captured serve)"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_syncs.py tests/gpu/test_cuda_capture.py \
+        -k shard 2>&1 | tail -n 25
     one() {  # package root, more profile_step arguments: its ms a step
         PYTHONPATH="$1:$PYTHONPATH" timeout 90 python3 tools/profile_step.py --steps 40 --warmup 8 --time "${@:2}" \
             2>&1 | grep "ms a step"
@@ -182,6 +184,8 @@ if [ "$run_sharded_one" = 1 ]; then
         echo "round $round: $(one "$PWD" --sharded)${ab_old:+ | old: $(one "$(cd "$ab_old" && pwd)" --sharded)}"
     done
     echo "unsharded: $(one "$PWD")"
+    echo "== host ms a step of the sharded step (this checkout; median per step)"
+    timeout 90 python3 tools/profile_step.py --sharded --host --steps 30 2>&1 | grep -E "^  (prefetch|forward|backward) "
     echo "== torch profile of the sharded step"
     (mkdir -p "$OUT/sharded" && OUT="$OUT/sharded" timeout 120 python3 tools/profile_step.py --sharded --steps 5 \
         2>&1 | grep -v -i warn | head -n 45)

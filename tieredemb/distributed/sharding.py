@@ -19,7 +19,9 @@ sharded collection is tested equal to it (``tests/distributed``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -29,12 +31,20 @@ from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_
 from tieredemb.keys import keep_where
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
 from tieredemb.modules.placement import resolve_eagerly
+from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import orders_by_table
 from tieredemb.profiling import label
 from tieredemb.storage.host import last_of_duplicates
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
-from tieredemb.storage.tiers.parts import GroupPrefetch, IdOrder, TableRows, TableStats, unique_pairs
+from tieredemb.storage.tiers.parts import (
+    GroupPrefetch,
+    IdOrder,
+    StagedPrefetch,
+    TableRows,
+    TableStats,
+    unique_pairs,
+)
 
 
 class DistinctPairs(NamedTuple):
@@ -63,6 +73,7 @@ class ShardedPrefetch:
     recv_splits: list[int]
     served: GroupPrefetch
     sorted_ids: IdOrder | None = None
+    slot: Slot | None = None  # the CUDA graph whose outputs ``served`` holds, until the batch's release
 
 
 class RowWiseSharding:
@@ -88,6 +99,22 @@ class RowWiseSharding:
         # races the forward's and backward's exchanges on one group (each group's collectives keep
         # one order on every rank). Every process of the default group takes part here.
         self.input_group = dist.new_group(dist.get_process_group_ranks(process_group))
+        self.captured: CapturedStages | None = None  # the owners' serve as CUDA graphs (``capture_with``)
+        self.may_capture: Callable[[], bool] = lambda: False
+
+    def capture_with(self, may_capture: Callable[[], bool]) -> None:
+        """Replay this rank's serve of the pairs it received (the device half of a training batch's
+        resolution) from CUDA graphs, one by the pairs' count padded to a bucket; a graph is captured
+        only where ``may_capture()`` (the thread that runs the forward)."""
+        self.captured = CapturedStages(self.device, (torch.int64,) * 5, what="a shard's serve")
+        self.may_capture = may_capture
+
+    def release(self, parts: list, stream: torch.cuda.Stream | None) -> None:
+        """A batch is done with its parts once ``stream``'s work so far is: their graphs' outputs
+        may take another batch."""
+        for part in parts:
+            if getattr(part, "slot", None) is not None:
+                self.captured.release(part.slot, stream)
 
     # ------------------------------------------------------------------------------- the step
     def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
@@ -179,23 +206,45 @@ class RowWiseSharding:
         """The routed pairs sent; this rank resolves those it received."""
         got = self.send_routed(g, way, pairs.keys, pairs.tables, pairs.counts)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        served = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
+        served, slot = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
         return ShardedPrefetch(pairs.keys, pairs.inverse, way.order, way.send_splits, way.recv_splits, served,
-                               pairs.sorted_ids)
+                               pairs.sorted_ids, slot)
 
     def _serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-               ids_per_table: list[int], clock: int, training: bool) -> GroupPrefetch:
+               ids_per_table: list[int], clock: int, training: bool) -> tuple[GroupPrefetch, Slot | None]:
         """The pairs this rank received (each with the ``counts`` of ids it stands for) resolved
         like a local batch: a training batch of a tier that stages its prefetch in one host read
         (the dedup of the pairs several ranks sent, the probe, the insertion's counts together), as
-        the local step does; else ``prefetch`` (a read for the dedup, one for the probe)."""
+        the local step does, its device half replayed from a CUDA graph where one was captured
+        (returned: the batch holds it until its release); else ``prefetch`` (a read for the dedup,
+        one for the probe)."""
         if not training or not tier.can_stage():
-            return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts)
+            return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts), None
         tier.before_staging()
-        guard = torch.zeros(1, dtype=torch.int64, device=self.device)  # (the requesters checked their ids)
-        staged, reads = tier.stage_prefetch(keys, tables, clock, guard, occurrences=counts)
-        info = torch.cat([r.reshape(-1) for r in reads]).tolist()  # the one host read
-        return tier.finish_prefetch(staged, info, ids_per_table)
+        slot = self._replay_serve(tier, keys, tables, counts, clock)
+        if slot is None:
+            staged, read = _stage_serve(tier, keys, tables, counts, clock)
+        else:
+            staged, read = slot.outputs
+            staged = staged.cut(keys.numel(), clock)
+        try:
+            return tier.finish_prefetch(staged, read.tolist(), ids_per_table), slot  # (the one host read)
+        except BaseException:  # a failing insertion: the slot holds no batch
+            if slot is not None:
+                self.captured.release(slot, None)
+            raise
+
+    def _replay_serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                      clock: int) -> Slot | None:
+        """``_stage_serve`` replayed from a CUDA graph of the pairs' count padded to a bucket; None:
+        run it eagerly (capture off, a bucket seen once, its slots in flight)."""
+        r = keys.numel()
+        if self.captured is None or r == 0:
+            return None
+        bucket = padded_size(r)
+        key = ("serve", id(tier), tier.capture_key(), bucket)
+        return self.captured.acquire(key, partial(_stage_serve, tier), keys, tables, counts, clock, r,
+                                     lengths=(bucket,) * 3, capture=self.may_capture())
 
     def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
                    counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
@@ -320,6 +369,20 @@ class RowWiseSharding:
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
+
+
+def _stage_serve(tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
+                 step: int | torch.Tensor,
+                 count: torch.Tensor | None = None) -> tuple[StagedPrefetch, torch.Tensor]:
+    """The device half of an owner's serve (``DeviceTier.stage_prefetch`` of the pairs received,
+    with their counts) and the int64 tensor its host half reads. ``count``: int64 () where only
+    that many pairs were received, the rest of the buffers padding (a graph of a bucket)."""
+    if count is not None:
+        real = torch.arange(keys.numel(), device=keys.device) < count
+        tables, counts = torch.where(real, tables, 0), torch.where(real, counts, 0)
+    guard = torch.zeros(1, dtype=torch.int64, device=keys.device)  # (the requesters checked their ids)
+    staged, reads = tier.stage_prefetch(keys, tables, step, guard, id_count=count, occurrences=counts)
+    return staged, torch.cat([r.reshape(-1) for r in reads])
 
 
 def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

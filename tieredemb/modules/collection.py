@@ -51,7 +51,7 @@ from tieredemb.modules.staged import Collection as StagedCollection
 from tieredemb.modules.staged import StagedPrefetcher
 from tieredemb.ops import resolve_device, select_kernels
 from tieredemb.ops.capture import CapturedStages, capture_default
-from tieredemb.ops.reference import bag_ids, dedup_key_bits
+from tieredemb.ops.reference import bag_ids, orders_by_table
 from tieredemb.optim import SGD, EmbeddingOptimizer
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
@@ -152,7 +152,13 @@ class CollectionBase(nn.Module):
         self._mutated: torch.cuda.Event | None = None
         self._mutated_on: torch.cuda.Stream | None = None  # the stream of the last record
         self.stash = None  # a te.pipeline.stash.Stash moving this collection's rows, if any
-        self._stager = self._choose_prefetch(capture_default() if capture is None else bool(capture))
+        # CUDA graphs of the device halves of training batches, with Triton's kernels (the reference's
+        # read the device): the staged prefetch's, or a shard owner's serve
+        capture = (capture_default() if capture is None else bool(capture)) and self.device.type == "cuda" \
+            and self.kernels.name == "triton"
+        self._stager = self._choose_prefetch(capture)
+        if capture and process_group is not None:
+            self.placement.capture_with(self._on_forward_thread)
         # a staged prefetch that found every key looks the batch up right after its read, so that the
         # host's work until the backward runs beside that kernel; its output stands only if no row
         # changed before the forward (``_rows_changed``: backward updates, writes, restores). Once an
@@ -171,13 +177,12 @@ class CollectionBase(nn.Module):
         no bounded table in a cache), the batch is not sharded and one dedup can sort the ids of all
         groups (the tables, numbered across the groups, are the top bits of its sort key: up to
         2**16 tables); None: the eager path. Its device half is replayed from CUDA graphs where
-        ``capture`` is on, on CUDA with Triton's kernels (the reference's read the device)."""
-        together = len(self.table_configs) == 1 or dedup_key_bits(len(self.table_configs))[0] > 0
+        ``capture``."""
+        together = orders_by_table(len(self.table_configs))
         if self.process_group is not None or not together or not all(g.can_stage() for g in self.tiers):
             return None
         captured = None
-        if capture and self.device.type == "cuda" and self.kernels.name == "triton":
-            # inputs: values, lengths, weights, step, a padded batch's ids
+        if capture:  # inputs: values, lengths, weights, step, a padded batch's ids
             captured = CapturedStages(self.device, (torch.int64,) * 2 + (torch.float32,) + (torch.int64,) * 2)
             for group in self.tiers:  # and the insertion of misses, by the thread that may capture
                 group.may_capture = self._on_forward_thread
@@ -417,6 +422,7 @@ class CollectionBase(nn.Module):
                 state.finalizer.detach()
             for group, part in held:
                 group.release(part)
+            self.placement.release(state.groups, state.stream)
             if state.graph_slot is not None:  # its outputs take another batch once the stream is past here
                 self._stager.captured.release(state.graph_slot, state.stream)
 

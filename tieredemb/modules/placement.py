@@ -11,6 +11,7 @@ collection picks one at construction and runs every step through it; both have t
     output(g, part) -> (store, addresses)        where each id's row is, for the lookup
     grad_dist(g, part, grad, src, scale)         the gradient as the owner applies it
     served(part)                                 what this process's tier resolved (to settle, release)
+    release(parts, stream)                       a batch is done with its parts once ``stream`` is
     read / write / import_rows / delete_rows     row access by key (sharded: collectives)
     read_ahead(g, keys, tables)                  rows read ahead into a host tier (sharded: this
                                                  rank's own keys only; no collective)
@@ -43,9 +44,13 @@ def resolve_eagerly(placement, layout: Layout, given: BatchInput, clock: int,
         placement.refuse()
         raise
     parts = []
-    for g, gb in enumerate(batch.groups):
-        with label("## group.prefetch ##"):
-            parts.append(placement.input_dist(g, gb, clock, training))
+    try:
+        for g, gb in enumerate(batch.groups):
+            with label("## group.prefetch ##"):
+                parts.append(placement.input_dist(g, gb, clock, training))
+    except BaseException:  # the groups resolved so far hold nothing for a batch that will not run
+        placement.release(parts, None)
+        raise
     return batch, parts
 
 
@@ -66,6 +71,9 @@ class LocalPlacement:
 
     def served(self, part: GroupPrefetch) -> GroupPrefetch:
         return part
+
+    def release(self, parts: list, stream: torch.cuda.Stream | None) -> None:
+        """Nothing held beyond what the tiers release."""
 
     def output(self, g: int, part: GroupPrefetch) -> tuple[RowStore, torch.Tensor]:
         """The tier's row store and int64 (n,) the row address of each id."""

@@ -264,11 +264,11 @@ def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
 
     staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
                                  weights=cut(staged.weights))
-    cuts = {"step": step, "inverse": cut(pending.inverse), "order": cut(pending.order)}
     if isinstance(pending, StagedAll):
-        pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values),
+        pending = dataclasses.replace(pending, step=step, inverse=cut(pending.inverse),
+                                      order=cut(pending.order), id_values=cut(pending.id_values),
                                       grouped=pending.grouped.cut(n))
         return staged, pending, None, None, read
-    pending = dataclasses.replace(pending, **cuts, id_values=cut(pending.id_values))
+    pending = pending.cut(n, step)
     (src, scale), (src_sorted, scale_sorted, plan) = sources, backward
     return staged, pending, (cut(src), cut(scale)), (cut(src_sorted), cut(scale_sorted), plan), read

@@ -5,7 +5,7 @@ the per-table counters, and the dedup of a batch's ids into distinct (table, key
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -192,6 +192,12 @@ class StagedPrefetch:
     id_values: torch.Tensor | None = None  # int64 (n,) values[inverse]: each id's row if it was found
     # ids per pair where ``counts`` sums occurrences the entries carry (a shard owner's), else None
     entries: torch.Tensor | None = None
+
+    def cut(self, n: int, step: int) -> StagedPrefetch:
+        """A replayed capture's state (padded to a bucket of ids) for a batch of n ids, with the
+        host's step: its per-id entries cut to n (``finish_prefetch`` cuts the pairs' to u)."""
+        return replace(self, step=step, inverse=self.inverse[:n], order=self.order[:n],
+                       id_values=None if self.id_values is None else self.id_values[:n])
 
 
 # columns of the per-table device counters
