@@ -94,11 +94,12 @@ def test_captured_prefetch_trains_like_eager_through_index_growth(module, optimi
 
 
 @pytest.mark.parametrize("mode", ["hbm_direct", "cache"])
-def test_a_shard_owners_captured_serve_trains_like_eager(mode, monkeypatch, tmp_path):
-    """The sharded path at world size one (NCCL): the owner's serve of the pairs it received
-    (dedup, probe: ``RowWiseSharding._serve``), replayed from CUDA graphs of the pairs' count padded
-    to a bucket, trains as the same collection run eagerly, bit for bit; cache mode with misses and
-    evictions every step. Three batches in turn: a bucket's graph serves batches of several counts."""
+def test_the_sharded_steps_captured_halves_train_like_eager(mode, monkeypatch, tmp_path):
+    """The sharded path at world size one (NCCL): the requester's device half (checks, dedup, the
+    route's counts) and the owner's serve of the pairs it received (dedup, probe), replayed from
+    CUDA graphs, train as the same collection run eagerly, bit for bit; cache mode with misses and
+    evictions every step. Three batches in turn: a bucket's graph serves batches of several counts.
+    A bad batch of a captured shape raises on both, changes nothing, and holds no graph."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -113,8 +114,19 @@ def test_a_shard_owners_captured_serve_trains_like_eager(mode, monkeypatch, tmp_
         eager, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch,
                                      [shapes[i % 3] for i in range(12)], **kw)
         assert captured.storage_mode == mode
-        stages = captured.placement.captured
-        assert stages.replays >= 8 and stages.captures <= 3, (stages.captures, stages.replays)
+        for stages in (captured.placement.requests, captured.placement.captured):
+            assert stages.replays >= 8 and stages.captures <= 6, (stages.what, stages.captures,
+                                                                  stages.replays)
+        bad = te.KeyedJaggedTensor(FEATURES, shapes[0].values().clone(), lengths=shapes[0].lengths())
+        bad.values()[3] = te.RESERVED_KEY
+        for collection in (eager, captured):
+            with pytest.raises(ValueError, match="RESERVED_KEY"):
+                collection(bad)
+        assert not any(s.busy for s in captured.placement.requests._slots), "a bad batch holds a graph"
+        up = torch.randn(8192, 48, device=DEV, generator=torch.Generator(device=DEV).manual_seed(2))
+        for kjt in shapes * 2:  # the graphs of these shapes again, after the bad batch
+            assert torch.equal(step(captured, kjt, up), step(eager, kjt, up))
+        assert_same_tables(eager, captured)
         if mode == "cache":
             stats = captured.stats()["t0"]
             assert stats.misses > 0 and stats.evictions > 0, stats

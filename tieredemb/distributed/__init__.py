@@ -89,6 +89,20 @@ class Route:
     extra: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class RouteCounts:
+    """``count_route``'s device half of a route: ``order`` (u,) the pairs sorted by owner and table
+    (None: they came so), ``send`` the int64 (world, 1 + 2t [+ 1]) count matrix (the pairs to each
+    rank, the pairs and ids per table to each rank [, this rank's verdict]), and what the read takes
+    along: ``count`` (the real pairs, where ``order`` is cut to them), ``extra``."""
+
+    order: torch.Tensor | None
+    send: torch.Tensor
+    count: torch.Tensor | None
+    extra: torch.Tensor | None
+    verdict: bool
+
+
 def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
           group, count: torch.Tensor | None = None, verdict: torch.Tensor | None = None,
           extra: torch.Tensor | None = None, in_order: bool = False) -> Route:
@@ -102,7 +116,16 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
     ``Route.verdicts`` has every rank's. ``extra``: int64 (k,) on the device, read with the rest
     (``Route.extra``). ``in_order``: the pairs come sorted by (owner, table) already (a dedup whose
     sort key had them on top: ``RowWiseSharding._routed``), so nothing is reordered and the route's
-    ``order`` is None (its first ``sum(send_splits)`` pairs are routed)."""
+    ``order`` is None (its first ``sum(send_splits)`` pairs are routed). ``count_route`` (device
+    work only) then ``read_route``."""
+    return read_route(count_route(owner, tables, counts, num_tables, world, count, verdict, extra, in_order),
+                      num_tables, world, group)
+
+
+def count_route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_tables: int, world: int,
+                count: torch.Tensor | None = None, verdict: torch.Tensor | None = None,
+                extra: torch.Tensor | None = None, in_order: bool = False) -> RouteCounts:
+    """``route``'s device half (no host read, no collective: a CUDA graph may hold it)."""
     if count is not None:
         real = torch.arange(owner.numel(), device=owner.device) < count
         owner = torch.where(real, owner, world)  # (the padding sorts last, in a bin of its own)
@@ -120,23 +143,29 @@ def route(owner: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, num_t
     columns = [pairs.sum(1, keepdim=True), pairs, ids]
     if verdict is not None:
         columns.append(verdict.reshape(1, 1).expand(world, 1))
-    send = torch.cat(columns, 1)
+    trim = count is not None and order is not None  # (its real pairs: the first count of the order)
+    return RouteCounts(order, torch.cat(columns, 1), count.reshape(1) if trim else None, extra,
+                       verdict is not None)
+
+
+def read_route(counts: RouteCounts, num_tables: int, world: int, group) -> Route:
+    """``route``'s exchange of the count matrix and its one host read."""
+    send = counts.send
     recv = torch.empty_like(send)
     if world == 1:
         recv.copy_(send)
     else:
         dist.all_to_all_single(recv, send, group=group)
     read = [send[:, 0], recv[:, 1 : 1 + 2 * num_tables].sum(0), recv[:, 0]]
-    read += [recv[:, -1]] if verdict is not None else []
-    trim = count is not None and order is not None  # (its real pairs: the first count of the order)
-    read += [count.reshape(1)] if trim else []
-    read += [extra] if extra is not None else []
+    read += [recv[:, -1]] if counts.verdict else []
+    read += [t for t in (counts.count, counts.extra) if t is not None]
     host = torch.cat(read).tolist()  # the one host read
     send_splits, per_table, recv_splits, rest = (host[:world], host[world : world + 2 * num_tables],
                                                  host[world + 2 * num_tables : 2 * world + 2 * num_tables],
                                                  host[2 * world + 2 * num_tables :])
-    verdicts, rest = (rest[:world], rest[world:]) if verdict is not None else ([], rest)
-    if trim:
+    verdicts, rest = (rest[:world], rest[world:]) if counts.verdict else ([], rest)
+    order = counts.order
+    if counts.count is not None:
         order = order[: rest.pop(0)]
     return Route(order, send_splits, recv_splits, per_table[:num_tables], per_table[num_tables:], verdicts,
                  rest)
@@ -154,5 +183,5 @@ def per_rank_backing(backing, rank: int):
     return backing
 
 
-__all__ = ["Route", "exchange", "exchange_splits", "owner_of", "per_rank_backing", "plan", "route",
-           "table_salts"]
+__all__ = ["Route", "RouteCounts", "count_route", "exchange", "exchange_splits", "owner_of",
+           "per_rank_backing", "plan", "read_route", "route", "table_salts"]

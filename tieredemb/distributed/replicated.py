@@ -204,9 +204,9 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
             rkeys, rtables = torch.cat([rkeys, hot.keys[now]]), torch.cat([rtables, hot.tables[now]])
             rcounts = torch.cat([rcounts, touched[now]])
-        served, slot = self._serve(tier, rkeys, rtables, rcounts, lookups, clock, training)
+        served, held = self._serve(tier, rkeys, rtables, rcounts, lookups, clock, training)
         return ReplicatedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served,
-                                  sorted_ids, slot, hot=part)
+                                  sorted_ids, held, hot=part)
 
     def output(self, g: int, part: ReplicatedPrefetch) -> tuple[RowStore, torch.Tensor]:
         if part.hot is None:

@@ -20,16 +20,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from tieredemb.distributed import Route, exchange, owner_of, plan, route, table_salts
+from tieredemb.distributed import (
+    Route,
+    RouteCounts,
+    count_route,
+    exchange,
+    owner_of,
+    plan,
+    read_route,
+    route,
+    table_salts,
+)
 from tieredemb.keys import keep_where
-from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout
+from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, Layout, StagedBatch
 from tieredemb.modules.placement import resolve_eagerly
 from tieredemb.ops.capture import CapturedStages, Slot, padded_size
 from tieredemb.ops.reference import orders_by_table
@@ -73,7 +83,28 @@ class ShardedPrefetch:
     recv_splits: list[int]
     served: GroupPrefetch
     sorted_ids: IdOrder | None = None
-    slot: Slot | None = None  # the CUDA graph whose outputs ``served`` holds, until the batch's release
+    # the CUDA graphs whose outputs the part holds until the batch's release: (their stages, slot)
+    held: list[tuple[CapturedStages, Slot]] = field(default_factory=list)
+
+
+@dataclass
+class Requested:
+    """A requester's device half of one group's input dist (``RowWiseSharding._request``): the batch
+    as staged (None where it was staged apart), its distinct pairs padded to its ids (the real ones
+    first, as the route sends them), each id's pair, the ids' order by pair, the route's counts."""
+
+    staged: StagedBatch | None
+    keys: torch.Tensor
+    tables: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    order: torch.Tensor
+    route: RouteCounts
+
+    def cut(self, n: int) -> Requested:
+        """A replayed capture's (padded to a bucket of ids) for a batch of n ids."""
+        return dataclasses.replace(self, staged=self.staged.cut(n), inverse=self.inverse[:n],
+                                   order=self.order[:n])
 
 
 class RowWiseSharding:
@@ -99,13 +130,20 @@ class RowWiseSharding:
         # races the forward's and backward's exchanges on one group (each group's collectives keep
         # one order on every rank). Every process of the default group takes part here.
         self.input_group = dist.new_group(dist.get_process_group_ranks(process_group))
-        self.captured: CapturedStages | None = None  # the owners' serve as CUDA graphs (``capture_with``)
+        # the device halves of a training step as CUDA graphs (``capture_with``): the requester's, the owner's
+        self.requests: CapturedStages | None = None
+        self.captured: CapturedStages | None = None
         self.may_capture: Callable[[], bool] = lambda: False
 
     def capture_with(self, may_capture: Callable[[], bool]) -> None:
-        """Replay this rank's serve of the pairs it received (the device half of a training batch's
-        resolution) from CUDA graphs, one by the pairs' count padded to a bucket; a graph is captured
-        only where ``may_capture()`` (the thread that runs the forward)."""
+        """Replay the device halves of a training batch's input dist from CUDA graphs: the
+        requester's (the checks, the dedup, the route's counts; by the batch's shape, or its ids
+        padded to a bucket) and the owner's serve of the pairs it received (the dedup, the probe; by
+        their count padded to a bucket). A graph is captured only where ``may_capture()`` (the
+        thread that runs the forward)."""
+        # inputs: values, lengths, weights, a padded batch's ids / keys, tables, counts, step, pairs
+        self.requests = CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64),
+                                       what="a shard's request")
         self.captured = CapturedStages(self.device, (torch.int64,) * 5, what="a shard's serve")
         self.may_capture = may_capture
 
@@ -113,8 +151,7 @@ class RowWiseSharding:
         """A batch is done with its parts once ``stream``'s work so far is: their graphs' outputs
         may take another batch."""
         for part in parts:
-            if getattr(part, "slot", None) is not None:
-                self.captured.release(part.slot, stream)
+            _give_back(getattr(part, "held", ()), stream)
 
     # ------------------------------------------------------------------------------- the step
     def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
@@ -124,17 +161,60 @@ class RowWiseSharding:
         its verdict with that route (one host read for both); others read it first
         (``resolve_eagerly``; a bad one is ``refuse``d)."""
         if len(self.tiers) == 1 and given.order.identity[0] and given.values.numel() > 0:
-            with label("## check_batch ##"):
-                staged = layout.put(given)
-            with label("## group.prefetch ##"):
-                failed = (staged.guard() != 0).any().to(torch.int64)
-                way, pairs = self._routed(0, staged.values, staged.tables, verdict=failed,
-                                          extra=staged.summary)
-            batch = layout.finish(staged, way.extra)  # this rank's bad batch raises here
-            self._check_peers(way)
-            with label("## group.prefetch ##"):
-                return batch, [self._served_part(0, way, pairs, clock, training)]
+            n = given.values.numel()
+            slot = self._replay_request(layout, given)
+            if slot is None:
+                with label("## check_batch ##"):
+                    staged = layout.put(given)
+                with label("## group.prefetch ##"):
+                    requested = self._request_checked(staged)
+            else:
+                requested = slot.outputs.cut(n)
+            held = [] if slot is None else [(self.requests, slot)]
+            try:
+                with label("## group.prefetch ##"):
+                    way, pairs = self._read(0, requested, n)
+                batch = layout.finish(requested.staged, way.extra)  # this rank's bad batch raises here
+                self._check_peers(way)
+                with label("## group.prefetch ##"):
+                    part = self._served_part(0, way, pairs, clock, training)
+            except BaseException:  # the graph holds no batch
+                _give_back(held, None)
+                raise
+            part.held = held + part.held
+            return batch, [part]
         return resolve_eagerly(self, layout, given, clock, training)
+
+    def _request_checked(self, staged: StagedBatch, id_count: torch.Tensor | None = None) -> Requested:
+        """``_request`` of a staged batch of one group whose features are the batch's, with its
+        checks' verdict and summary read along."""
+        failed = (staged.guard() != 0).any().to(torch.int64)
+        requested = self._request(0, staged.values, staged.tables, id_count, verdict=failed,
+                                  extra=staged.summary)
+        requested.staged = staged
+        return requested
+
+    def _replay_request(self, layout: Layout, given: BatchInput) -> Slot | None:
+        """A batch's ``layout.stage_padded`` and ``_request_checked`` replayed from a CUDA graph of
+        its shape, or of its shape padded to a bucket of ids; None: run them eagerly (capture off, a
+        shape seen once, its slots in flight)."""
+        if self.requests is None:
+            return None
+        n = given.values.numel()
+        shape = (tuple(given.keys), given.batch_size, given.weights is not None)
+        inputs = (given.values, given.per_feature, given.weights)
+
+        def stage(values, per_feature, weights, id_count):
+            return self._request_checked(layout.stage_padded(given, values, per_feature, weights, id_count),
+                                         id_count)
+
+        capture = self.may_capture()
+        slot = self.requests.acquire((*shape, n), stage, *inputs, None, capture=capture)
+        if slot is None:
+            bucket = padded_size(n)
+            slot = self.requests.acquire((*shape, "padded", bucket), stage, *inputs, n,
+                                         lengths=(bucket, None, bucket), capture=capture)
+        return slot
 
     def refuse(self) -> None:
         """This rank's batch failed its checks: an empty route of group 0 carries its verdict, so the
@@ -166,60 +246,67 @@ class RowWiseSharding:
 
     def _routed(self, g: int, ids: torch.Tensor, tables: torch.Tensor,
                 **along) -> tuple[Route, DistinctPairs]:
-        """Group g's distinct pairs of a batch's n > 0 ids (a padded dedup) and their route, one host
-        read for both (``along``: ``route``'s ``verdict`` and ``extra``). The dedup sorts the ids by
-        (owner, table) on top of its own key (each id's table given as its cell ``owner * t +
-        table``), so its pairs come in the order the exchanges send them: neither they, the rows
-        coming back nor the gradients going out are reordered."""
+        """Group g's distinct pairs of a batch's n > 0 ids and their route, one host read for both
+        (``along``: ``route``'s ``verdict`` and ``extra``)."""
+        return self._read(g, self._request(g, ids, tables, **along), ids.numel())
+
+    def _request(self, g: int, ids: torch.Tensor, tables: torch.Tensor, id_count: torch.Tensor | None = None,
+                 **along) -> Requested:
+        """The device half of ``_routed`` (a CUDA graph may hold it; ``id_count``: int64 () where
+        only that many ids are the batch's, the rest padding). The dedup sorts the ids by (owner,
+        table) on top of its own key (each id's table given as its cell ``owner * t + table``), so
+        its pairs come in the order the exchanges send them: neither they, the rows coming back nor
+        the gradients going out are reordered."""
         t = len(self.tiers[g].configs)
-        cells = self.world * t
-        if not self.cells_in_order[g]:  # (over 2**16 cells: the route reorders the pairs)
-            cells, t = t, None
-        elif self.world > 1:
+        in_order = self.cells_in_order[g]  # (else over 2**16 cells: the route reorders the pairs)
+        if in_order and self.world > 1:
             tables = owner_of(ids, self.salts[g][tables], self.world) * t + tables
-        order, skeys, scells = self.kernels.id_order(ids, tables, cells)
-        keys, ucells, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, scells, order)
+        order, skeys, scells = self.kernels.id_order(ids, tables, self.world * t if in_order else t, id_count)
+        keys, ucells, inverse, counts, count = self.kernels.sorted_runs_padded(skeys, scells, order, id_count)
         real = torch.arange(keys.numel(), device=keys.device) < count
         ucells = torch.where(real, ucells, 0)  # (past the count unspecified: no table out of range)
-        if t is None:
-            way = self._route_pairs(g, keys, ucells, counts, count, **along)
-            u = way.order.numel()  # (the real pairs come first, and the route's order takes only them)
-            tables = ucells
+        if in_order:
+            tables, owner = ucells % t, ucells // t
         else:
-            tables = ucells % t
-            way = route(ucells // t, tables, counts, t, self.world, self.input_group, count, in_order=True,
-                        **along)
-            u = sum(way.send_splits)
-        keys, tables, counts = keys[:u], tables[:u], counts[:u]
-        return way, DistinctPairs(keys, tables, inverse, counts, IdOrder(order, counts))
+            tables, owner = ucells, owner_of(keys, self.salts[g][ucells], self.world)
+        counted = count_route(owner, tables, counts, t, self.world, count, in_order=in_order, **along)
+        return Requested(None, keys, tables, inverse, counts, order, counted)
+
+    def _read(self, g: int, requested: Requested, n: int) -> tuple[Route, DistinctPairs]:
+        """``_request``'s route exchanged and read (one host read), and its first n ids' distinct
+        pairs (as many as the route sends)."""
+        way = read_route(requested.route, len(self.tiers[g].configs), self.world, self.input_group)
+        u = sum(way.send_splits)  # (every real pair goes to one rank)
+        keys, tables, counts = requested.keys[:u], requested.tables[:u], requested.counts[:u]
+        order = requested.order[:n]
+        return way, DistinctPairs(keys, tables, requested.inverse[:n], counts, IdOrder(order, counts))
 
     def _route_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                     count: torch.Tensor | None = None, **along) -> Route:
+                     **along) -> Route:
         """The route of group g's distinct pairs to their owners (``route``; ``along``: its
-        ``verdict`` and ``extra``)."""
+        ``verdict``)."""
         owner = owner_of(keys, self.salts[g][tables], self.world)
-        return route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group, count,
-                     **along)
+        return route(owner, tables, counts, len(self.tiers[g].configs), self.world, self.input_group, **along)
 
     def _served_part(self, g: int, way: Route, pairs: DistinctPairs, clock: int,
                      training: bool) -> ShardedPrefetch:
         """The routed pairs sent; this rank resolves those it received."""
         got = self.send_routed(g, way, pairs.keys, pairs.tables, pairs.counts)
         rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        served, slot = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
+        served, held = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
         return ShardedPrefetch(pairs.keys, pairs.inverse, way.order, way.send_splits, way.recv_splits, served,
-                               pairs.sorted_ids, slot)
+                               pairs.sorted_ids, held)
 
     def _serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-               ids_per_table: list[int], clock: int, training: bool) -> tuple[GroupPrefetch, Slot | None]:
+               ids_per_table: list[int], clock: int, training: bool) -> tuple[GroupPrefetch, list]:
         """The pairs this rank received (each with the ``counts`` of ids it stands for) resolved
         like a local batch: a training batch of a tier that stages its prefetch in one host read
         (the dedup of the pairs several ranks sent, the probe, the insertion's counts together), as
         the local step does, its device half replayed from a CUDA graph where one was captured
-        (returned: the batch holds it until its release); else ``prefetch`` (a read for the dedup,
-        one for the probe)."""
+        (returned, as a part's ``held``: the batch holds it until its release); else ``prefetch`` (a
+        read for the dedup, one for the probe)."""
         if not training or not tier.can_stage():
-            return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts), None
+            return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts), []
         tier.before_staging()
         slot = self._replay_serve(tier, keys, tables, counts, clock)
         if slot is None:
@@ -227,11 +314,11 @@ class RowWiseSharding:
         else:
             staged, read = slot.outputs
             staged = staged.cut(keys.numel(), clock)
+        held = [] if slot is None else [(self.captured, slot)]
         try:
-            return tier.finish_prefetch(staged, read.tolist(), ids_per_table), slot  # (the one host read)
+            return tier.finish_prefetch(staged, read.tolist(), ids_per_table), held  # (the one host read)
         except BaseException:  # a failing insertion: the slot holds no batch
-            if slot is not None:
-                self.captured.release(slot, None)
+            _give_back(held, None)
             raise
 
     def _replay_serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
@@ -383,6 +470,13 @@ def _stage_serve(tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, cou
     guard = torch.zeros(1, dtype=torch.int64, device=keys.device)  # (the requesters checked their ids)
     staged, reads = tier.stage_prefetch(keys, tables, step, guard, id_count=count, occurrences=counts)
     return staged, torch.cat([r.reshape(-1) for r in reads])
+
+
+def _give_back(held, stream: torch.cuda.Stream | None) -> None:
+    """The graphs in ``held`` ((stages, slot) pairs) free for another batch once ``stream`` is past
+    here."""
+    for stages, slot in held:
+        stages.release(slot, stream)
 
 
 def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

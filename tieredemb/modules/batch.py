@@ -5,7 +5,7 @@ Every check runs before any state changes, and every error names the feature and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -140,6 +140,9 @@ class BatchInput:
     weights: torch.Tensor | None
 
 
+PADDING_ID = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
+
+
 @dataclass
 class StagedBatch:
     """``Layout.stage``'s result: the batch on the device, not yet read on the host."""
@@ -160,6 +163,11 @@ class StagedBatch:
     def feature_counts(self) -> torch.Tensor:
         """int64 (F,) ids per feature, on the device (the summary's first entries)."""
         return self.summary[: len(self.keys)]
+
+    def cut(self, n: int) -> StagedBatch:
+        """A replayed capture's batch (padded to a bucket of ids) cut to its n ids."""
+        return replace(self, values=self.values[:n], tables=self.tables[:n],
+                       weights=None if self.weights is None else self.weights[:n])
 
     def guard(self) -> torch.Tensor:
         """int64 (F + 3,) on the device: all zero when every check that needs the data passes."""
@@ -300,6 +308,17 @@ class Layout:
         offsets = offsets_from_lengths(per_feature.view(-1)) if order.identity[0] else None
         return StagedBatch(given.keys, order, given.batch_size, values, per_feature, weights, tables, summary,
                            offsets)
+
+    def stage_padded(self, given: BatchInput, values: torch.Tensor, per_feature: torch.Tensor,
+                     weights: torch.Tensor | None, count: torch.Tensor | None) -> StagedBatch:
+        """``stage_on_device`` over a CUDA graph's static inputs: where ``count`` (int64 () on the
+        device) is given, the batch fills only that many of the ids (and weights), and the rest
+        becomes padding here (an id that sorts after every real one, weight 0)."""
+        if count is not None:
+            real = torch.arange(values.numel(), device=values.device) < count
+            values = torch.where(real, values, PADDING_ID)
+            weights = None if weights is None else torch.where(real, weights, 0.0)
+        return self.stage_on_device(given, values, per_feature, weights, count)
 
     def finish(self, staged: StagedBatch, summary: list[int], grouped: GroupMajor | None = None) -> Batch:
         """Raise on what ``summary`` (the host copy of ``staged.summary``) finds wrong, else cut the

@@ -242,16 +242,9 @@ class StagedPrefetcher:
                         per_feature: torch.Tensor, weights: torch.Tensor | None, step: torch.Tensor,
                         id_count: torch.Tensor | None):
         """What ``_stage`` runs eagerly, over a CUDA graph's static inputs; ``id_count``: the
-        batch fills only that many of the static ids (and weights), the rest becomes padding here."""
-        if id_count is not None:
-            real = torch.arange(values.numel(), device=values.device) < id_count
-            values = torch.where(real, values, _PADDING)
-            weights = None if weights is None else torch.where(real, weights, 0.0)
-        staged = self.layout.stage_on_device(given, values, per_feature, weights, id_count)
+        batch fills only that many of the static ids (and weights), the rest becomes padding."""
+        staged = self.layout.stage_padded(given, values, per_feature, weights, id_count)
         return (staged, *self._stage_device(staged, group, step, id_count))
-
-
-_PADDING = 2**63 - 1  # the id of a padded batch's padding: sorts after every real id (a stable sort)
 
 
 def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
@@ -262,8 +255,7 @@ def _trimmed(outputs: tuple, n: int, step: int) -> tuple:
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[:n]
 
-    staged = dataclasses.replace(staged, values=cut(staged.values), tables=cut(staged.tables),
-                                 weights=cut(staged.weights))
+    staged = staged.cut(n)
     if isinstance(pending, StagedAll):
         pending = dataclasses.replace(pending, step=step, inverse=cut(pending.inverse),
                                       order=cut(pending.order), id_values=cut(pending.id_values),
