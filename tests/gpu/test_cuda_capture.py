@@ -99,7 +99,8 @@ def test_the_sharded_steps_captured_halves_train_like_eager(mode, monkeypatch, t
     route's counts) and the owner's serve of the pairs it received (dedup, probe), replayed from
     CUDA graphs, train as the same collection run eagerly, bit for bit; cache mode with misses and
     evictions every step. Three batches in turn: a bucket's graph serves batches of several counts.
-    A bad batch of a captured shape raises on both, changes nothing, and holds no graph."""
+    A bad batch of a captured shape raises on both, changes nothing, and holds no graph. Both
+    train the rows of the collection without a process group."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -127,6 +128,20 @@ def test_the_sharded_steps_captured_halves_train_like_eager(mode, monkeypatch, t
         for kjt in shapes * 2:  # the graphs of these shapes again, after the bad batch
             assert torch.equal(step(captured, kjt, up), step(eager, kjt, up))
         assert_same_tables(eager, captured)
+        kw.pop("process_group")
+        plain = make(te.EmbeddingBagCollection, optimizer, monkeypatch, True, **kw)
+        first = torch.randn(8192, 48, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+        for i in range(12):
+            step(plain, shapes[i % 3], first)
+        for kjt in shapes * 2:
+            step(plain, kjt, up)
+        for name in ("t0", "t1", "t2"):
+            want, got = plain.export(name), captured.export(name)
+            ow, og = torch.argsort(want.keys), torch.argsort(got.keys)
+            assert torch.equal(want.keys[ow], got.keys[og]), name
+            for field in ("weights", "optimizer_state"):
+                torch.testing.assert_close(getattr(got, field)[og], getattr(want, field)[ow], rtol=1e-5,
+                                           atol=1e-6, msg=f"{name} {field}")
         if mode == "cache":
             stats = captured.stats()["t0"]
             assert stats.misses > 0 and stats.evictions > 0, stats

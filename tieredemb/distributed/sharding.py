@@ -310,16 +310,19 @@ class RowWiseSharding:
         tier.before_staging()
         slot = self._replay_serve(tier, keys, tables, counts, clock)
         if slot is None:
-            staged, read = _stage_serve(tier, keys, tables, counts, clock)
+            staged, read, plan = _stage_serve(tier, keys, tables, counts, clock)
         else:
-            staged, read = slot.outputs
+            staged, read, plan = slot.outputs
             staged = staged.cut(keys.numel(), clock)
         held = [] if slot is None else [(self.captured, slot)]
         try:
-            return tier.finish_prefetch(staged, read.tolist(), ids_per_table), held  # (the one host read)
+            served = tier.finish_prefetch(staged, read.tolist(), ids_per_table)  # (the one host read)
         except BaseException:  # a failing insertion: the slot holds no batch
             _give_back(held, None)
             raise
+        # the update's reduction: each entry served is its own gradient's source (``grad_dist``)
+        served.sorted_ids.sources, served.sorted_ids.plan = staged.order, plan
+        return served, held
 
     def _replay_serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                       clock: int) -> Slot | None:
@@ -460,16 +463,18 @@ class RowWiseSharding:
 
 def _stage_serve(tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                  step: int | torch.Tensor,
-                 count: torch.Tensor | None = None) -> tuple[StagedPrefetch, torch.Tensor]:
+                 count: torch.Tensor | None = None) -> tuple[StagedPrefetch, torch.Tensor, tuple | None]:
     """The device half of an owner's serve (``DeviceTier.stage_prefetch`` of the pairs received,
-    with their counts) and the int64 tensor its host half reads. ``count``: int64 () where only
-    that many pairs were received, the rest of the buffers padding (a graph of a bucket)."""
+    with their counts), the int64 tensor its host half reads, and the plan of the update's
+    reduction (``reduce_plan``). ``count``: int64 () where only that many pairs were received, the
+    rest of the buffers padding (a graph of a bucket)."""
     if count is not None:
         real = torch.arange(keys.numel(), device=keys.device) < count
         tables, counts = torch.where(real, tables, 0), torch.where(real, counts, 0)
     guard = torch.zeros(1, dtype=torch.int64, device=keys.device)  # (the requesters checked their ids)
     staged, reads = tier.stage_prefetch(keys, tables, step, guard, id_count=count, occurrences=counts)
-    return staged, torch.cat([r.reshape(-1) for r in reads])
+    plan = tier.kernels.reduce_plan(staged.entries, reads[0])
+    return staged, torch.cat([r.reshape(-1) for r in reads]), plan
 
 
 def _give_back(held, stream: torch.cuda.Stream | None) -> None:
