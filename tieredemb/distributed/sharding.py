@@ -358,8 +358,8 @@ class RowWiseSharding:
     def compute(self, g: int, part: ShardedPrefetch) -> torch.Tensor:
         """(r, D) in the rows' dtype: the rows of the pairs this rank received, in the order received
         (16-bit rows travel as they are stored: half the bytes; the requester pools in float32)."""
-        tier, served = self.tiers[g], part.served
-        return self.kernels.gather(tier.store, served.addresses[served.inverse], tier.dim, dtype=tier.dtype)
+        tier = self.tiers[g]
+        return self.kernels.gather(tier.store, part.served.addresses_by_id(), tier.dim, dtype=tier.dtype)
 
     def output_dist(self, g: int, part: ShardedPrefetch, rows: torch.Tensor) -> tuple[RowStore, torch.Tensor]:
         """The rows back to the ranks that asked: this rank's distinct pairs' rows (a row store over

@@ -77,8 +77,7 @@ class LocalPlacement:
 
     def output(self, g: int, part: GroupPrefetch) -> tuple[RowStore, torch.Tensor]:
         """The tier's row store and int64 (n,) the row address of each id."""
-        addresses = part.addresses[part.inverse] if part.id_addresses is None else part.id_addresses
-        return self.tiers[g].store, addresses
+        return self.tiers[g].store, part.addresses_by_id()
 
     def absent_grad(self, g: int, rows: int) -> torch.Tensor | None:
         """The gradient of a group whose output got none: nothing to update."""

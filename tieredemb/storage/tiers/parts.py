@@ -115,6 +115,10 @@ class GroupPrefetch:
     # taken while the batch is in flight leaves them out: its prefetch is redone after a resume)
     counts: torch.Tensor | None = None
 
+    def addresses_by_id(self) -> torch.Tensor:
+        """int64 (n,) the row address of each id (``id_addresses`` where the prefetch made them)."""
+        return self.addresses[self.inverse] if self.id_addresses is None else self.id_addresses
+
 
 @dataclass
 class LentRows:
