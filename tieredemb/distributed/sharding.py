@@ -100,6 +100,7 @@ class Requested:
     counts: torch.Tensor
     order: torch.Tensor
     route: RouteCounts
+    plan: tuple | None  # the backward's reduction per pair (``reduce_plan``)
 
     def cut(self, n: int) -> Requested:
         """A replayed capture's (padded to a bucket of ids) for a batch of n ids."""
@@ -270,7 +271,8 @@ class RowWiseSharding:
         else:
             tables, owner = ucells, owner_of(keys, self.salts[g][ucells], self.world)
         counted = count_route(owner, tables, counts, t, self.world, count, in_order=in_order, **along)
-        return Requested(None, keys, tables, inverse, counts, order, counted)
+        plan = self.kernels.reduce_plan(counts, count)
+        return Requested(None, keys, tables, inverse, counts, order, counted, plan)
 
     def _read(self, g: int, requested: Requested, n: int) -> tuple[Route, DistinctPairs]:
         """``_request``'s route exchanged and read (one host read), and its first n ids' distinct
@@ -278,8 +280,8 @@ class RowWiseSharding:
         way = read_route(requested.route, len(self.tiers[g].configs), self.world, self.input_group)
         u = sum(way.send_splits)  # (every real pair goes to one rank)
         keys, tables, counts = requested.keys[:u], requested.tables[:u], requested.counts[:u]
-        order = requested.order[:n]
-        return way, DistinctPairs(keys, tables, requested.inverse[:n], counts, IdOrder(order, counts))
+        order = IdOrder(requested.order[:n], counts, plan=requested.plan)
+        return way, DistinctPairs(keys, tables, requested.inverse[:n], counts, order)
 
     def _route_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
                      **along) -> Route:
