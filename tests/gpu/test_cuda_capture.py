@@ -26,7 +26,7 @@ def make(module, optimizer, monkeypatch, capture: bool, pooling: str = "sum", di
     if module is te.EmbeddingCollection:
         tables = [te.TableConfig(f"t{i}", 16, [f"f{i}"]) for i in range(3)]
     collection = module(tables, optimizer=optimizer, device=DEV, seed=3, **kw)
-    stages = collection._stager.captured if collection._stager is not None else collection.placement.captured
+    stages = collection._stager.captured if collection._stager is not None else collection.placement.serves
     assert (stages is not None) == capture
     return collection
 
@@ -115,7 +115,7 @@ def test_the_sharded_steps_captured_halves_train_like_eager(mode, monkeypatch, t
         eager, captured = train_both(te.EmbeddingBagCollection, optimizer, monkeypatch,
                                      [shapes[i % 3] for i in range(12)], **kw)
         assert captured.storage_mode == mode
-        for stages in (captured.placement.requests, captured.placement.captured):
+        for stages in (captured.placement.requests, captured.placement.serves):
             assert stages.replays >= 8 and stages.captures <= 6, (stages.what, stages.captures,
                                                                   stages.replays)
         bad = te.KeyedJaggedTensor(FEATURES, shapes[0].values().clone(), lengths=shapes[0].lengths())

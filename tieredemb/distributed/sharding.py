@@ -133,7 +133,7 @@ class RowWiseSharding:
         self.input_group = dist.new_group(dist.get_process_group_ranks(process_group))
         # the device halves of a training step as CUDA graphs (``capture_with``): the requester's, the owner's
         self.requests: CapturedStages | None = None
-        self.captured: CapturedStages | None = None
+        self.serves: CapturedStages | None = None
         self.may_capture: Callable[[], bool] = lambda: False
 
     def capture_with(self, may_capture: Callable[[], bool]) -> None:
@@ -145,7 +145,7 @@ class RowWiseSharding:
         # inputs: values, lengths, weights, a padded batch's ids / keys, tables, counts, step, pairs
         self.requests = CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64),
                                        what="a shard's request")
-        self.captured = CapturedStages(self.device, (torch.int64,) * 5, what="a shard's serve")
+        self.serves = CapturedStages(self.device, (torch.int64,) * 5, what="a shard's serve")
         self.may_capture = may_capture
 
     def release(self, parts: list, stream: torch.cuda.Stream | None) -> None:
@@ -316,7 +316,7 @@ class RowWiseSharding:
         else:
             staged, read, plan = slot.outputs
             staged = staged.cut(keys.numel(), clock)
-        held = [] if slot is None else [(self.captured, slot)]
+        held = [] if slot is None else [(self.serves, slot)]
         try:
             served = tier.finish_prefetch(staged, read.tolist(), ids_per_table)  # (the one host read)
         except BaseException:  # a failing insertion: the slot holds no batch
@@ -331,11 +331,11 @@ class RowWiseSharding:
         """``_stage_serve`` replayed from a CUDA graph of the pairs' count padded to a bucket; None:
         run it eagerly (capture off, a bucket seen once, its slots in flight)."""
         r = keys.numel()
-        if self.captured is None or r == 0:
+        if self.serves is None or r == 0:
             return None
         bucket = padded_size(r)
         key = ("serve", id(tier), tier.capture_key(), bucket)
-        return self.captured.acquire(key, partial(_stage_serve, tier), keys, tables, counts, clock, r,
+        return self.serves.acquire(key, partial(_stage_serve, tier), keys, tables, counts, clock, r,
                                      lengths=(bucket,) * 3, capture=self.may_capture())
 
     def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
