@@ -186,7 +186,6 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
         way, got = self.send_pairs(g, keys[cold], tables[cold], counts[cold])
         if training and self.counted[g] is not None and self.spec.per_table is not None:
             self.counted[g].append(got)
-        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
         lookups = way.ids_per_table
         part = None
         if served_locally:
@@ -201,10 +200,9 @@ class ReplicatedRowWiseSharding(RowWiseSharding):
             now = torch.nonzero_static(touched > 0, size=n_now).squeeze(1)
             place = torch.full_like(touched, -1)
             place[now] = torch.arange(now.numel(), device=self.device)
-            part = HotPart(cold, mine, place[pos[mine]], now.numel(), rkeys.numel())
-            rkeys, rtables = torch.cat([rkeys, hot.keys[now]]), torch.cat([rtables, hot.tables[now]])
-            rcounts = torch.cat([rcounts, touched[now]])
-        served, held = self._serve(tier, rkeys, rtables, rcounts, lookups, clock, training)
+            part = HotPart(cold, mine, place[pos[mine]], now.numel(), got.shape[0])
+            got = torch.cat([got, torch.stack([hot.keys[now], hot.tables[now], touched[now]], dim=1)])
+        served, held = self._serve(tier, got, lookups, clock, training)
         return ReplicatedPrefetch(keys, inverse, way.order, way.send_splits, way.recv_splits, served,
                                   sorted_ids, held, hot=part)
 

@@ -142,10 +142,10 @@ class RowWiseSharding:
         padded to a bucket) and the owner's serve of the pairs it received (the dedup, the probe; by
         their count padded to a bucket). A graph is captured only where ``may_capture()`` (the
         thread that runs the forward)."""
-        # inputs: values, lengths, weights, a padded batch's ids / keys, tables, counts, step, pairs
+        # inputs: values, lengths, weights, a padded batch's ids / the pairs received, step, their count
         self.requests = CapturedStages(self.device, (torch.int64, torch.int64, torch.float32, torch.int64),
                                        what="a shard's request")
-        self.serves = CapturedStages(self.device, (torch.int64,) * 5, what="a shard's serve")
+        self.serves = CapturedStages(self.device, (torch.int64,) * 3, what="a shard's serve")
         self.may_capture = may_capture
 
     def release(self, parts: list, stream: torch.cuda.Stream | None) -> None:
@@ -294,28 +294,28 @@ class RowWiseSharding:
                      training: bool) -> ShardedPrefetch:
         """The routed pairs sent; this rank resolves those it received."""
         got = self.send_routed(g, way, pairs.keys, pairs.tables, pairs.counts)
-        rkeys, rtables, rcounts = (got[:, i].contiguous() for i in range(3))
-        served, held = self._serve(self.tiers[g], rkeys, rtables, rcounts, way.ids_per_table, clock, training)
+        served, held = self._serve(self.tiers[g], got, way.ids_per_table, clock, training)
         return ShardedPrefetch(pairs.keys, pairs.inverse, way.order, way.send_splits, way.recv_splits, served,
                                pairs.sorted_ids, held)
 
-    def _serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-               ids_per_table: list[int], clock: int, training: bool) -> tuple[GroupPrefetch, list]:
-        """The pairs this rank received (each with the ``counts`` of ids it stands for) resolved
-        like a local batch: a training batch of a tier that stages its prefetch in one host read
-        (the dedup of the pairs several ranks sent, the probe, the insertion's counts together), as
-        the local step does, its device half replayed from a CUDA graph where one was captured
-        (returned, as a part's ``held``: the batch holds it until its release); else ``prefetch`` (a
-        read for the dedup, one for the probe)."""
+    def _serve(self, tier: DeviceTier, got: torch.Tensor, ids_per_table: list[int], clock: int,
+               training: bool) -> tuple[GroupPrefetch, list]:
+        """The pairs this rank received (``got``: int64 (r, 3), each pair's key, table and the
+        count of ids it stands for) resolved like a local batch: a training batch of a tier that
+        stages its prefetch in one host read (the dedup of the pairs several ranks sent, the probe,
+        the insertion's counts together), as the local step does, its device half replayed from a
+        CUDA graph where one was captured (returned, as a part's ``held``: the batch holds it until
+        its release); else ``prefetch`` (a read for the dedup, one for the probe)."""
         if not training or not tier.can_stage():
+            keys, tables, counts = (got[:, i].contiguous() for i in range(3))
             return tier.prefetch(keys, tables, ids_per_table, clock, training, occurrences=counts), []
         tier.before_staging()
-        slot = self._replay_serve(tier, keys, tables, counts, clock)
+        slot = self._replay_serve(tier, got, clock)
         if slot is None:
-            staged, read, plan = _stage_serve(tier, keys, tables, counts, clock)
+            staged, read, plan = _stage_serve(tier, got, clock)
         else:
             staged, read, plan = slot.outputs
-            staged = staged.cut(keys.numel(), clock)
+            staged = staged.cut(got.shape[0], clock)
         held = [] if slot is None else [(self.serves, slot)]
         try:
             served = tier.finish_prefetch(staged, read.tolist(), ids_per_table)  # (the one host read)
@@ -326,17 +326,16 @@ class RowWiseSharding:
         served.sorted_ids.sources, served.sorted_ids.plan = staged.order, plan
         return served, held
 
-    def _replay_serve(self, tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                      clock: int) -> Slot | None:
+    def _replay_serve(self, tier: DeviceTier, got: torch.Tensor, clock: int) -> Slot | None:
         """``_stage_serve`` replayed from a CUDA graph of the pairs' count padded to a bucket; None:
         run it eagerly (capture off, a bucket seen once, its slots in flight)."""
-        r = keys.numel()
+        r = got.shape[0]
         if self.serves is None or r == 0:
             return None
         bucket = padded_size(r)
         key = ("serve", id(tier), tier.capture_key(), bucket)
-        return self.serves.acquire(key, partial(_stage_serve, tier), keys, tables, counts, clock, r,
-                                     lengths=(bucket,) * 3, capture=self.may_capture())
+        return self.serves.acquire(key, partial(_stage_serve, tier), got, clock, r, lengths=(bucket,),
+                                   capture=self.may_capture())
 
     def send_pairs(self, g: int, keys: torch.Tensor, tables: torch.Tensor,
                    counts: torch.Tensor) -> tuple[Route, torch.Tensor]:
@@ -463,13 +462,13 @@ class RowWiseSharding:
         return everyone
 
 
-def _stage_serve(tier: DeviceTier, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                 step: int | torch.Tensor,
+def _stage_serve(tier: DeviceTier, got: torch.Tensor, step: int | torch.Tensor,
                  count: torch.Tensor | None = None) -> tuple[StagedPrefetch, torch.Tensor, tuple | None]:
     """The device half of an owner's serve (``DeviceTier.stage_prefetch`` of the pairs received,
-    with their counts), the int64 tensor its host half reads, and the plan of the update's
-    reduction (``reduce_plan``). ``count``: int64 () where only that many pairs were received, the
-    rest of the buffers padding (a graph of a bucket)."""
+    ``got`` int64 (r, 3): key, table, ids), the int64 tensor its host half reads, and the plan of
+    the update's reduction (``reduce_plan``). ``count``: int64 () where only that many pairs were
+    received, the rest of the buffer padding (a graph of a bucket)."""
+    keys, tables, counts = (got[:, i].contiguous() for i in range(3))
     if count is not None:
         real = torch.arange(keys.numel(), device=keys.device) < count
         tables, counts = torch.where(real, tables, 0), torch.where(real, counts, 0)
