@@ -74,3 +74,37 @@ def test_buckets_of_a_padded_capture_hold_the_batch_with_little_padding():
     assert buckets == sorted(buckets)  # a bucket holds a range of counts
     assert len(set(buckets[2999:3009])) == 1  # 3000 .. 3009: one graph
     assert _bucket(1048600) == 1048576 + 65536
+
+
+class _Recording(CapturedStages):
+    """Its bookkeeping with the copies into a slot recorded and no replay (both need CUDA)."""
+
+    def load(self, slot: Slot, *inputs) -> None:
+        self.loaded = inputs
+
+    def replay(self, slot: Slot) -> None:
+        pass
+
+
+def test_a_batch_takes_the_graph_of_its_shape_else_of_its_bucket_of_ids():
+    """``acquire_batch``: the slot captured for the batch's shape and its n ids; else the one for its
+    ids padded to their bucket (``padded_size``), loaded with the real count; else eager (None),
+    each key seen once more."""
+    values, lengths = torch.arange(101), torch.ones(2, 3, dtype=torch.int64)
+
+    def stage(*static):
+        raise AssertionError("nothing is captured here")
+
+    st = _Recording(torch.device("cpu"), (torch.int64,) * 4, after=2)
+    exact = add(st, ("f", 101), busy=False)
+    assert st.acquire_batch(("f",), stage, values, lengths, None, 7) is exact
+    assert st.loaded == (values, lengths, None, 7, None) and exact.busy
+
+    st = _Recording(torch.device("cpu"), (torch.int64,) * 4, after=2)
+    padded = add(st, ("f", "padded", 104), busy=False)
+    assert st.acquire_batch(("f",), stage, values, lengths, None, 7) is padded
+    assert st.loaded == (values, lengths, None, 7, 101)
+
+    st = _Recording(torch.device("cpu"), (torch.int64,) * 4, after=2)
+    assert st.acquire_batch(("f",), stage, values, lengths, None) is None
+    assert st._seen == {("f", 101): 1, ("f", "padded", 104): 1}

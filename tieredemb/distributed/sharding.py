@@ -201,21 +201,14 @@ class RowWiseSharding:
         shape seen once, its slots in flight)."""
         if self.requests is None:
             return None
-        n = given.values.numel()
         shape = (tuple(given.keys), given.batch_size, given.weights is not None)
-        inputs = (given.values, given.per_feature, given.weights)
 
         def stage(values, per_feature, weights, id_count):
             return self._request_checked(layout.stage_padded(given, values, per_feature, weights, id_count),
                                          id_count)
 
-        capture = self.may_capture()
-        slot = self.requests.acquire((*shape, n), stage, *inputs, None, capture=capture)
-        if slot is None:
-            bucket = padded_size(n)
-            slot = self.requests.acquire((*shape, "padded", bucket), stage, *inputs, n,
-                                         lengths=(bucket, None, bucket), capture=capture)
-        return slot
+        return self.requests.acquire_batch(shape, stage, given.values, given.per_feature, given.weights,
+                                           capture=self.may_capture())
 
     def refuse(self) -> None:
         """This rank's batch failed its checks: an empty route of group 0 carries its verdict, so the

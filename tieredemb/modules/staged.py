@@ -20,7 +20,6 @@ from tieredemb.keys import RESERVED_KEY
 from tieredemb.modules.batch import Batch, BatchInput, GroupBatch, GroupMajor, Layout, StagedBatch
 from tieredemb.modules.in_flight import InFlightBatch, StagedAll, StagedRecord
 from tieredemb.ops.capture import CapturedStages, Slot
-from tieredemb.ops.capture import padded_size as _bucket
 from tieredemb.profiling import label
 from tieredemb.storage.row_store import RowStore
 from tieredemb.storage.tiers.device import DeviceTier
@@ -142,18 +141,12 @@ class StagedPrefetcher:
             return None
         indexes = tuple(g.capture_key() for g in (self.tiers if group is None else [group]))
         shape = (tuple(given.keys), given.batch_size, given.weights is not None, indexes)
-        inputs = (given.values, given.per_feature, given.weights, step)
-        capture = self.of.may_capture()
 
         def stage(*static):
             return self._captured_stage(given, group, *static)
 
-        slot = self.captured.acquire((*shape, n), stage, *inputs, None, capture=capture)
-        if slot is None:
-            bucket = _bucket(n)
-            slot = self.captured.acquire((*shape, "padded", bucket), stage, *inputs, n,
-                                          lengths=(bucket, None, bucket), capture=capture)
-        return slot
+        return self.captured.acquire_batch(shape, stage, given.values, given.per_feature, given.weights, step,
+                                           capture=self.of.may_capture())
 
 
     def _stage_device(self, staged: StagedBatch, group: DeviceTier | None, step: int | torch.Tensor,

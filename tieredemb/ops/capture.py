@@ -128,6 +128,22 @@ class CapturedStages:
         self.replay(slot)
         return slot
 
+    def acquire_batch(self, shape: tuple, fn: Callable[..., Any], values: torch.Tensor,
+                      per_feature: torch.Tensor, weights: torch.Tensor | None, *rest: torch.Tensor | int,
+                      capture: bool = True) -> Slot | None:
+        """``acquire`` for a batch (inputs: its values, lengths, weights, ``rest``, then a padded
+        batch's id count, None for an exact one): the graph of its exact shape (``shape`` and its n
+        ids), else the graph of its ids padded to a bucket (``padded_size``: batches whose id count
+        changes every step)."""
+        n = values.numel()
+        inputs = (values, per_feature, weights, *rest)
+        slot = self.acquire((*shape, n), fn, *inputs, None, capture=capture)
+        if slot is None:
+            bucket = padded_size(n)
+            slot = self.acquire((*shape, "padded", bucket), fn, *inputs, n, lengths=(bucket, None, bucket),
+                                capture=capture)
+        return slot
+
     def take(self, key: tuple) -> Slot | None:
         """A free slot captured for ``key`` before, now held (None: none is free, or none was
         captured; nothing counted towards a capture): for a caller that loads a slot's inputs
