@@ -12,8 +12,11 @@ Each rank's tiers hold the keys it owns (``owner_of``: a hash of table and key).
     grad_dist    in the backward: the requester sums its gradients per distinct pair and sends them
                  to the owners (one all-to-all); each owner applies the fused update
 
-The unsharded placement (``tieredemb.modules.placement.LocalPlacement``) has the same verbs; the
-sharded collection is tested equal to it (``tests/distributed``).
+The input dist's two device halves (the requester's checks, dedup and route counts; the owner's
+dedup and probe of what it received) are replayed from CUDA graphs where the collection captures
+(``capture_with``), each followed by its one host read. The unsharded placement
+(``tieredemb.modules.placement.LocalPlacement``) has the same verbs; the sharded collection is
+tested equal to it (``tests/distributed``).
 """
 
 from __future__ import annotations
@@ -159,8 +162,9 @@ class RowWiseSharding:
         """Every rank's checks' verdict travels in the step's first route (group 0's count exchange),
         so a bad batch on any rank raises on every rank before any of them changes anything or waits
         in an exchange the bad rank left. A batch of one group whose features are the batch's reads
-        its verdict with that route (one host read for both); others read it first
-        (``resolve_eagerly``; a bad one is ``refuse``d)."""
+        its verdict with that route (one host read for both; its device half replayed from a CUDA
+        graph where one was captured); others read it first (``resolve_eagerly``; a bad one is
+        ``refuse``d)."""
         if len(self.tiers) == 1 and given.order.identity[0] and given.values.numel() > 0:
             n = given.values.numel()
             slot = self._replay_request(layout, given)
