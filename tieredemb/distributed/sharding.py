@@ -155,7 +155,7 @@ class RowWiseSharding:
         """A batch is done with its parts once ``stream``'s work so far is: their graphs' outputs
         may take another batch."""
         for part in parts:
-            _give_back(getattr(part, "held", ()), stream)
+            _give_back(part.held, stream)
 
     # ------------------------------------------------------------------------------- the step
     def resolve(self, layout: Layout, given: BatchInput, clock: int, training: bool) -> tuple[Batch, list]:
